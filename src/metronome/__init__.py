@@ -1,0 +1,1 @@
+"""Metronome: real-time interaction model serving with bounded per-session KV."""

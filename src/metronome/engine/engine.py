@@ -1,0 +1,237 @@
+"""The engine: sessions with bounded KV in one fixed block pool, advanced by batched steps.
+
+A small synchronous API for the layers above (runtime, server, experiments):
+`open_session`, `submit`, `step`, `close`, `pool_stats`. No sockets and no clocks here.
+
+One `step()` = plan (which sessions, how many tokens each, blocks for them) -> one batched
+forward over all of them -> sample -> slide windows. A session whose blocks cannot be
+allocated is reported `stalled_kv` and keeps its input for a later step; nothing raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metronome.engine.batch_builder import PlannedWork, build_batch
+from metronome.engine.sampling import sample
+from metronome.engine.session import Session, SessionSpec
+from metronome.engine.types import PoolStats, SessionStep, StepResult, WorkStatus
+from metronome.kv.block_pool import BlockPool
+from metronome.kv.cache import KVCache, num_blocks_for
+from metronome.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    pool_tokens: int | None = 65536  # pool size in tokens ...
+    pool_memory_bytes: int | None = None  # ... or in bytes (set pool_tokens=None)
+    max_chunk_tokens: int = 256  # input tokens one session may process in one step
+    max_step_tokens: int = 4096  # input tokens of all sessions in one step
+    # Server limits on what sessions may ask for:
+    allow_unbounded: bool = True
+    max_window_tokens: int = 8192
+    max_sink_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_chunk_tokens", "max_step_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_step_tokens < self.max_chunk_tokens:
+            raise ValueError("max_step_tokens must be >= max_chunk_tokens")
+
+
+class SessionError(ValueError):
+    """A request about one session that cannot be honoured (unknown id, ended, bad input)."""
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, config: EngineConfig = EngineConfig()) -> None:
+        self.model = model
+        self.config = config
+        cfg = model.config
+        num_blocks = num_blocks_for(
+            config.block_size,
+            pool_tokens=config.pool_tokens,
+            memory_bytes=config.pool_memory_bytes,
+            bytes_per_token=cfg.kv_bytes_per_token(model.dtype),
+        )
+        self.pool = BlockPool(num_blocks)
+        self.cache = KVCache(
+            cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+            model.dtype,
+        )
+        self.sessions: dict[int, Session] = {}
+        self._next_session_id = 0
+        self._rotation = 0  # where the next step starts handing out its token budget
+
+    # ---- session lifecycle -------------------------------------------------------------
+    def open_session(self, spec: SessionSpec = SessionSpec()) -> int:
+        self._check_policy(spec)
+        session_id = self._next_session_id
+        self._next_session_id += 1
+        stop_ids = spec.stop_token_ids
+        if stop_ids is None:
+            stop_ids = self.model.config.eos_token_ids
+        self.sessions[session_id] = Session(session_id, spec, self.config.block_size, stop_ids)
+        return session_id
+
+    def submit(
+        self,
+        session_id: int,
+        token_ids: list[int] | torch.Tensor | None = None,
+        embeddings: torch.Tensor | None = None,
+        max_new_tokens: int = 0,
+    ) -> None:
+        """Queue input (token ids or (n, hidden) embeddings) and ask for up to N new tokens."""
+        session = self._get(session_id)
+        if session.ended:
+            raise SessionError(f"session {session_id} has ended (context full)")
+        if max_new_tokens < 0:
+            raise SessionError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if token_ids is not None and embeddings is not None:
+            raise SessionError("submit token_ids or embeddings, not both")
+        chunk = None
+        if token_ids is not None:
+            chunk = self._check_token_ids(torch.as_tensor(token_ids, dtype=torch.int64))
+        elif embeddings is not None:
+            chunk = self._check_embeddings(embeddings)
+        session.submit(chunk, max_new_tokens)
+
+    def close(self, session_id: int) -> None:
+        """End a session and return every one of its blocks to the pool."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            raise SessionError(f"unknown session {session_id}")
+        session.table.release(self.pool)
+
+    # ---- stepping -------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return any(s.has_work for s in self.sessions.values())
+
+    def step(self) -> StepResult:
+        work, outcomes = self._plan()
+        if work:
+            logits = self.model.forward(
+                build_batch(work, self.model.embed, self.model.dtype, self.config.block_size),
+                self.cache,
+            )
+            outcomes += self._finish(work, logits)
+        return StepResult(sorted(outcomes, key=lambda s: s.session_id))
+
+    def _plan(self) -> tuple[list[PlannedWork], list[SessionStep]]:
+        ready = [s for s in self.sessions.values() if s.has_work]
+        if ready:
+            self._rotation %= len(ready)
+            ready = ready[self._rotation :] + ready[: self._rotation]
+            self._rotation += 1
+        budget = self.config.max_step_tokens
+        work, outcomes = [], []
+        for session in ready:
+            chunk = session.next_chunk(min(self.config.max_chunk_tokens, budget))
+            if len(chunk) == 0:
+                break
+            status = self._reserve(session, len(chunk))
+            if status is not WorkStatus.OK:
+                outcomes.append(SessionStep(session.session_id, status))
+                continue
+            budget -= len(chunk)
+            work.append(PlannedWork(session, chunk, session.table.num_tokens - len(chunk),
+                                    self._logits_rows(session, len(chunk))))
+        return work, outcomes
+
+    def _reserve(self, session: Session, num_tokens: int) -> WorkStatus:
+        limit = session.spec.max_session_tokens
+        if limit is not None and session.table.num_tokens + num_tokens > limit:
+            session.ended = True
+            session.pending.clear()
+            return WorkStatus.CONTEXT_FULL
+        if not session.table.append(num_tokens, self.pool):
+            return WorkStatus.STALLED_KV
+        return WorkStatus.OK
+
+    @staticmethod
+    def _logits_rows(session: Session, num_tokens: int) -> str:
+        if session.spec.return_logits:
+            return "all"
+        exhausts_input = len(session.pending) == 1 and num_tokens == len(session.pending[0])
+        return "last" if exhausts_input and session.will_sample else "none"
+
+    def _finish(self, work: list[PlannedWork], logits: torch.Tensor) -> list[SessionStep]:
+        outcomes, row = [], 0
+        for w in work:
+            session = w.session
+            rows = {"all": w.num_tokens, "last": 1, "none": 0}[w.logits_rows]
+            own_logits = logits[row : row + rows]
+            row += rows
+            exhausts_input = len(session.pending) == 1 and w.num_tokens == len(session.pending[0])
+            session.consume(w.num_tokens)
+            step = SessionStep(session.session_id, WorkStatus.OK, w.num_tokens)
+            if session.spec.return_logits:
+                step.logits = own_logits
+            if exhausts_input and session.will_sample:
+                token = sample(own_logits[-1], session.spec.sampling, session.generator)
+                session.accept_token(token)
+                step.new_token_ids.append(token)
+            session.table.slide(self.pool)
+            outcomes.append(step)
+        return outcomes
+
+    # ---- introspection -------------------------------------------------------------------
+    def pool_stats(self) -> PoolStats:
+        return PoolStats(
+            num_blocks=self.pool.num_blocks,
+            block_size=self.config.block_size,
+            used_blocks=self.pool.num_used_blocks,
+            free_blocks=self.pool.num_free_blocks,
+            pinned_blocks=sum(s.table.num_pinned_blocks for s in self.sessions.values()),
+        )
+
+    def resident_tokens(self, session_id: int) -> int:
+        return self._get(session_id).table.resident_tokens
+
+    def session_blocks(self, session_id: int) -> int:
+        return len(self._get(session_id).table.logical_to_block_id)
+
+    def session_tokens(self, session_id: int) -> int:
+        """Tokens the session has written (its absolute length)."""
+        return self._get(session_id).table.num_tokens
+
+    # ---- validation ------------------------------------------------------------------------
+    def _get(self, session_id: int) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(f"unknown session {session_id}")
+        return session
+
+    def _check_policy(self, spec: SessionSpec) -> None:
+        policy, cfg = spec.policy, self.config
+        if not policy.bounded and not cfg.allow_unbounded:
+            raise SessionError("this engine does not allow unbounded sessions")
+        if policy.bounded and policy.window_tokens > cfg.max_window_tokens:
+            raise SessionError(
+                f"window {policy.window_tokens} exceeds the limit {cfg.max_window_tokens}"
+            )
+        if policy.sink_tokens > cfg.max_sink_tokens:
+            raise SessionError(f"sinks {policy.sink_tokens} exceed the limit {cfg.max_sink_tokens}")
+        if spec.max_session_tokens is not None and spec.max_session_tokens < 1:
+            raise SessionError("max_session_tokens must be >= 1")
+
+    def _check_token_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 1:
+            raise SessionError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
+        vocab = self.model.config.vocab_size
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise SessionError(f"token ids must be in [0, {vocab})")
+        return ids
+
+    def _check_embeddings(self, emb: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.config.hidden_size
+        if emb.dim() != 2 or emb.shape[1] != hidden or not emb.is_floating_point():
+            raise SessionError(f"embeddings must be float (n, {hidden}), got {tuple(emb.shape)}")
+        if not torch.isfinite(emb).all():
+            raise SessionError("embeddings contain NaN or Inf")
+        return emb.detach().to(self.model.dtype)

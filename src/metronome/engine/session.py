@@ -1,0 +1,79 @@
+"""Engine-side session state: KV block table, pending input, generation budget, sampler.
+
+Input is a queue of chunks; each chunk is token ids (int64, (n,)) or input embeddings
+(float, (n, hidden)) such as an audio front end produces. A step consumes at most
+`max_chunk_tokens` from the head chunk. When the queue empties and the session still has a
+generation budget, the step samples a token; that token is fed back as the next input so
+its KV is written before anything that follows it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from metronome.engine.sampling import SamplingParams
+from metronome.kv.block_table import BlockTable
+from metronome.kv.residency import ResidencyPolicy
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    policy: ResidencyPolicy = ResidencyPolicy.unbounded()
+    sampling: SamplingParams = SamplingParams()
+    # Today's engines' crash boundary (max_model_len); reaching it ends the session with
+    # status context_full instead of taking the engine down.
+    max_session_tokens: int | None = None
+    return_logits: bool = False  # logits of every input position (quality experiments, tests)
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
+
+
+class Session:
+    def __init__(self, session_id: int, spec: SessionSpec, block_size: int, stop_ids) -> None:
+        self.session_id = session_id
+        self.spec = spec
+        self.table = BlockTable(spec.policy, block_size)
+        self.pending: deque[torch.Tensor] = deque()
+        self.carry: list[int] = []  # last sampled token, fed before the next submitted input
+        self.decode_budget = 0
+        self.stop_token_ids = frozenset(stop_ids)
+        self.generator = torch.Generator().manual_seed(spec.sampling.seed)
+        self.ended = False
+
+    @property
+    def has_work(self) -> bool:
+        return not self.ended and bool(self.pending)
+
+    def submit(self, chunk: torch.Tensor | None, max_new_tokens: int) -> None:
+        if self.carry:
+            self.pending.append(torch.tensor(self.carry, dtype=torch.int64))
+            self.carry = []
+        if chunk is not None and len(chunk):
+            self.pending.append(chunk)
+        self.decode_budget += max_new_tokens
+
+    def next_chunk(self, max_tokens: int) -> torch.Tensor:
+        """Peek at the input the next step would take (at most max_tokens rows)."""
+        return self.pending[0][:max_tokens]
+
+    def consume(self, num_tokens: int) -> None:
+        head = self.pending.popleft()
+        if num_tokens < len(head):
+            self.pending.appendleft(head[num_tokens:])
+
+    @property
+    def will_sample(self) -> bool:
+        """After the head chunk's step, is input exhausted with budget left to generate?"""
+        return self.decode_budget > 0
+
+    def accept_token(self, token_id: int) -> None:
+        assert self.decode_budget > 0
+        self.decode_budget -= 1
+        if token_id in self.stop_token_ids:
+            self.decode_budget = 0
+        if self.decode_budget > 0:
+            self.pending.append(torch.tensor([token_id], dtype=torch.int64))
+        else:
+            self.carry = [token_id]

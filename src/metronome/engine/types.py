@@ -1,0 +1,51 @@
+"""What the engine reports: per-session outcome of one step, and pool occupancy."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class WorkStatus(enum.StrEnum):
+    OK = "ok"  # the session's work for this step was done
+    STALLED_KV = "stalled_kv"  # it needed KV blocks and the pool had none; retried next step
+    CONTEXT_FULL = "context_full"  # it reached max_session_tokens; the session has ended
+
+
+@dataclass
+class SessionStep:
+    session_id: int
+    status: WorkStatus
+    input_tokens: int = 0  # input positions consumed this step (prompt or fed-back tokens)
+    new_token_ids: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # (input_tokens, vocab) float32 when asked for
+
+
+@dataclass
+class StepResult:
+    sessions: list[SessionStep]
+
+    @property
+    def num_input_tokens(self) -> int:
+        return sum(s.input_tokens for s in self.sessions)
+
+    def by_session(self) -> dict[int, SessionStep]:
+        return {s.session_id: s for s in self.sessions}
+
+    def with_status(self, status: WorkStatus) -> list[int]:
+        return [s.session_id for s in self.sessions if s.status is status]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    num_blocks: int
+    block_size: int
+    used_blocks: int
+    free_blocks: int
+    pinned_blocks: int  # sink blocks of bounded sessions (a subset of used)
+
+    @property
+    def used_fraction(self) -> float:
+        return self.used_blocks / self.num_blocks

@@ -1,0 +1,70 @@
+"""KV tensors: one preallocated store per layer, addressed by (block id, offset) slots.
+
+Owns the memory and nothing else; which blocks are free is `BlockPool`'s business.
+Keys are stored after RoPE at their absolute position (see `model.llama` for why rolling
+positions need nothing else). Layout per layer: `(num_blocks * block_size, kv_heads, head_dim)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def num_blocks_for(
+    block_size: int,
+    pool_tokens: int | None = None,
+    memory_bytes: int | None = None,
+    bytes_per_token: int | None = None,
+) -> int:
+    """Pool size in blocks from a token count or a memory budget (exactly one of them)."""
+    if (pool_tokens is None) == (memory_bytes is None):
+        raise ValueError("size the KV pool by exactly one of pool_tokens or memory_bytes")
+    if pool_tokens is None:
+        assert bytes_per_token is not None
+        pool_tokens = memory_bytes // bytes_per_token
+    num_blocks = pool_tokens // block_size
+    if num_blocks < 1:
+        raise ValueError(f"KV pool of {pool_tokens} tokens holds no block of {block_size}")
+    return num_blocks
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        # zeros, not empty: padding slots are read (then masked) and must not hold NaNs.
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V. slot_ids: (T,); k, v: (T, kv_heads, head_dim)."""
+        self.k[layer].index_copy_(0, slot_ids, k)
+        self.v[layer].index_copy_(0, slot_ids, v)
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context K/V of a batch. block_ids: (B, nb) -> k, v: (B, nb * block_size, kvh, hd)."""
+        batch, nb = block_ids.shape
+        flat = block_ids.reshape(-1)
+        out = []
+        for store in (self.k[layer], self.v[layer]):
+            by_block = store.view(self.num_blocks, -1)  # one row per block: whole-block copies
+            rows = torch.index_select(by_block, 0, flat)
+            out.append(rows.view(batch, nb * self.block_size, *store.shape[1:]))
+        return out[0], out[1]

@@ -1,0 +1,134 @@
+"""Our Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Owns the weights and the math of one batched step; knows nothing of sessions or policies:
+those arrive as a `ForwardBatch` (positions, slots, gather indices, mask).
+
+Rolling positions without re-rotating keys: RoPE makes a score depend only on
+`p_q - p_k`. Keys are stored rotated at their absolute position. In the StreamingLLM
+layout a window key keeps its distance to the query (`p - j`), so the absolute score is
+already right; only sink keys get a shorter distance (`r(p) - j`, with `r(p)` the query's
+slot in the cache). So sink columns are scored with a second copy of q rotated at `r(p)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from metronome.kv.cache import KVCache
+from metronome.model import rope
+from metronome.model.batch import ForwardBatch
+from metronome.model.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # (hidden,)
+    qkv: torch.Tensor  # (q_dim + 2 * kv_dim, hidden): q, k, v projections fused
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # (head_dim,) Qwen3
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # (hidden, q_dim)
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # (2 * intermediate, hidden): gate and up fused
+    down: torch.Tensor  # (hidden, intermediate)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 as the reference implementations do, then cast back.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.config = config
+        self.embed_tokens = embed  # (vocab, hidden)
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # (vocab, hidden); the same tensor as embed when tied
+        self.inv_freq = rope.inv_frequencies(config.head_dim, config.rope_theta)
+        self.q_dim = config.num_heads * config.head_dim
+        self.kv_dim = config.num_kv_heads * config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_tokens)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run every layer; returns float32 logits for `batch.logits_index` rows: (R, vocab)."""
+        x = batch.inputs_embeds
+        cos, sin = rope.cos_sin(batch.positions, self.inv_freq, x.dtype)
+        sink_rope = None
+        if batch.sink_positions is not None:
+            sink_rope = rope.cos_sin(batch.sink_positions, self.inv_freq, x.dtype)
+        for layer_idx, w in enumerate(self.layers):
+            h = rms_norm(x, w.attn_norm, self.config.rms_norm_eps)
+            x = x + self._attention(layer_idx, w, h, batch, cache, cos, sin, sink_rope)
+            h = rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
+            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        x = x.index_select(0, batch.logits_index)
+        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(self, layer_idx, w, h, batch, cache, cos, sin, sink_rope) -> torch.Tensor:
+        cfg = self.config
+        tokens = h.shape[0]
+        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
+        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        cache.write(layer_idx, batch.slot_ids, rope.apply(k, cos, sin), v)
+        keys, values = cache.gather(layer_idx, batch.block_ids)  # (B, C, kvh, hd)
+        keys_t = keys.permute(0, 2, 3, 1)  # (B, kvh, hd, C)
+        scores = torch.matmul(self._group(rope.apply(q, cos, sin), batch), keys_t)
+        if sink_rope is not None:
+            q_sink = self._group(rope.apply(q, *sink_rope), batch)
+            n = batch.num_sink_cols
+            scores[..., :n] = torch.matmul(q_sink, keys_t[..., :n])
+        out = self._softmax_values(scores, values, batch)  # (B * Q, heads * hd)
+        if batch.padded_index is not None:
+            out = out.index_select(0, batch.padded_index)
+        return F.linear(out, w.o)
+
+    def _group(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """(T, heads, hd) -> (B, kvh, group * Q, hd): query heads sharing a kv head together."""
+        cfg = self.config
+        b, q_len = batch.batch_size, batch.max_chunk_tokens
+        if batch.padded_index is not None:
+            padded = q.new_zeros(b * q_len, cfg.num_heads, cfg.head_dim)
+            q = padded.index_copy_(0, batch.padded_index, q)
+        group = cfg.num_heads // cfg.num_kv_heads
+        q = q.view(b, q_len, cfg.num_kv_heads, group, cfg.head_dim).permute(0, 2, 3, 1, 4)
+        return q.reshape(b, cfg.num_kv_heads, group * q_len, cfg.head_dim)
+
+    def _softmax_values(self, scores, values, batch) -> torch.Tensor:
+        cfg = self.config
+        b, q_len = batch.batch_size, batch.max_chunk_tokens
+        group = cfg.num_heads // cfg.num_kv_heads
+        scores = scores.view(b, cfg.num_kv_heads, group, q_len, -1).float()
+        scores = scores.mul_(cfg.head_dim**-0.5).masked_fill_(~batch.attend, float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype)
+        probs = probs.view(b, cfg.num_kv_heads, group * q_len, -1)
+        out = torch.matmul(probs, values.transpose(1, 2))  # (B, kvh, group * Q, hd)
+        out = out.view(b, cfg.num_kv_heads, group, q_len, cfg.head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(b * q_len, cfg.num_heads * cfg.head_dim)
