@@ -42,8 +42,7 @@ def build_batch(
     window_start = torch.zeros(batch_size, q_len, dtype=torch.int64)
     sink_tokens = torch.zeros(batch_size, 1, 1, dtype=torch.int64)
     positions, sink_positions, slot_ids, padded_rows, logits_rows = [], [], [], [], []
-    any_rolling = False
-    num_sink_cols = 0
+    own_sink_cols = [0] * batch_size
     row = 0
     for b, w in enumerate(work):
         table, policy = w.session.table, w.session.spec.policy
@@ -58,8 +57,7 @@ def build_batch(
         sink_tokens[b] = policy.sink_tokens
         positions.append(pos)
         if policy.positions is Positions.ROLLING and policy.sink_tokens:
-            any_rolling = True
-            num_sink_cols = max(num_sink_cols, table.num_sink_blocks * block_size)
+            own_sink_cols[b] = table.num_sink_blocks * block_size
             # the query's slot in the StreamingLLM cache: sinks first, then the window
             sink_positions.append(torch.clamp(starts, max=policy.sink_tokens) + pos - starts)
         else:
@@ -88,8 +86,8 @@ def build_batch(
     return ForwardBatch(
         inputs_embeds=_embeddings(work, embed, dtype),
         positions=all_positions,
-        sink_positions=torch.cat(sink_positions) if any_rolling else None,
-        num_sink_cols=num_sink_cols,
+        sink_positions=torch.cat(sink_positions) if max(own_sink_cols) else None,
+        sink_cols=_sink_cols(own_sink_cols),
         slot_ids=torch.cat(slot_ids),
         block_ids=block_ids,
         padded_index=None if same_length else torch.cat(padded_rows),
@@ -98,6 +96,15 @@ def build_batch(
         attend=attend.view(batch_size, 1, 1, q_len, ctx),
         logits_index=torch.cat(logits_rows) if logits_rows else torch.zeros(0, dtype=torch.int64),
     )
+
+
+def _sink_cols(own_sink_cols: list[int]) -> torch.Tensor | None:
+    """(B, 1, 1, n) mask of the leading columns scored against the rolling sink query."""
+    n = max(own_sink_cols)
+    if n == 0:
+        return None
+    cols = torch.arange(n)[None, :] < torch.tensor(own_sink_cols)[:, None]
+    return cols.view(len(own_sink_cols), 1, 1, n)
 
 
 def _window_starts(pos: torch.Tensor, window_tokens: int | None, block_size: int):

@@ -180,6 +180,24 @@ class Engine:
             outcomes.append(step)
         return outcomes
 
+    def fast_forward(self, session_id: int, num_tokens: int) -> bool:
+        """Lengthen a session by `num_tokens` without running the model.
+
+        For benchmarks and capacity experiments that need sessions 8k tokens deep without
+        paying for their prefill: blocks are allocated and slid exactly as for real tokens,
+        and their K/V is whatever the pool slots hold. Returns False (with the tokens that
+        fit added) if the pool runs dry.
+        """
+        session = self._get(session_id)
+        block = self.config.block_size
+        while num_tokens > 0:
+            n = min(num_tokens, block - session.table.num_tokens % block)
+            if not session.table.append(n, self.pool):
+                return False
+            session.table.slide(self.pool)
+            num_tokens -= n
+        return True
+
     # ---- introspection -------------------------------------------------------------------
     def pool_stats(self) -> PoolStats:
         return PoolStats(

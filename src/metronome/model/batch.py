@@ -17,7 +17,8 @@ class ForwardBatch:
     inputs_embeds: torch.Tensor  # (T, hidden)
     positions: torch.Tensor  # (T,) int64, absolute position of each token (RoPE of q and k)
     sink_positions: torch.Tensor | None  # (T,) q position used against sink columns; None: same
-    num_sink_cols: int  # leading context columns that hold sink slots (rolling sessions)
+    # (B, 1, 1, n): which of the first n context columns are a rolling session's sink slots
+    sink_cols: torch.Tensor | None
     slot_ids: torch.Tensor  # (T,) int64, KV slot each new token is written to
     block_ids: torch.Tensor  # (B, max_blocks) int64, gather order = logical order; pads masked
     padded_index: torch.Tensor | None  # (T,) row of each token in (B * Q); None when T == B * Q

@@ -103,8 +103,9 @@ class LlamaModel:
         scores = torch.matmul(self._group(rope.apply(q, cos, sin), batch), keys_t)
         if sink_rope is not None:
             q_sink = self._group(rope.apply(q, *sink_rope), batch)
-            n = batch.num_sink_cols
-            scores[..., :n] = torch.matmul(q_sink, keys_t[..., :n])
+            n = batch.sink_cols.shape[-1]
+            sink_scores = torch.matmul(q_sink, keys_t[..., :n])
+            scores[..., :n] = torch.where(batch.sink_cols, sink_scores, scores[..., :n])
         out = self._softmax_values(scores, values, batch)  # (B * Q, heads * hd)
         if batch.padded_index is not None:
             out = out.index_select(0, batch.padded_index)

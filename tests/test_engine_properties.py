@@ -1,0 +1,66 @@
+"""Property tests: random open/submit/step/close sequences keep the pool's books exact."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metronome.engine.engine import Engine, EngineConfig
+from metronome.engine.session import SessionSpec
+from metronome.engine.types import WorkStatus
+from metronome.kv.residency import ResidencyPolicy
+
+BLOCK = 4
+policies = st.one_of(
+    st.just(ResidencyPolicy.unbounded()),
+    st.builds(ResidencyPolicy.window, st.integers(1, 12), st.sampled_from(["absolute", "rolling"])),
+    st.builds(ResidencyPolicy.sinks_window, st.integers(0, 6), st.integers(1, 12),
+              st.sampled_from(["absolute", "rolling"])),
+)
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("open"), policies),
+        st.tuples(st.just("submit"), st.integers(0, 7), st.integers(1, 9), st.integers(0, 3)),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("close"), st.integers(0, 7)),
+    ),
+    max_size=40,
+)
+
+
+def check_books(engine: Engine) -> None:
+    stats = engine.pool_stats()
+    assert stats.free_blocks + stats.used_blocks == stats.num_blocks
+    held = sum(len(s.table.logical_to_block_id) for s in engine.sessions.values())
+    assert held == stats.used_blocks  # every used block belongs to exactly one session
+    for session in engine.sessions.values():
+        bound = session.spec.policy.max_resident_tokens(BLOCK)
+        if bound is not None:
+            assert session.table.resident_tokens <= bound
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions)
+def test_random_sessions_keep_pool_books(tiny_model, script):
+    engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=24 * BLOCK,
+                                             max_chunk_tokens=5, max_step_tokens=12))
+    open_ids: list[int] = []
+    for action in script:
+        if action[0] == "open":
+            open_ids.append(engine.open_session(SessionSpec(policy=action[1])))
+        elif action[0] == "submit" and open_ids:
+            sid = open_ids[action[1] % len(open_ids)]
+            if not engine.sessions[sid].ended:
+                engine.submit(sid, list(range(action[2])), max_new_tokens=action[3])
+        elif action[0] == "step":
+            result = engine.step()
+            assert all(s.status in WorkStatus for s in result.sessions)
+        elif action[0] == "close" and open_ids:
+            engine.close(open_ids.pop(action[1] % len(open_ids)))
+        check_books(engine)
+    for _ in range(3):
+        engine.step()
+        check_books(engine)
+    for sid in open_ids:
+        engine.close(sid)
+    assert engine.pool_stats().used_blocks == 0
