@@ -5,7 +5,9 @@ from __future__ import annotations
 import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (not tests): print JSON, write docs.")
+bench_app = typer.Typer(
+    no_args_is_help=True, help="Benchmarks (not tests): print JSON, write docs."
+)
 app.add_typer(bench_app, name="bench")
 
 

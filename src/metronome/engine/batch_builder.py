@@ -93,18 +93,18 @@ def build_batch(
         padded_index=None if same_length else torch.cat(padded_rows),
         batch_size=batch_size,
         max_chunk_tokens=q_len,
-        attend=attend.view(batch_size, 1, 1, q_len, ctx),
+        attend=attend.view(1, batch_size, 1, q_len, ctx),
         logits_index=torch.cat(logits_rows) if logits_rows else torch.zeros(0, dtype=torch.int64),
     )
 
 
 def _sink_cols(own_sink_cols: list[int]) -> torch.Tensor | None:
-    """(B, 1, 1, n) mask of the leading columns scored against the rolling sink query."""
+    """(1, B, 1, n) mask of the leading columns scored against the rolling sink query."""
     n = max(own_sink_cols)
     if n == 0:
         return None
     cols = torch.arange(n)[None, :] < torch.tensor(own_sink_cols)[:, None]
-    return cols.view(len(own_sink_cols), 1, 1, n)
+    return cols.view(1, len(own_sink_cols), 1, n)
 
 
 def _window_starts(pos: torch.Tensor, window_tokens: int | None, block_size: int):

@@ -2,7 +2,9 @@
 
 Owns the memory and nothing else; which blocks are free is `BlockPool`'s business.
 Keys are stored after RoPE at their absolute position (see `model.llama` for why rolling
-positions need nothing else). Layout per layer: `(num_blocks * block_size, kv_heads, head_dim)`.
+positions need nothing else). Layout per layer: `(kv_heads, num_blocks * block_size, head_dim)`:
+kv head outermost, so a gather of whole blocks lands directly as `(kvh, B, context, hd)`,
+the layout a batched matmul reads without another copy.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         # zeros, not empty: padding slots are read (then masked) and must not hold NaNs.
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
@@ -55,16 +57,27 @@ class KVCache:
 
     def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. slot_ids: (T,); k, v: (T, kv_heads, head_dim)."""
-        self.k[layer].index_copy_(0, slot_ids, k)
-        self.v[layer].index_copy_(0, slot_ids, v)
+        self.k[layer].index_copy_(1, slot_ids, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, slot_ids, v.transpose(0, 1))
 
-    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context K/V of a batch. block_ids: (B, nb) -> k, v: (B, nb * block_size, kvh, hd)."""
+    def gather_buffers(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for one step's gathered context, reused by every layer (no per-layer
+        allocation: fresh 50 MB tensors cost page faults every layer)."""
+        kv_heads, _, head_dim = self.k.shape[1:]
+        shape = (kv_heads, block_ids.numel(), self.block_size * head_dim)
+        return torch.empty(shape, dtype=self.k.dtype), torch.empty(shape, dtype=self.v.dtype)
+
+    def gather(
+        self, layer: int, block_ids: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context K/V of a batch. block_ids: (B, nb) -> k, v: (kvh, B, nb * block_size, hd)."""
         batch, nb = block_ids.shape
         flat = block_ids.reshape(-1)
-        out = []
-        for store in (self.k[layer], self.v[layer]):
-            by_block = store.view(self.num_blocks, -1)  # one row per block: whole-block copies
-            rows = torch.index_select(by_block, 0, flat)
-            out.append(rows.view(batch, nb * self.block_size, *store.shape[1:]))
-        return out[0], out[1]
+        for store, buffer in zip((self.k[layer], self.v[layer]), buffers, strict=True):
+            for head in range(store.shape[0]):
+                # whole-block rows of one kv head: a contiguous copy per block
+                by_block = store[head].view(self.num_blocks, -1)
+                torch.index_select(by_block, 0, flat, out=buffer[head])
+        kv_heads, head_dim = self.k.shape[1], self.k.shape[3]
+        shape = (kv_heads, batch, nb * self.block_size, head_dim)
+        return buffers[0].view(shape), buffers[1].view(shape)

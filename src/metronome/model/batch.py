@@ -17,12 +17,12 @@ class ForwardBatch:
     inputs_embeds: torch.Tensor  # (T, hidden)
     positions: torch.Tensor  # (T,) int64, absolute position of each token (RoPE of q and k)
     sink_positions: torch.Tensor | None  # (T,) q position used against sink columns; None: same
-    # (B, 1, 1, n): which of the first n context columns are a rolling session's sink slots
+    # (1, B, 1, n): which of the first n context columns are a rolling session's sink slots
     sink_cols: torch.Tensor | None
     slot_ids: torch.Tensor  # (T,) int64, KV slot each new token is written to
     block_ids: torch.Tensor  # (B, max_blocks) int64, gather order = logical order; pads masked
     padded_index: torch.Tensor | None  # (T,) row of each token in (B * Q); None when T == B * Q
     batch_size: int  # B
     max_chunk_tokens: int  # Q
-    attend: torch.Tensor  # (B, 1, 1, Q, C) bool, True where a query may see a key
+    attend: torch.Tensor  # (1, B, 1, Q, C) bool, True where a query may see a key
     logits_index: torch.Tensor  # (R,) rows of T whose logits are wanted

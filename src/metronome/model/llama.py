@@ -76,9 +76,10 @@ class LlamaModel:
         sink_rope = None
         if batch.sink_positions is not None:
             sink_rope = rope.cos_sin(batch.sink_positions, self.inv_freq, x.dtype)
+        buffers = cache.gather_buffers(batch.block_ids)
         for layer_idx, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm, self.config.rms_norm_eps)
-            x = x + self._attention(layer_idx, w, h, batch, cache, cos, sin, sink_rope)
+            x = x + self._attention(layer_idx, w, h, batch, cache, buffers, (cos, sin), sink_rope)
             h = rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down)
@@ -86,7 +87,8 @@ class LlamaModel:
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
-    def _attention(self, layer_idx, w, h, batch, cache, cos, sin, sink_rope) -> torch.Tensor:
+    def _attention(self, layer_idx, w, h, batch, cache, buffers, rope_cs, sink_rope):
+        cos, sin = rope_cs
         cfg = self.config
         tokens = h.shape[0]
         qkv = F.linear(h, w.qkv, w.qkv_bias)
@@ -98,8 +100,8 @@ class LlamaModel:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         cache.write(layer_idx, batch.slot_ids, rope.apply(k, cos, sin), v)
-        keys, values = cache.gather(layer_idx, batch.block_ids)  # (B, C, kvh, hd)
-        keys_t = keys.permute(0, 2, 3, 1)  # (B, kvh, hd, C)
+        keys, values = cache.gather(layer_idx, batch.block_ids, buffers)  # (kvh, B, C, hd)
+        keys_t = keys.transpose(-1, -2)  # (kvh, B, hd, C): a transpose BLAS reads in place
         scores = torch.matmul(self._group(rope.apply(q, cos, sin), batch), keys_t)
         if sink_rope is not None:
             q_sink = self._group(rope.apply(q, *sink_rope), batch)
@@ -112,24 +114,24 @@ class LlamaModel:
         return F.linear(out, w.o)
 
     def _group(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """(T, heads, hd) -> (B, kvh, group * Q, hd): query heads sharing a kv head together."""
+        """(T, heads, hd) -> (kvh, B, group * Q, hd): query heads sharing a kv head together."""
         cfg = self.config
         b, q_len = batch.batch_size, batch.max_chunk_tokens
         if batch.padded_index is not None:
             padded = q.new_zeros(b * q_len, cfg.num_heads, cfg.head_dim)
             q = padded.index_copy_(0, batch.padded_index, q)
         group = cfg.num_heads // cfg.num_kv_heads
-        q = q.view(b, q_len, cfg.num_kv_heads, group, cfg.head_dim).permute(0, 2, 3, 1, 4)
-        return q.reshape(b, cfg.num_kv_heads, group * q_len, cfg.head_dim)
+        q = q.view(b, q_len, cfg.num_kv_heads, group, cfg.head_dim).permute(2, 0, 3, 1, 4)
+        return q.reshape(cfg.num_kv_heads, b, group * q_len, cfg.head_dim)
 
     def _softmax_values(self, scores, values, batch) -> torch.Tensor:
         cfg = self.config
         b, q_len = batch.batch_size, batch.max_chunk_tokens
         group = cfg.num_heads // cfg.num_kv_heads
-        scores = scores.view(b, cfg.num_kv_heads, group, q_len, -1).float()
+        scores = scores.view(cfg.num_kv_heads, b, group, q_len, -1).float()
         scores = scores.mul_(cfg.head_dim**-0.5).masked_fill_(~batch.attend, float("-inf"))
         probs = scores.softmax(dim=-1).to(values.dtype)
-        probs = probs.view(b, cfg.num_kv_heads, group * q_len, -1)
-        out = torch.matmul(probs, values.transpose(1, 2))  # (B, kvh, group * Q, hd)
-        out = out.view(b, cfg.num_kv_heads, group, q_len, cfg.head_dim).permute(0, 3, 1, 2, 4)
+        probs = probs.view(cfg.num_kv_heads, b, group * q_len, -1)
+        out = torch.matmul(probs, values)  # (kvh, B, group * Q, hd)
+        out = out.view(cfg.num_kv_heads, b, group, q_len, cfg.head_dim).permute(1, 3, 0, 2, 4)
         return out.reshape(b * q_len, cfg.num_heads * cfg.head_dim)
