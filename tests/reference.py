@@ -47,7 +47,8 @@ def reference_logits(
             q = q.view(1, cfg.num_heads, cfg.head_dim)
             k = k.view(1, cfg.num_kv_heads, cfg.head_dim)
             if w.q_norm is not None:
-                q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+                q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
             keys[li].append(k[0])
             values[li].append(v.view(cfg.num_kv_heads, cfg.head_dim))
             kk = torch.stack([keys[li][j] for j in visible])  # (n, kvh, hd)

@@ -22,6 +22,7 @@ class PlannedWork:
     chunk: torch.Tensor  # (n,) int64 token ids or (n, hidden) embeddings
     start_position: int  # absolute position of the chunk's first token
     logits_rows: str  # "all" | "last" | "none"
+    samples: bool  # the chunk ends the session's input and a new token is due
 
     @property
     def num_tokens(self) -> int:

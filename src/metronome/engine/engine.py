@@ -139,8 +139,11 @@ class Engine:
                 outcomes.append(SessionStep(session.session_id, status))
                 continue
             budget -= len(chunk)
-            work.append(PlannedWork(session, chunk, session.table.num_tokens - len(chunk),
-                                    self._logits_rows(session, len(chunk))))
+            exhausts_input = len(session.pending) == 1 and len(chunk) == len(session.pending[0])
+            samples = exhausts_input and session.will_sample
+            logits_rows = "all" if session.spec.return_logits else ("last" if samples else "none")
+            start = session.table.num_tokens - len(chunk)
+            work.append(PlannedWork(session, chunk, start, logits_rows, samples))
         return work, outcomes
 
     def _reserve(self, session: Session, num_tokens: int) -> WorkStatus:
@@ -153,27 +156,23 @@ class Engine:
             return WorkStatus.STALLED_KV
         return WorkStatus.OK
 
-    @staticmethod
-    def _logits_rows(session: Session, num_tokens: int) -> str:
-        if session.spec.return_logits:
-            return "all"
-        exhausts_input = len(session.pending) == 1 and num_tokens == len(session.pending[0])
-        return "last" if exhausts_input and session.will_sample else "none"
-
     def _finish(self, work: list[PlannedWork], logits: torch.Tensor) -> list[SessionStep]:
         outcomes, row = [], 0
+        argmax_ids = logits.argmax(dim=-1).tolist() if len(logits) else []  # one batched argmax
         for w in work:
             session = w.session
             rows = {"all": w.num_tokens, "last": 1, "none": 0}[w.logits_rows]
             own_logits = logits[row : row + rows]
             row += rows
-            exhausts_input = len(session.pending) == 1 and w.num_tokens == len(session.pending[0])
             session.consume(w.num_tokens)
             step = SessionStep(session.session_id, WorkStatus.OK, w.num_tokens)
             if session.spec.return_logits:
                 step.logits = own_logits
-            if exhausts_input and session.will_sample:
-                token = sample(own_logits[-1], session.spec.sampling, session.generator)
+            if w.samples:
+                params = session.spec.sampling
+                token = argmax_ids[row - 1] if params.greedy else sample(
+                    own_logits[-1], params, session.generator
+                )
                 session.accept_token(token)
                 step.new_token_ids.append(token)
             session.table.slide(self.pool)

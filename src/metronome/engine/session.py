@@ -65,7 +65,7 @@ class Session:
 
     @property
     def will_sample(self) -> bool:
-        """After the head chunk's step, is input exhausted with budget left to generate?"""
+        """Is there budget left to generate once the pending input is consumed?"""
         return self.decode_budget > 0
 
     def accept_token(self, token_id: int) -> None:
