@@ -131,3 +131,25 @@ def test_seeded_sampling_is_reproducible(tiny_model):
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_step_reports_what_the_runtime_needs(tiny_model):
+    """Caller input vs fed-back tokens, generation state, cancellation, chosen ids."""
+    engine = make_engine(tiny_model, blocks=20)
+    sid = engine.open_session(SessionSpec(stop_token_ids=()), session_id=41)
+    assert sid == 41 and engine.open_session() == 42
+    try:
+        engine.open_session(session_id=41)
+        raise AssertionError("a duplicate id must be refused")
+    except SessionError:
+        pass
+    engine.submit(sid, [1, 2, 3, 4, 5], max_new_tokens=3)
+    first = engine.step().by_session()[sid]
+    assert (first.input_tokens, first.submitted_tokens, len(first.new_token_ids)) == (5, 5, 1)
+    assert first.generating and first.context_tokens == 5
+    second = engine.step().by_session()[sid]  # the sampled token fed back: not caller input
+    assert (second.input_tokens, second.submitted_tokens) == (1, 0) and second.generating
+    engine.cancel_generation(sid)
+    third = engine.step().by_session()[sid]  # the last token's KV is still written
+    assert third.new_token_ids == [] and not third.generating and not engine.has_work
+    assert engine.session_tokens(sid) == 7

@@ -23,6 +23,7 @@ class PlannedWork:
     start_position: int  # absolute position of the chunk's first token
     logits_rows: str  # "all" | "last" | "none"
     samples: bool  # the chunk ends the session's input and a new token is due
+    submitted: bool  # caller input (False: the session's own sampled token fed back)
 
     @property
     def num_tokens(self) -> int:

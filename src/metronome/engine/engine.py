@@ -68,10 +68,14 @@ class Engine:
         self._rotation = 0  # where the next step starts handing out its token budget
 
     # ---- session lifecycle -------------------------------------------------------------
-    def open_session(self, spec: SessionSpec = SessionSpec()) -> int:
+    def open_session(self, spec: SessionSpec = SessionSpec(), session_id: int | None = None) -> int:
+        """Open a session; the caller may choose its id (the runtime does), else one is given."""
         self._check_policy(spec)
-        session_id = self._next_session_id
-        self._next_session_id += 1
+        if session_id is None:
+            session_id = self._next_session_id
+        if session_id in self.sessions:
+            raise SessionError(f"session {session_id} is already open")
+        self._next_session_id = max(self._next_session_id, session_id + 1)
         stop_ids = spec.stop_token_ids
         if stop_ids is None:
             stop_ids = self.model.config.eos_token_ids
@@ -99,6 +103,10 @@ class Engine:
         elif embeddings is not None:
             chunk = self._check_embeddings(embeddings)
         session.submit(chunk, max_new_tokens)
+
+    def cancel_generation(self, session_id: int) -> None:
+        """Drop the session's remaining generation budget (its input is still processed)."""
+        self._get(session_id).decode_budget = 0
 
     def close(self, session_id: int) -> None:
         """End a session and return every one of its blocks to the pool."""
@@ -131,7 +139,7 @@ class Engine:
         budget = self.config.max_step_tokens
         work, outcomes = [], []
         for session in ready:
-            chunk = session.next_chunk(min(self.config.max_chunk_tokens, budget))
+            chunk = session.head.data[: min(self.config.max_chunk_tokens, budget)]
             if len(chunk) == 0:
                 break
             status = self._reserve(session, len(chunk))
@@ -139,18 +147,17 @@ class Engine:
                 outcomes.append(SessionStep(session.session_id, status))
                 continue
             budget -= len(chunk)
-            exhausts_input = len(session.pending) == 1 and len(chunk) == len(session.pending[0])
-            samples = exhausts_input and session.will_sample
+            samples = session.takes_all_input(len(chunk)) and session.decode_budget > 0
             logits_rows = "all" if session.spec.return_logits else ("last" if samples else "none")
             start = session.table.num_tokens - len(chunk)
-            work.append(PlannedWork(session, chunk, start, logits_rows, samples))
+            work.append(PlannedWork(session, chunk, start, logits_rows, samples,
+                                    session.head.submitted))
         return work, outcomes
 
     def _reserve(self, session: Session, num_tokens: int) -> WorkStatus:
         limit = session.spec.max_session_tokens
         if limit is not None and session.table.num_tokens + num_tokens > limit:
-            session.ended = True
-            session.pending.clear()
+            session.end()
             return WorkStatus.CONTEXT_FULL
         if not session.table.append(num_tokens, self.pool):
             return WorkStatus.STALLED_KV
@@ -165,7 +172,11 @@ class Engine:
             own_logits = logits[row : row + rows]
             row += rows
             session.consume(w.num_tokens)
-            step = SessionStep(session.session_id, WorkStatus.OK, w.num_tokens)
+            step = SessionStep(
+                session.session_id, WorkStatus.OK, w.num_tokens,
+                submitted_tokens=w.num_tokens if w.submitted else 0,
+                context_tokens=session.table.visible_tokens(session.table.num_tokens - 1),
+            )
             if session.spec.return_logits:
                 step.logits = own_logits
             if w.samples:
@@ -176,6 +187,7 @@ class Engine:
                 session.accept_token(token)
                 step.new_token_ids.append(token)
             session.table.slide(self.pool)
+            step.generating = session.decode_budget > 0
             outcomes.append(step)
         return outcomes
 

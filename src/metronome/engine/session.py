@@ -30,12 +30,18 @@ class SessionSpec:
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
 
 
+@dataclass
+class InputChunk:
+    data: torch.Tensor  # (n,) int64 token ids or (n, hidden) embeddings
+    submitted: bool  # caller input; False for the session's own sampled token fed back
+
+
 class Session:
     def __init__(self, session_id: int, spec: SessionSpec, block_size: int, stop_ids) -> None:
         self.session_id = session_id
         self.spec = spec
         self.table = BlockTable(spec.policy, block_size)
-        self.pending: deque[torch.Tensor] = deque()
+        self.pending: deque[InputChunk] = deque()
         self.carry: list[int] = []  # last sampled token, fed before the next submitted input
         self.decode_budget = 0
         self.stop_token_ids = frozenset(stop_ids)
@@ -48,25 +54,29 @@ class Session:
 
     def submit(self, chunk: torch.Tensor | None, max_new_tokens: int) -> None:
         if self.carry:
-            self.pending.append(torch.tensor(self.carry, dtype=torch.int64))
+            self.pending.append(InputChunk(torch.tensor(self.carry, dtype=torch.int64), False))
             self.carry = []
         if chunk is not None and len(chunk):
-            self.pending.append(chunk)
+            self.pending.append(InputChunk(chunk, True))
         self.decode_budget += max_new_tokens
 
-    def next_chunk(self, max_tokens: int) -> torch.Tensor:
-        """Peek at the input the next step would take (at most max_tokens rows)."""
-        return self.pending[0][:max_tokens]
+    @property
+    def head(self) -> InputChunk:
+        return self.pending[0]
+
+    def takes_all_input(self, num_tokens: int) -> bool:
+        """Would consuming `num_tokens` from the head leave no input pending?"""
+        return len(self.pending) == 1 and num_tokens == len(self.pending[0].data)
 
     def consume(self, num_tokens: int) -> None:
         head = self.pending.popleft()
-        if num_tokens < len(head):
-            self.pending.appendleft(head[num_tokens:])
+        if num_tokens < len(head.data):
+            self.pending.appendleft(InputChunk(head.data[num_tokens:], head.submitted))
 
-    @property
-    def will_sample(self) -> bool:
-        """Is there budget left to generate once the pending input is consumed?"""
-        return self.decode_budget > 0
+    def end(self) -> None:
+        self.ended = True
+        self.pending.clear()
+        self.decode_budget = 0
 
     def accept_token(self, token_id: int) -> None:
         assert self.decode_budget > 0
@@ -74,6 +84,6 @@ class Session:
         if token_id in self.stop_token_ids:
             self.decode_budget = 0
         if self.decode_budget > 0:
-            self.pending.append(torch.tensor([token_id], dtype=torch.int64))
+            self.pending.append(InputChunk(torch.tensor([token_id], dtype=torch.int64), False))
         else:
             self.carry = [token_id]

@@ -18,9 +18,12 @@ class WorkStatus(enum.StrEnum):
 class SessionStep:
     session_id: int
     status: WorkStatus
-    input_tokens: int = 0  # input positions consumed this step (prompt or fed-back tokens)
+    input_tokens: int = 0  # positions processed this step (caller input or fed-back tokens)
+    submitted_tokens: int = 0  # of which caller-submitted input
     new_token_ids: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (input_tokens, vocab) float32 when asked for
+    context_tokens: int = 0  # keys the chunk attended to at its last position (cost models)
+    generating: bool = False  # generation budget left after this step
 
 
 @dataclass
