@@ -1,0 +1,59 @@
+"""Step cost model for the virtual clock: what one engine step would take on a machine.
+
+    step_s = fixed_s + per_token_s * input_tokens + per_context_token_s * sum(context_tokens)
+
+`input_tokens` drive the weight matmuls, `context_tokens` (keys each session's chunk
+attends to) drive KV gathers and attention. `calibrate` fits the constants by least squares
+from real steps of a real engine, so virtual-clock experiments inherit that machine's shape.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from metronome.engine.types import StepResult
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    fixed_s: float = 0.004
+    per_token_s: float = 0.0008
+    per_context_token_s: float = 2e-6
+
+    def step_s(self, result: StepResult) -> float:
+        tokens = sum(s.input_tokens for s in result.sessions)
+        context = sum(s.context_tokens for s in result.sessions)
+        return self.fixed_s + self.per_token_s * tokens + self.per_context_token_s * context
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, float]]) -> StepCostModel:
+        """samples: (input_tokens, context_tokens, measured step_s) -> non-negative fit."""
+        a = torch.tensor([[1.0, t, c] for t, c, _ in samples], dtype=torch.float64)
+        b = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, b).solution.clamp(min=0).flatten().tolist()
+        return cls(fixed_s=coef[0], per_token_s=coef[1], per_context_token_s=coef[2])
+
+
+def calibrate(engine, batch_sizes=(1, 4, 16), lengths=(64, 512), repeats: int = 3):
+    """Time real decode steps of `engine` at a few shapes and fit a `StepCostModel`."""
+    samples = []
+    for batch in batch_sizes:
+        for length in lengths:
+            sids = [engine.open_session() for _ in range(batch)]
+            for sid in sids:
+                engine.fast_forward(sid, length)
+            for _ in range(repeats + 1):  # the first step warms up
+                for sid in sids:
+                    engine.submit(sid, [1])
+                started = time.perf_counter()
+                result = engine.step()
+                step_s = time.perf_counter() - started
+                tokens = sum(s.input_tokens for s in result.sessions)
+                context = sum(s.context_tokens for s in result.sessions)
+                samples.append((tokens, context, step_s))
+            for sid in sids:
+                engine.close(sid)
+    return StepCostModel.fit(samples[1:]), samples

@@ -1,0 +1,42 @@
+"""Session profile: a session as a periodic real-time task."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from metronome.engine.sampling import SamplingParams
+from metronome.kv.residency import ResidencyPolicy
+
+
+class GenerationMode(enum.StrEnum):
+    TURN = "turn"  # reply only when a frame asks (end of the user's turn)
+    FREE = "free"  # generate every frame, the duplex way (Moshi, MiniCPM-o)
+
+
+@dataclass(frozen=True)
+class SessionProfile:
+    frame_period_s: float = 1.0
+    deadline_fraction: float = 1.0  # deadline = fraction x period after the frame arrives
+    max_output_tokens_per_frame: int = 4
+    mode: GenerationMode = GenerationMode.FREE
+    policy: ResidencyPolicy = ResidencyPolicy.sinks_window(4, 512)
+    sampling: SamplingParams = SamplingParams()
+    max_session_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.01 <= self.frame_period_s <= 60:
+            raise ValueError(f"frame_period_s must be in [0.01, 60], got {self.frame_period_s}")
+        if not 0 < self.deadline_fraction <= 10:
+            raise ValueError(f"deadline_fraction must be in (0, 10], got {self.deadline_fraction}")
+        if self.max_output_tokens_per_frame < 0:
+            raise ValueError("max_output_tokens_per_frame must be >= 0")
+
+    @property
+    def deadline_s(self) -> float:
+        return self.frame_period_s * self.deadline_fraction
+
+    def output_tokens_for(self, respond: bool) -> int:
+        if self.mode is GenerationMode.FREE or respond:
+            return self.max_output_tokens_per_frame
+        return 0

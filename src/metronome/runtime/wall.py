@@ -1,0 +1,123 @@
+"""Wall-clock driver: the engine on its own thread, the beat on the asyncio event loop.
+
+The event loop never blocks on model math: engine commands (open, submit, cancel, close)
+go to the engine thread through a queue and run between steps; each step's report comes
+back to the loop with `call_soon_threadsafe`. Deadlines are loop timers. Both sides read
+`time.monotonic()`, which is the asyncio loop's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from metronome.engine.engine import Engine, SessionError
+from metronome.engine.session import SessionSpec
+from metronome.runtime.beat import Beat
+from metronome.runtime.frame import FrameResult
+from metronome.runtime.ports import StepReport
+
+log = logging.getLogger(__name__)
+
+
+class EngineThread:
+    """Owns the engine: every engine call happens on this thread."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, on_report) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.on_report = on_report
+        self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metronome-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    # EnginePort: called from the loop thread, applied on the engine thread
+    def open(self, session_id: int, spec: SessionSpec) -> None:
+        self.commands.put(lambda: self.engine.open_session(spec, session_id=session_id))
+
+    def submit(self, session_id, token_ids, embeddings, max_new_tokens) -> None:
+        self.commands.put(
+            lambda: self.engine.submit(session_id, token_ids, embeddings, max_new_tokens)
+        )
+
+    def cancel(self, session_id: int) -> None:
+        self.commands.put(lambda: self.engine.cancel_generation(session_id))
+
+    def close(self, session_id: int) -> None:
+        self.commands.put(lambda: self.engine.close(session_id))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_work)
+            if self.engine.has_work and not self._stop.is_set():
+                self._step()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self.commands.get(timeout=0.05) if block else self.commands.get_nowait()
+            while True:
+                self._apply(command)
+                command = self.commands.get_nowait()
+        except queue.Empty:
+            return
+
+    @staticmethod
+    def _apply(command: Callable[[], None]) -> None:
+        try:
+            command()
+        except SessionError as err:  # one session's bad request never stops the engine
+            log.warning("engine refused a command: %s", err)
+
+    def _step(self) -> None:
+        started_s = time.monotonic()
+        result = self.engine.step()
+        finished_s = time.monotonic()
+        report = StepReport(
+            result, started_s, finished_s, self.engine.pool_stats(),
+            {sid: self.engine.session_tokens(sid) for sid in self.engine.sessions},
+        )
+        self.loop.call_soon_threadsafe(self.on_report, report)
+        if result.num_input_tokens == 0:
+            time.sleep(0.002)  # every session stalled: do not spin a core while waiting
+
+
+class LoopScheduler:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def call_at(self, at_s: float, callback: Callable[[float], None]) -> None:
+        self.loop.call_at(at_s, lambda: callback(self.loop.time()))
+
+
+class WallDriver:
+    """Serve on the wall clock. Create inside a running event loop; `close()` when done."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        on_result: Callable[[FrameResult], None],
+        on_step: Callable[[StepReport], None] | None = None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.worker = EngineThread(engine, loop, lambda report: self.beat.on_step(report))
+        self.beat = Beat(self.worker, LoopScheduler(loop), on_result, on_step)
+        self.worker.start()
+
+    @staticmethod
+    def now_s() -> float:
+        return time.monotonic()
+
+    def close(self) -> None:
+        self.worker.stop()

@@ -1,0 +1,77 @@
+"""A local workload: N sessions arriving over a ramp, each streaming frames on its period.
+
+Everything is scheduled through the driver's scheduler (`call_at`), so the same workload
+runs on the virtual clock and on the wall clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from metronome.runtime.beat import Beat
+from metronome.runtime.frame import Frame
+from metronome.runtime.ports import Scheduler
+from metronome.runtime.profile import GenerationMode, SessionProfile
+
+# (session_id, frame_index) -> (token_ids, embeddings); one of the two is None
+FrameSource = Callable[[int, int], tuple[list[int] | None, object]]
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_sessions: int
+    session_duration_s: float
+    arrival_spread_s: float = 0.0  # sessions open uniformly at random over [0, spread]
+    duration_jitter: float = 0.0  # each duration x U(1 - jitter, 1 + jitter)
+    respond_every_frames: int = 4  # turn mode: every k-th frame ends a user turn
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_sessions < 1 or self.session_duration_s <= 0:
+            raise ValueError("a workload needs >= 1 session and a positive duration")
+        if not 0 <= self.duration_jitter < 1:
+            raise ValueError("duration_jitter must be in [0, 1)")
+
+    def plan(self) -> list[tuple[float, float]]:
+        """(open_at_s, duration_s) per session, from the seed."""
+        rng = random.Random(self.seed)
+        plans = []
+        for _ in range(self.num_sessions):
+            open_at_s = rng.uniform(0, self.arrival_spread_s)
+            scale = rng.uniform(1 - self.duration_jitter, 1 + self.duration_jitter)
+            plans.append((open_at_s, self.session_duration_s * scale))
+        return sorted(plans)
+
+    @property
+    def end_s(self) -> float:
+        return max(start + duration for start, duration in self.plan())
+
+
+def schedule(workload: Workload, profile: SessionProfile, beat: Beat, scheduler: Scheduler,
+             source: FrameSource) -> None:
+    """Put every session's open, frames and close on the scheduler."""
+    for open_at_s, duration_s in workload.plan():
+        scheduler.call_at(open_at_s, lambda now, d=duration_s: _start(
+            workload, profile, beat, scheduler, source, now, d))
+
+
+def _start(workload, profile, beat, scheduler, source, now_s: float, duration_s: float) -> None:
+    session_id = beat.open_session(profile)
+    num_frames = max(1, int(duration_s / profile.frame_period_s))
+    for index in range(num_frames):
+        # frame i is complete at the server one period after it started
+        at_s = now_s + (index + 1) * profile.frame_period_s
+        scheduler.call_at(at_s, lambda t, i=index: _frame(workload, profile, beat, source,
+                                                          session_id, i, t))
+    end_s = now_s + (num_frames + 1) * profile.frame_period_s
+    scheduler.call_at(end_s, lambda t: beat.close_session(session_id, t))
+
+
+def _frame(workload, profile, beat, source, session_id: int, index: int, now_s: float) -> None:
+    if session_id not in beat.sessions:
+        return
+    token_ids, embeddings = source(session_id, index)
+    respond = profile.mode is GenerationMode.FREE or (index + 1) % workload.respond_every_frames == 0
+    beat.submit_frame(Frame(session_id, index, now_s, token_ids, embeddings, respond), now_s)
