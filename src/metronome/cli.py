@@ -25,6 +25,50 @@ def demo(
     run_demo(model=model, num_sessions=sessions, num_frames=frames, policy=policy, dtype=dtype)
 
 
+@app.command()
+def run(
+    sessions: int = typer.Option(4, min=1, help="sessions to open"),
+    duration_s: float = typer.Option(20.0, min=0.1, help="length of each session"),
+    ramp_s: float = typer.Option(2.0, min=0.0, help="sessions open uniformly over this ramp"),
+    duration_jitter: float = typer.Option(0.0, min=0.0, max=0.99, help="duration x U(1±j)"),
+    frame_period_s: float = typer.Option(1.0, help="one frame of input per period"),
+    deadline_fraction: float = typer.Option(1.0, help="deadline = fraction x period"),
+    tokens_per_frame: int = typer.Option(12, min=1, help="text input tokens per frame"),
+    output_tokens: int = typer.Option(4, min=0, help="max output tokens per frame"),
+    mode: str = typer.Option("free", help="free (every frame) | turn (every 4th frame)"),
+    policy: str = typer.Option(
+        "sinks_window:4:512", help="unbounded | window:W | sinks_window:S:W"
+    ),
+    pool_tokens: int = typer.Option(65536, min=16, help="KV pool size in tokens"),
+    clock: str = typer.Option("wall", help="wall | virtual (deterministic, modelled step time)"),
+    input_kind: str = typer.Option("text", "--input", help="text (Hamlet) | audio (front end)"),
+    model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
+    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16"),
+    seed: int = typer.Option(0, help="workload seed"),
+    out: str = typer.Option("out/run", help="folder for frames.csv and summary.json"),
+) -> None:
+    """Run a local workload of real-time sessions on the engine; print the summary."""
+    import json
+
+    from metronome.runtime.local import RunConfig, run_local
+
+    try:
+        config = RunConfig(
+            sessions=sessions, duration_s=duration_s, ramp_s=ramp_s,
+            duration_jitter=duration_jitter, frame_period_s=frame_period_s,
+            deadline_fraction=deadline_fraction, tokens_per_frame=tokens_per_frame,
+            output_tokens=output_tokens, mode=mode, policy=policy, pool_tokens=pool_tokens,
+            clock=clock, input=input_kind, model=model, dtype=dtype, seed=seed, out=out,
+        )
+        config.profile()
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    summary = run_local(config)
+    typer.echo(json.dumps({k: summary[k] for k in (
+        "frames", "goodput", "deadline_met_fraction", "frames_by_status", "latency_ms",
+        "health", "runtime_overhead")}, indent=2, default=str))
+
+
 @bench_app.command("engine")
 def bench_engine(
     out: str = typer.Option("docs/results/engine.md", help="markdown report to write"),

@@ -44,8 +44,23 @@ class StepReport:
     started_s: float
     finished_s: float
     pool: PoolStats
-    session_tokens: dict[int, int]  # absolute length of every open session after the step
+    resident_tokens: dict[int, int]  # live KV tokens of every open session after the step
 
     @property
     def step_s(self) -> float:
         return self.finished_s - self.started_s
+
+
+@dataclass
+class OverheadMeter:
+    """The runtime's own cost next to the engine's: report building, the beat's attribution,
+    observers. Written from the engine thread and the loop (float adds under the GIL)."""
+
+    engine_s: float = 0.0
+    runtime_s: float = 0.0
+    steps: int = 0
+
+    def summary(self) -> dict:
+        share = self.runtime_s / self.engine_s if self.engine_s else None
+        return {"steps": self.steps, "engine_step_s_total": self.engine_s,
+                "runtime_s_total": self.runtime_s, "runtime_share_of_step": share}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,7 @@ from metronome.engine.session import SessionSpec
 from metronome.runtime.beat import Beat
 from metronome.runtime.cost_model import StepCostModel
 from metronome.runtime.frame import FrameResult
-from metronome.runtime.ports import StepReport
+from metronome.runtime.ports import OverheadMeter, StepReport
 
 
 class DirectEnginePort:
@@ -75,6 +76,7 @@ class VirtualDriver:
         # After a step in which no session could work (all stalled on KV), nothing can
         # change until some event happens (a close, a new frame): wait for one.
         self._idle_until_event = False
+        self.overhead = OverheadMeter()
 
     @property
     def now_s(self) -> float:
@@ -94,16 +96,23 @@ class VirtualDriver:
 
     def _start_step(self) -> None:
         started_s = self.clock.now_s
+        t0 = time.perf_counter()
         result = self.engine.step()
+        t1 = time.perf_counter()
         finished_s = started_s + self.cost_model.step_s(result)
         report = StepReport(
             result, started_s, finished_s, self.engine.pool_stats(),
-            {sid: self.engine.session_tokens(sid) for sid in self.engine.sessions},
+            {sid: self.engine.resident_tokens(sid) for sid in self.engine.sessions},
         )
+        self.overhead.engine_s += t1 - t0
+        self.overhead.runtime_s += time.perf_counter() - t1
+        self.overhead.steps += 1
         self._busy = True
         self.clock.call_at(finished_s, lambda _t: self._finish_step(report))
 
     def _finish_step(self, report: StepReport) -> None:
         self._busy = False
         self._idle_until_event = report.result.num_input_tokens == 0
+        t0 = time.perf_counter()
         self.beat.on_step(report)
+        self.overhead.runtime_s += time.perf_counter() - t0

@@ -3,7 +3,7 @@
 The event loop never blocks on model math: engine commands (open, submit, cancel, close)
 go to the engine thread through a queue and run between steps; each step's report comes
 back to the loop with `call_soon_threadsafe`. Deadlines are loop timers. Both sides read
-`time.monotonic()`, which is the asyncio loop's clock.
+`time.monotonic()` (the asyncio loop's clock), in seconds since the driver started.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from metronome.engine.engine import Engine, SessionError
 from metronome.engine.session import SessionSpec
 from metronome.runtime.beat import Beat
 from metronome.runtime.frame import FrameResult
-from metronome.runtime.ports import StepReport
+from metronome.runtime.ports import OverheadMeter, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 class EngineThread:
     """Owns the engine: every engine call happens on this thread."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, on_report) -> None:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, on_report,
+                 overhead: OverheadMeter, origin_s: float) -> None:
         self.engine = engine
+        self.origin_s = origin_s
+        self.overhead = overhead
         self.loop = loop
         self.on_report = on_report
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -81,24 +84,33 @@ class EngineThread:
             log.warning("engine refused a command: %s", err)
 
     def _step(self) -> None:
-        started_s = time.monotonic()
+        started_s = time.monotonic() - self.origin_s
         result = self.engine.step()
-        finished_s = time.monotonic()
+        finished_s = time.monotonic() - self.origin_s
         report = StepReport(
             result, started_s, finished_s, self.engine.pool_stats(),
-            {sid: self.engine.session_tokens(sid) for sid in self.engine.sessions},
+            {sid: self.engine.resident_tokens(sid) for sid in self.engine.sessions},
         )
         self.loop.call_soon_threadsafe(self.on_report, report)
+        self.overhead.engine_s += finished_s - started_s
+        self.overhead.runtime_s += time.monotonic() - self.origin_s - finished_s
+        self.overhead.steps += 1
         if result.num_input_tokens == 0:
             time.sleep(0.002)  # every session stalled: do not spin a core while waiting
 
 
 class LoopScheduler:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    """Loop timers in seconds since `origin_s` (a loop.time() value)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, origin_s: float) -> None:
         self.loop = loop
+        self.origin_s = origin_s
 
     def call_at(self, at_s: float, callback: Callable[[float], None]) -> None:
-        self.loop.call_at(at_s, lambda: callback(self.loop.time()))
+        self.loop.call_at(self.origin_s + at_s, lambda: callback(self.now_s()))
+
+    def now_s(self) -> float:
+        return self.loop.time() - self.origin_s
 
 
 class WallDriver:
@@ -111,13 +123,20 @@ class WallDriver:
         on_step: Callable[[StepReport], None] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
-        self.worker = EngineThread(engine, loop, lambda report: self.beat.on_step(report))
-        self.beat = Beat(self.worker, LoopScheduler(loop), on_result, on_step)
+        self.overhead = OverheadMeter()
+        self.clock = LoopScheduler(loop, loop.time())
+        self.worker = EngineThread(engine, loop, self._on_report, self.overhead,
+                                   self.clock.origin_s)
+        self.beat = Beat(self.worker, self.clock, on_result, on_step)
         self.worker.start()
 
-    @staticmethod
-    def now_s() -> float:
-        return time.monotonic()
+    def _on_report(self, report: StepReport) -> None:
+        started = time.perf_counter()
+        self.beat.on_step(report)
+        self.overhead.runtime_s += time.perf_counter() - started
+
+    def now_s(self) -> float:
+        return self.clock.now_s()
 
     def close(self) -> None:
         self.worker.stop()

@@ -73,5 +73,6 @@ def _frame(workload, profile, beat, source, session_id: int, index: int, now_s: 
     if session_id not in beat.sessions:
         return
     token_ids, embeddings = source(session_id, index)
-    respond = profile.mode is GenerationMode.FREE or (index + 1) % workload.respond_every_frames == 0
+    turn_ends = (index + 1) % workload.respond_every_frames == 0
+    respond = profile.mode is GenerationMode.FREE or turn_ends
     beat.submit_frame(Frame(session_id, index, now_s, token_ids, embeddings, respond), now_s)

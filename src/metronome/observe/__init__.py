@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, the silent-stall detector, the KV saturation forecast."""

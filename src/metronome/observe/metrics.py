@@ -1,0 +1,157 @@
+"""Prometheus metrics: owns every metric name and the registry they are written to.
+
+The registry is injected. `Metrics()` without one builds a private throwaway registry, never
+the process-global default: that is the do-nothing default for code that does not care (the
+numbers are recorded and dropped with the object; nothing is exported unless someone calls
+`render`). One class instead of a parallel `NullMetrics` keeps the method list in one place.
+
+Goodput, the headline number: a frame is *good* when it produced output within its deadline
+(`deadline_met and num_tokens > 0`), or met its deadline when no output was expected (e.g. a
+listening frame). `metronome_goodput_ratio` is the share of good frames among the last
+`goodput_window_frames` frames (all sessions), computed at scrape time; NaN before any frame.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from metronome.observe.stall_detector import Health
+
+# Counters are declared by their exposed name; prometheus_client names the family without
+# `_total` and adds it back to the sample.
+FRAME_LATENCY_SECONDS = "metronome_frame_latency_seconds"
+FRAMES_TOTAL = "metronome_frames_total"
+FRAME_TOKENS = "metronome_frame_tokens"
+GOODPUT_RATIO = "metronome_goodput_ratio"
+GOOD_FRAMES_TOTAL = "metronome_good_frames_total"
+LATE_TOKENS_TOTAL = "metronome_late_tokens_total"
+KV_POOL_BLOCKS = "metronome_kv_pool_blocks"
+KV_POOL_SATURATION_ETA_SECONDS = "metronome_kv_pool_saturation_eta_seconds"
+SESSIONS_ACTIVE = "metronome_sessions_active"
+SESSIONS_TOTAL = "metronome_sessions_total"
+ADMISSION_CAP = "metronome_admission_cap"
+ENGINE_STEP_SECONDS = "metronome_engine_step_seconds"
+STEP_BATCH_FRAMES = "metronome_step_batch_frames"
+HEALTH_STATE = "metronome_health_state"
+
+# Statuses whose series exist from the start (at 0), so rate() works before the first event.
+# Other status values are accepted and get their own series.
+FRAME_STATUSES = ("ok", "late", "stalled_kv", "rejected", "error", "context_full")
+POOL_STATES = ("used", "free", "pinned")  # pinned blocks are a subset of used
+
+# 1-2-5 steps from 1 ms to 5 s: Moshi frames are 80 ms, Omni chunks 1-2 s, the wall ~1.6 s.
+LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, goodput_window_frames: int = 1000
+    ) -> None:
+        if goodput_window_frames < 1:
+            raise ValueError(f"goodput_window_frames must be >= 1, got {goodput_window_frames}")
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._good_window: deque[bool] = deque()
+        self._goodput_window_frames = goodput_window_frames
+        self._num_good_in_window = 0
+        self._declare_frame_metrics()
+        self._declare_state_metrics()
+
+    def _declare_frame_metrics(self) -> None:
+        reg = self.registry
+        self._frame_latency = Histogram(
+            FRAME_LATENCY_SECONDS, "Frame complete at server to result ready.",
+            buckets=LATENCY_BUCKETS_S, registry=reg,
+        )
+        self._frames = Counter(FRAMES_TOTAL, "Finished frames by status.", ["status"],
+                               registry=reg)
+        for status in FRAME_STATUSES:
+            self._frames.labels(status)
+        self._frame_tokens = Histogram(FRAME_TOKENS, "Tokens produced per frame.",
+                                       buckets=TOKEN_BUCKETS, registry=reg)
+        self._good_frames = Counter(GOOD_FRAMES_TOTAL, "Frames with output within the deadline.",
+                                    registry=reg)
+        self._late_tokens = Counter(LATE_TOKENS_TOTAL, "Tokens of frames that missed the deadline.",
+                                    registry=reg)
+        goodput = Gauge(GOODPUT_RATIO, "Good share of the last frames (see module doc).",
+                        registry=reg)
+        goodput.set_function(self._goodput_ratio)
+
+    def _declare_state_metrics(self) -> None:
+        reg = self.registry
+        self._pool_blocks = Gauge(KV_POOL_BLOCKS, "KV pool blocks by state.", ["state"],
+                                  registry=reg)
+        for state in POOL_STATES:
+            self._pool_blocks.labels(state)
+        self._saturation_eta = Gauge(KV_POOL_SATURATION_ETA_SECONDS,
+                                     "Forecast seconds until the KV pool is full (+Inf: never).",
+                                     registry=reg)
+        self._saturation_eta.set(float("inf"))
+        self._sessions_active = Gauge(SESSIONS_ACTIVE, "Open sessions.", registry=reg)
+        self._sessions = Counter(SESSIONS_TOTAL, "Closed sessions by outcome.", ["outcome"],
+                                 registry=reg)
+        self._admission_cap = Gauge(ADMISSION_CAP, "Sessions the controller admits now.",
+                                    registry=reg)
+        self._step_seconds = Histogram(ENGINE_STEP_SECONDS, "Wall time of one engine step.",
+                                       buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._batch_frames = Histogram(STEP_BATCH_FRAMES, "Frames served by one engine step.",
+                                       buckets=BATCH_BUCKETS, registry=reg)
+        self._health = Gauge(HEALTH_STATE, "0 ok, 1 degraded, 2 critical.", registry=reg)
+
+    def observe_frame(
+        self, status: str, latency_s: float, num_tokens: int, deadline_met: bool,
+        expected_output: bool = True,
+    ) -> None:
+        """Record one finished frame; `status` is a frame status value (str or StrEnum)."""
+        good = deadline_met and (num_tokens > 0 or not expected_output)
+        self._frames.labels(str(status)).inc()
+        self._frame_latency.observe(latency_s)
+        self._frame_tokens.observe(num_tokens)
+        if good:
+            self._good_frames.inc()
+        if not deadline_met:
+            self._late_tokens.inc(num_tokens)
+        self._push_good(good)
+
+    def _push_good(self, good: bool) -> None:
+        if len(self._good_window) == self._goodput_window_frames:
+            self._num_good_in_window -= self._good_window.popleft()
+        self._good_window.append(good)
+        self._num_good_in_window += good
+
+    def _goodput_ratio(self) -> float:
+        if not self._good_window:
+            return float("nan")
+        return self._num_good_in_window / len(self._good_window)
+
+    def observe_step(self, step_s: float, batch_frames: int) -> None:
+        self._step_seconds.observe(step_s)
+        self._batch_frames.observe(batch_frames)
+
+    def set_pool(self, used_blocks: int, free_blocks: int, pinned_blocks: int) -> None:
+        self._pool_blocks.labels("used").set(used_blocks)
+        self._pool_blocks.labels("free").set(free_blocks)
+        self._pool_blocks.labels("pinned").set(pinned_blocks)
+
+    def set_saturation_eta(self, eta_s: float) -> None:
+        """Seconds until the pool is full; `math.inf` when occupancy is flat or shrinking."""
+        self._saturation_eta.set(eta_s)
+
+    def set_sessions_active(self, num_sessions: int) -> None:
+        self._sessions_active.set(num_sessions)
+
+    def session_closed(self, outcome: str) -> None:
+        self._sessions.labels(str(outcome)).inc()
+
+    def set_admission_cap(self, cap_sessions: int) -> None:
+        self._admission_cap.set(cap_sessions)
+
+    def set_health(self, state: Health) -> None:
+        self._health.set(int(state))
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format (what /metrics serves)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,77 @@
+"""Wires the runtime's events into observability: Prometheus metrics, the silent-stall
+detector and the saturation forecast. Subscribes to frame results and step reports."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry
+
+from metronome.engine.engine import Engine
+from metronome.observe.forecast import SaturationForecaster
+from metronome.observe.metrics import Metrics
+from metronome.observe.stall_detector import StallDetector
+from metronome.runtime.frame import FrameResult
+from metronome.runtime.ports import StepReport
+
+
+class RuntimeObserver:
+    def __init__(
+        self,
+        metrics: Metrics,
+        detector: StallDetector,
+        forecaster: SaturationForecaster,
+        forecast_interval_s: float = 1.0,
+    ) -> None:
+        self.metrics = metrics
+        self.detector = detector
+        self.forecaster = forecaster
+        self.forecast_interval_s = forecast_interval_s
+        self._next_forecast_s = -math.inf
+        self.last_pool = None
+        self.eta_s = math.inf
+
+    @classmethod
+    def for_engine(cls, engine: Engine, registry: CollectorRegistry | None = None):
+        forecaster = SaturationForecaster(block_size_tokens=engine.config.block_size)
+        return cls(Metrics(registry), StallDetector(), forecaster)
+
+    def on_result(self, result: FrameResult) -> None:
+        num_tokens = len(result.token_ids)
+        self.metrics.observe_frame(result.status.value, result.latency_s, num_tokens,
+                                   result.deadline_met, result.expects_output)
+        self.detector.observe(result.status.value, num_tokens, result.expects_output,
+                              result.deadline_met)
+        self.metrics.set_health(self.detector.state)
+
+    def on_step(self, report: StepReport) -> None:
+        pool = report.pool
+        self.last_pool = pool
+        self.metrics.observe_step(report.step_s, len(report.result.sessions))
+        self.metrics.set_pool(pool.used_blocks, pool.free_blocks, pool.pinned_blocks)
+        self.metrics.set_sessions_active(len(report.resident_tokens))
+        if report.finished_s >= self._next_forecast_s:
+            self._next_forecast_s = report.finished_s + self.forecast_interval_s
+            self.forecaster.observe(report.finished_s, pool.free_blocks, report.resident_tokens)
+        self.eta_s = self.forecaster.eta_s(report.finished_s)
+        self.metrics.set_saturation_eta(self.eta_s)
+
+    def health_line(self) -> str:
+        return self.detector.state.name.lower()
+
+    def pool_line(self) -> str:
+        pool = self.last_pool
+        if pool is None:
+            return "-"
+        eta = "never" if math.isinf(self.eta_s) else f"{self.eta_s:.0f}s"
+        return f"{pool.used_blocks}/{pool.num_blocks} used, full in {eta}"
+
+    def health_summary(self) -> dict:
+        forecast = self.forecaster.forecast
+        return {
+            "state": self.detector.state.name.lower(),
+            "reason": self.detector.reason,
+            "stalled_fraction": self.detector.stalled_fraction,
+            "saturation_predicted_at_s": self.forecaster.predicted_saturation_time_s,
+            "forecast": None if forecast is None else vars(forecast),
+        }
