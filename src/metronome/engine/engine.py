@@ -95,14 +95,23 @@ class Engine:
             raise SessionError(f"session {session_id} has ended (context full)")
         if max_new_tokens < 0:
             raise SessionError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        session.submit(self.check_input(token_ids, embeddings), max_new_tokens)
+
+    def check_input(
+        self, token_ids: list[int] | torch.Tensor | None, embeddings: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Validate input against the model (no engine state: safe from any thread)."""
         if token_ids is not None and embeddings is not None:
             raise SessionError("submit token_ids or embeddings, not both")
-        chunk = None
         if token_ids is not None:
-            chunk = self._check_token_ids(torch.as_tensor(token_ids, dtype=torch.int64))
-        elif embeddings is not None:
-            chunk = self._check_embeddings(embeddings)
-        session.submit(chunk, max_new_tokens)
+            try:
+                ids = torch.as_tensor(token_ids, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise SessionError(f"token_ids must be integers: {err}") from None
+            return self._check_token_ids(ids)
+        if embeddings is not None:
+            return self._check_embeddings(embeddings)
+        return None
 
     def cancel_generation(self, session_id: int) -> None:
         """Drop the session's remaining generation budget (its input is still processed)."""

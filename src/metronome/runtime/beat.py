@@ -88,6 +88,11 @@ class Beat:
         if frame.num_input_tokens == 0:
             self._answer_unstarted(state, frame, FrameStatus.REJECTED, now_s, "empty frame")
             return
+        try:
+            self.engine.validate(frame.token_ids, frame.embeddings)
+        except ValueError as err:  # one session's bad input is answered, never raised
+            self._answer_unstarted(state, frame, FrameStatus.REJECTED, now_s, str(err))
+            return
         deadline_at_s = frame.arrival_s + state.profile.deadline_s
         self.scheduler.call_at(deadline_at_s, lambda t: self._on_deadline(frame, t))
         state.waiting.append(frame)

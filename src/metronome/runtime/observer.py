@@ -32,8 +32,12 @@ class RuntimeObserver:
         self.eta_s = math.inf
 
     @classmethod
-    def for_engine(cls, engine: Engine, registry: CollectorRegistry | None = None):
-        forecaster = SaturationForecaster(block_size_tokens=engine.config.block_size)
+    def for_engine(cls, engine: Engine, registry: CollectorRegistry | None = None,
+                   forecast_window_s: float = 10.0):
+        """Defaults: the forecast's fill rate looks back 10 s, so it reads "never" within
+        ~10 s of a bounded session reaching steady state, and still sees any session
+        growing by a block (16 tokens) per 10 s: far slower than any real-time stream."""
+        forecaster = SaturationForecaster(engine.config.block_size, window_s=forecast_window_s)
         return cls(Metrics(registry), StallDetector(), forecaster)
 
     def on_result(self, result: FrameResult) -> None:

@@ -19,6 +19,9 @@ from metronome.engine.types import PoolStats, StepResult
 
 
 class EnginePort(Protocol):
+    def validate(self, token_ids: list[int] | None, embeddings: torch.Tensor | None) -> None:
+        """Raise ValueError for input the engine would refuse (pure: any thread)."""
+
     def open(self, session_id: int, spec: SessionSpec) -> None: ...
 
     def submit(

@@ -29,6 +29,9 @@ class DirectEnginePort:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
+    def validate(self, token_ids, embeddings) -> None:
+        self.engine.check_input(token_ids, embeddings)
+
     def open(self, session_id: int, spec: SessionSpec) -> None:
         self.engine.open_session(spec, session_id=session_id)
 

@@ -46,6 +46,9 @@ class EngineThread:
         self.commands.put(lambda: None)
         self._thread.join(timeout=10)
 
+    def validate(self, token_ids, embeddings) -> None:
+        self.engine.check_input(token_ids, embeddings)
+
     # EnginePort: called from the loop thread, applied on the engine thread
     def open(self, session_id: int, spec: SessionSpec) -> None:
         self.commands.put(lambda: self.engine.open_session(spec, session_id=session_id))
