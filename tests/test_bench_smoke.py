@@ -1,0 +1,55 @@
+"""`metronome bench engine --smoke`: the benchmark runs end to end and writes its fields.
+
+Checks structure, not values (timings are the benchmark's business, not a test's). Runs in a
+subprocess: the bench sets OpenMP's wait policy before torch loads, which an in-process call
+after conftest has imported torch could not do.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+SYSTEMS = {"unbounded", "sinks_window:4:32", "transformers"}
+ROW_FIELDS = {"step_ms_min", "step_ms_median", "tokens_per_s", "resident_tokens_per_session",
+              "resident_kv_bytes_per_session", "achieved_flops_per_s", "matmul_ref_flops_per_s"}
+
+
+def test_bench_engine_smoke(tmp_path):
+    md, js = tmp_path / "engine.md", tmp_path / "engine.json"
+    code = ("from metronome.bench.engine_bench import run; "
+            f"run(out_md={str(md)!r}, out_json={str(js)!r}, smoke=True, repeats=2)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(js.read_text())
+    assert json.loads(done.stdout) == res  # the same JSON goes to stdout
+
+    assert res["command"] == "metronome bench engine" and res["smoke"] is True
+    assert res["machine"]["omp_wait_policy"].startswith("PASSIVE")
+    assert res["dtype"]["chosen"] in {"float32", "bfloat16"}
+    assert {r["dtype"] for r in res["dtype"]["rows"]} == {"float32", "bfloat16"}
+    assert {r["system"] for r in res["grid"]} == SYSTEMS
+    assert len(res["grid"]) == 2 * 2 * len(SYSTEMS)  # N in {1, 4} x L in {64, 256}
+    for row in res["grid"] + res["flat"]:
+        assert row["status"] == "ok" and ROW_FIELDS <= row.keys()
+        assert row["side_by_side_with"]  # smoke sizes always fit together
+    assert {r["system"] for r in res["flat"]} == {"sinks_window:4:32"}
+    assert {f["system"] for f in res["flatness"]} == SYSTEMS
+    assert {r["policy"] for r in res["ratios"]} == {"unbounded", "sinks_window:4:32"}
+    assert {o["system"] for o in res["overhead"]} == SYSTEMS
+    assert all("bookkeeping_share" in o for o in res["overhead"] if o["system"] != "transformers")
+    assert {(w["condition"], w["system"]) for w in res["wait_policy"]} >= {
+        ("as found", "sinks_window:4:32"), ("as found", "transformers")}
+    assert len(res["goals"]) == 4 and all(isinstance(g["reached"], bool) for g in res["goals"])
+
+    text = md.read_text()
+    for heading in ("fp32 vs bf16", "Ours / transformers", "Where the step goes",
+                    "Achieved FLOP/s", "OpenMP wait policy", "Goals"):
+        assert heading in text
+    assert "`metronome bench engine`" in text
