@@ -9,8 +9,10 @@ from real steps of a real engine, so virtual-clock experiments inherit that mach
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,22 @@ class StepCostModel:
         b = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
         coef = torch.linalg.lstsq(a, b).solution.clamp(min=0).flatten().tolist()
         return cls(fixed_s=coef[0], per_token_s=coef[1], per_context_token_s=coef[2])
+
+
+def from_engine_bench(path: str | Path) -> StepCostModel:
+    """Fit from `metronome bench engine` JSON: our decode steps (not transformers'), in the
+    dtype the bench chose: input tokens = N, context = N x attended keys per session."""
+    data = json.loads(Path(path).read_text())
+    dtype = data["dtype"]["chosen"]
+    samples = [
+        (row["sessions"], row["sessions"] * row["attended_tokens"], row["step_ms_median"] / 1e3)
+        for row in data["grid"]
+        if row.get("status") == "ok" and row["system"] != "transformers"
+        and row.get("dtype", dtype) == dtype
+    ]
+    if len(samples) < 3:
+        raise ValueError(f"{path}: too few engine rows to fit a cost model")
+    return StepCostModel.fit(samples)
 
 
 def calibrate(engine, batch_sizes=(1, 4, 16), lengths=(64, 512), repeats: int = 3):

@@ -49,15 +49,21 @@ class Workload:
         return max(start + duration for start, duration in self.plan())
 
 
+# now_s -> admitted? (an admission controller's try_admit; refused sessions go away)
+Gate = Callable[[float], object]
+
+
 def schedule(workload: Workload, profile: SessionProfile, beat: Beat, scheduler: Scheduler,
-             source: FrameSource) -> None:
+             source: FrameSource, gate: Gate | None = None) -> None:
     """Put every session's open, frames and close on the scheduler."""
     for open_at_s, duration_s in workload.plan():
         scheduler.call_at(open_at_s, lambda now, d=duration_s: _start(
-            workload, profile, beat, scheduler, source, now, d))
+            workload, profile, beat, scheduler, source, gate, now, d))
 
 
-def _start(workload, profile, beat, scheduler, source, now_s: float, duration_s: float) -> None:
+def _start(workload, profile, beat, scheduler, source, gate, now_s: float, duration_s: float):
+    if gate is not None and not gate(now_s).admitted:
+        return
     session_id = beat.open_session(profile)
     num_frames = max(1, int(duration_s / profile.frame_period_s))
     for index in range(num_frames):

@@ -1,0 +1,74 @@
+"""Exact tests of the admission update rules: one sample in, exact cap out."""
+
+from __future__ import annotations
+
+import pytest
+
+from metronome.admission.limits import AIMDLimit, IntervalSample, StaticLimit, make_limit
+
+
+def sample(p95=0.5, misses=0, stalled=0, active=30, frames=20):
+    # frames latency fractions whose 95th percentile is p95
+    return IntervalSample([0.1] * (frames - 2) + [p95] * 2, misses, stalled, active)
+
+
+def test_increase_when_under_target_and_pressing_on_the_cap():
+    limit = AIMDLimit(initial_cap=20)
+    assert limit.update(sample(p95=0.5, active=20)) == 21
+
+
+def test_no_increase_while_below_the_cap():
+    limit = AIMDLimit(initial_cap=20)
+    assert limit.update(sample(p95=0.5, active=19)) == 20  # an untested cap is not raised
+    assert limit.update(sample(p95=0.5, active=20)) == 21
+    netflix = AIMDLimit(initial_cap=20, near_cap_fraction=0.5)
+    assert netflix.update(sample(p95=0.5, active=9)) == 20
+    assert netflix.update(sample(p95=0.5, active=10)) == 21  # inflight * 2 >= limit
+
+
+def test_decrease_when_over_target():
+    limit = AIMDLimit(initial_cap=30)
+    assert limit.update(sample(p95=0.81)) == 27  # floor(30 * 0.9)
+    assert limit.update(sample(p95=0.8, active=27)) == 28  # at target is not over
+    assert AIMDLimit(initial_cap=20).update(sample(p95=0.9, active=20)) == 18
+
+
+def test_hold_while_a_cut_is_still_pending():
+    limit = AIMDLimit(initial_cap=30)
+    assert limit.update(sample(p95=0.9, active=30)) == 27
+    assert limit.update(sample(p95=0.9, active=30)) == 27  # 30 > 27: the cut has not bitten
+    assert limit.update(sample(p95=0.9, active=27)) == 24
+
+
+@pytest.mark.parametrize("signal", [{"misses": 1}, {"stalled": 1}])
+def test_misses_and_kv_stalls_count_as_over_target(signal):
+    limit = AIMDLimit(initial_cap=30)
+    assert limit.update(sample(p95=0.1, **signal)) == 27
+
+
+def test_floor_at_min_cap():
+    limit = AIMDLimit(initial_cap=2, min_cap=2)
+    assert limit.update(sample(p95=5.0, active=2)) == 2
+    limit = AIMDLimit(initial_cap=1)
+    assert limit.update(sample(p95=5.0, active=1)) == 1
+
+
+def test_no_frames_no_signal():
+    limit = AIMDLimit(initial_cap=7)
+    assert limit.update(IntervalSample([], 0, 0, 7)) == 7
+
+
+def test_max_cap_and_percentile():
+    limit = AIMDLimit(initial_cap=10, max_cap=10)
+    assert limit.update(sample(active=10)) == 10
+    s = IntervalSample([i / 100 for i in range(1, 101)], 0, 0, 1)
+    assert s.percentile(95) == 0.95 and s.percentile(50) == 0.50
+
+
+def test_static_and_off():
+    assert StaticLimit(8).update(sample(p95=9, misses=3)) == 8
+    assert make_limit("off").update(sample(p95=9)) >= 2**30
+    with pytest.raises(ValueError, match="aimd"):
+        make_limit("pid")
+    with pytest.raises(ValueError):
+        AIMDLimit(decrease=1.5)
