@@ -82,5 +82,30 @@ def bench_engine(
     run(out_md=out, out_json=json_out, smoke=smoke, repeats=repeats)
 
 
+@bench_app.command("runtime")
+def bench_runtime(
+    out: str = typer.Option("docs/results/runtime.md", help="markdown report to write"),
+    json_out: str = typer.Option("docs/results/runtime.json", help="raw results to write"),
+    smoke: bool = typer.Option(False, help="tiny sizes, for CI"),
+) -> None:
+    """Latency, goodput and runtime overhead against N, bounded vs unbounded (wall clock)."""
+    from metronome.bench.runtime_bench import run as run_bench
+
+    run_bench(out_md=out, out_json=json_out, smoke=smoke)
+
+
+@bench_app.command("admission")
+def bench_admission(
+    out: str = typer.Option("docs/results/admission.md", help="markdown report (+ plots dir)"),
+    json_out: str = typer.Option("docs/results/admission.json", help="raw results to write"),
+    smoke: bool = typer.Option(False, help="short runs, for CI"),
+    wall: bool = typer.Option(True, help="also run the wall-clock SmolLM2 experiment"),
+) -> None:
+    """AIMD admission vs the swept N*: virtual clock (bounded, unbounded) and wall clock."""
+    from metronome.bench.admission_bench import run as run_bench
+
+    run_bench(out_md=out, out_json=json_out, smoke=smoke, wall=wall)
+
+
 def main() -> None:
     app()

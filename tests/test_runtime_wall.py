@@ -1,0 +1,33 @@
+"""The beat on the wall clock with the real bundled SmolLM2: deadlines met, latency grows
+with load. Numbers go to the test log (-s) and, measured properly, to docs/results/runtime.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from metronome.runtime.local import RunConfig, run_local
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for sessions in (1, 4, 12):
+        config = RunConfig(sessions=sessions, duration_s=6.0, ramp_s=1.0, frame_period_s=1.0,
+                           tokens_per_frame=12, output_tokens=4, policy="sinks_window:4:64",
+                           clock="wall", out=str(tmp_path_factory.mktemp(f"n{sessions}")))
+        out[sessions] = run_local(config)
+    return out
+
+
+def test_small_load_meets_every_deadline(runs):
+    for sessions in (1, 4):
+        summary = runs[sessions]
+        assert summary["frames"] == sessions * 6
+        assert summary["deadline_met_fraction"] == 1.0, summary["frames_by_status"]
+        assert summary["goodput"] == 1.0
+
+
+def test_latency_rises_with_sessions(runs):
+    p50 = {n: runs[n]["latency_ms"]["p50"] for n in runs}
+    print("wall clock p50 latency ms by sessions:", p50)
+    assert p50[1] < p50[4] < p50[12]
