@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from metronome.engine.engine import Engine, EngineConfig
@@ -41,6 +41,9 @@ def check_books(engine: Engine) -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(actions)
+# found by hypothesis: rolling sinks spanning more blocks than a young session holds yet
+@example([("open", ResidencyPolicy.sinks_window(5, 1, "rolling")), ("submit", 0, 1, 0),
+          ("step",)])
 def test_random_sessions_keep_pool_books(tiny_model, script):
     engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=24 * BLOCK,
                                              max_chunk_tokens=5, max_step_tokens=12))

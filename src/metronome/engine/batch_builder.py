@@ -59,7 +59,8 @@ def build_batch(
         sink_tokens[b] = policy.sink_tokens
         positions.append(pos)
         if policy.positions is Positions.ROLLING and policy.sink_tokens:
-            own_sink_cols[b] = table.num_sink_blocks * block_size
+            # a young session may hold fewer blocks than its sinks span: never past C
+            own_sink_cols[b] = min(table.num_sink_blocks, len(logical)) * block_size
             # the query's slot in the StreamingLLM cache: sinks first, then the window
             sink_positions.append(torch.clamp(starts, max=policy.sink_tokens) + pos - starts)
         else:
