@@ -50,6 +50,8 @@ class KVCache:
         # zeros, not empty: padding slots are read (then masked) and must not hold NaNs.
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
+        # grow-only scratch for gathered context: reused every step and every layer
+        self._scratch = (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype))
 
     @property
     def nbytes(self) -> int:
@@ -61,11 +63,15 @@ class KVCache:
         self.v[layer].index_copy_(1, slot_ids, v.transpose(0, 1))
 
     def gather_buffers(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scratch for one step's gathered context, reused by every layer (no per-layer
-        allocation: fresh 50 MB tensors cost page faults every layer)."""
+        """Scratch for one step's gathered context, shared by every layer and kept across
+        steps (fresh tensors of tens of MB cost page faults on every touch)."""
         kv_heads, _, head_dim = self.k.shape[1:]
         shape = (kv_heads, block_ids.numel(), self.block_size * head_dim)
-        return torch.empty(shape, dtype=self.k.dtype), torch.empty(shape, dtype=self.v.dtype)
+        numel = shape[0] * shape[1] * shape[2]
+        if self._scratch[0].numel() < numel:
+            grown = max(numel, self._scratch[0].numel() * 3 // 2)
+            self._scratch = tuple(torch.empty(grown, dtype=self.k.dtype) for _ in range(2))
+        return self._scratch[0][:numel].view(shape), self._scratch[1][:numel].view(shape)
 
     def gather(
         self, layer: int, block_ids: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor]

@@ -77,9 +77,14 @@ class LlamaModel:
         if batch.sink_positions is not None:
             sink_rope = rope.cos_sin(batch.sink_positions, self.inv_freq, x.dtype)
         buffers = cache.gather_buffers(batch.block_ids)
+        # (kvh * B, 1, Q, C): the step's mask in the fused kernel's layout, built once
+        kvh = self.config.num_kv_heads
+        fused_mask = batch.attend.expand(kvh, *batch.attend.shape[1:]).reshape(
+            kvh * batch.batch_size, 1, batch.max_chunk_tokens, -1)
         for layer_idx, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm, self.config.rms_norm_eps)
-            x = x + self._attention(layer_idx, w, h, batch, cache, buffers, (cos, sin), sink_rope)
+            x = x + self._attention(layer_idx, w, h, batch, cache, buffers, (cos, sin), sink_rope,
+                                    fused_mask)
             h = rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down)
@@ -87,7 +92,7 @@ class LlamaModel:
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
-    def _attention(self, layer_idx, w, h, batch, cache, buffers, rope_cs, sink_rope):
+    def _attention(self, layer_idx, w, h, batch, cache, buffers, rope_cs, sink_rope, fused_mask):
         cos, sin = rope_cs
         cfg = self.config
         tokens = h.shape[0]
@@ -101,14 +106,17 @@ class LlamaModel:
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         cache.write(layer_idx, batch.slot_ids, rope.apply(k, cos, sin), v)
         keys, values = cache.gather(layer_idx, batch.block_ids, buffers)  # (kvh, B, C, hd)
-        keys_t = keys.transpose(-1, -2)  # (kvh, B, hd, C): a transpose BLAS reads in place
-        scores = torch.matmul(self._group(rope.apply(q, cos, sin), batch), keys_t)
-        if sink_rope is not None:
+        q_grouped = self._group(rope.apply(q, cos, sin), batch)  # (kvh, B, group * Q, hd)
+        if sink_rope is None:
+            out = self._fused_attention(q_grouped, keys, values, batch, fused_mask)
+        else:  # rolling sinks need their own scores: the explicit path
+            keys_t = keys.transpose(-1, -2)  # (kvh, B, hd, C): BLAS reads the transpose in place
+            scores = torch.matmul(q_grouped, keys_t)
             q_sink = self._group(rope.apply(q, *sink_rope), batch)
             n = batch.sink_cols.shape[-1]
             sink_scores = torch.matmul(q_sink, keys_t[..., :n])
             scores[..., :n] = torch.where(batch.sink_cols, sink_scores, scores[..., :n])
-        out = self._softmax_values(scores, values, batch)  # (B * Q, heads * hd)
+            out = self._softmax_values(scores, values, batch)  # (B * Q, heads * hd)
         if batch.padded_index is not None:
             out = out.index_select(0, batch.padded_index)
         return F.linear(out, w.o)
@@ -123,6 +131,20 @@ class LlamaModel:
         group = cfg.num_heads // cfg.num_kv_heads
         q = q.view(b, q_len, cfg.num_kv_heads, group, cfg.head_dim).permute(2, 0, 3, 1, 4)
         return q.reshape(cfg.num_kv_heads, b, group * q_len, cfg.head_dim)
+
+    def _fused_attention(self, q_grouped, keys, values, batch, mask) -> torch.Tensor:
+        """torch's fused SDPA with each (kv head, session) pair as one batch entry."""
+        cfg = self.config
+        b, q_len = batch.batch_size, batch.max_chunk_tokens
+        group = cfg.num_heads // cfg.num_kv_heads
+        rows = cfg.num_kv_heads * b
+        out = F.scaled_dot_product_attention(
+            q_grouped.reshape(rows, group, q_len, cfg.head_dim),
+            keys.view(rows, 1, -1, cfg.head_dim), values.view(rows, 1, -1, cfg.head_dim),
+            attn_mask=mask, enable_gqa=True,
+        )  # (kvh * B, group, Q, hd)
+        out = out.view(cfg.num_kv_heads, b, group, q_len, cfg.head_dim).permute(1, 3, 0, 2, 4)
+        return out.reshape(b * q_len, cfg.num_heads * cfg.head_dim)
 
     def _softmax_values(self, scores, values, batch) -> torch.Tensor:
         cfg = self.config
