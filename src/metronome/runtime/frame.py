@@ -51,7 +51,9 @@ class FrameResult:
 
     @property
     def deadline_met(self) -> bool:
-        return self.finish_s <= self.deadline_at_s
+        # a late frame is answered *at* its deadline (on the virtual clock exactly), but its
+        # work was not done: that is a miss
+        return self.status is not FrameStatus.LATE and self.finish_s <= self.deadline_at_s
 
     @property
     def latency_s(self) -> float:
