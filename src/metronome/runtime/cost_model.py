@@ -55,23 +55,32 @@ def from_engine_bench(path: str | Path) -> StepCostModel:
     return StepCostModel.fit(samples)
 
 
-def calibrate(engine, batch_sizes=(1, 4, 16), lengths=(64, 512), repeats: int = 3):
-    """Time real decode steps of `engine` at a few shapes and fit a `StepCostModel`."""
+def calibrate(engine, batch_sizes=(1, 8), lengths=(64, 512), chunks=(1, 16), repeats: int = 3):
+    """Time real steps of `engine` at a few shapes (decode and short prefill chunks) and fit a
+    `StepCostModel`. Each shape keeps its fastest repeat: on a shared machine the minimum is
+    the step's own cost, the rest is other processes' noise."""
     samples = []
     for batch in batch_sizes:
         for length in lengths:
-            sids = [engine.open_session() for _ in range(batch)]
-            for sid in sids:
-                engine.fast_forward(sid, length)
-            for _ in range(repeats + 1):  # the first step warms up
-                for sid in sids:
-                    engine.submit(sid, [1])
-                started = time.perf_counter()
-                result = engine.step()
-                step_s = time.perf_counter() - started
-                tokens = sum(s.input_tokens for s in result.sessions)
-                context = sum(s.context_tokens for s in result.sessions)
-                samples.append((tokens, context, step_s))
-            for sid in sids:
-                engine.close(sid)
-    return StepCostModel.fit(samples[1:]), samples
+            for chunk in chunks:
+                samples.append(_time_shape(engine, batch, length, chunk, repeats))
+    return StepCostModel.fit(samples), samples
+
+
+def _time_shape(engine, batch: int, length: int, chunk: int, repeats: int):
+    sids = [engine.open_session() for _ in range(batch)]
+    for sid in sids:
+        engine.fast_forward(sid, length)
+    timed = []
+    for _ in range(repeats + 1):
+        for sid in sids:
+            engine.submit(sid, [1] * chunk)
+        started = time.perf_counter()
+        result = engine.step()
+        step_s = time.perf_counter() - started
+        tokens = sum(s.input_tokens for s in result.sessions)
+        context = sum(s.context_tokens for s in result.sessions)
+        timed.append((tokens, context, step_s))
+    for sid in sids:
+        engine.close(sid)
+    return min(timed[1:], key=lambda sample: sample[2])  # timed[0] warmed up
