@@ -107,5 +107,89 @@ def bench_admission(
     run_bench(out_md=out, out_json=json_out, smoke=smoke, wall=wall)
 
 
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = typer.Option(8000, help="port to listen on"),
+    model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
+    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16"),
+    policy: str = typer.Option(
+        "sinks_window:4:512", help="every session's KV bound: unbounded | window:W | "
+        "sinks_window:S:W"
+    ),
+    pool_tokens: int = typer.Option(65536, help="KV pool size in tokens"),
+    frame_period_s: float = typer.Option(1.0, help="audio is cut into frames of this length"),
+    deadline_fraction: float = typer.Option(1.0, help="deadline = fraction x frame period"),
+    output_tokens: int = typer.Option(4, help="duplex: tokens generated per frame"),
+    response_tokens: int = typer.Option(16, help="turn mode: tokens of one reply"),
+    mode: str = typer.Option("duplex", help="default session mode: duplex | turn"),
+    admission: str = typer.Option("aimd", help="aimd | static | off"),
+    admission_cap: int = typer.Option(4, help="aimd: initial cap; static: the fixed cap"),
+    api_key: str = typer.Option(
+        None, envvar="METRONOME_API_KEY", show_default=False,
+        help="require this bearer key everywhere but /healthz (prefer the env variable)",
+    ),
+    max_message_bytes: int = typer.Option(1 << 20, help="largest client message"),
+    max_buffered_audio_s: float = typer.Option(4.0, help="unanswered audio a session may send"),
+    idle_timeout_s: float = typer.Option(60.0, help="close a session silent this long"),
+    max_session_s: float = typer.Option(3600.0, help="close a session this old"),
+    log_level: str = typer.Option("info", help="uvicorn log level"),
+) -> None:
+    """Serve the OpenAI Realtime subset over WebSocket (FastAPI + uvicorn)."""
+    from pydantic import ValidationError
+
+    from metronome.serve.config import ServerConfig
+    from metronome.serve.server import serve_forever
+
+    try:
+        config = ServerConfig(
+            host=host, port=port, model=model, dtype=dtype, policy=policy,
+            pool_tokens=pool_tokens, frame_period_s=frame_period_s,
+            deadline_fraction=deadline_fraction, output_tokens_per_frame=output_tokens,
+            response_tokens=response_tokens, mode=mode, admission=admission,
+            admission_cap=admission_cap, api_key=api_key, max_message_bytes=max_message_bytes,
+            max_buffered_audio_s=max_buffered_audio_s, idle_timeout_s=idle_timeout_s,
+            max_session_s=max_session_s,
+        )
+    except ValidationError as err:
+        raise typer.BadParameter(str(err)) from None
+    serve_forever(config, log_level)
+
+
+@app.command()
+def load(
+    url: str = typer.Option("ws://127.0.0.1:8000/v1/realtime", help="the server's realtime URL"),
+    sessions: int = typer.Option(4, min=1, help="sessions to open"),
+    ramp_s: float = typer.Option(2.0, min=0.0, help="sessions start over this many seconds"),
+    arrival: str = typer.Option("ramp", help="ramp (evenly) | poisson (rate sessions/ramp)"),
+    duration_s: float = typer.Option(30.0, min=0.1, help="speech each session streams"),
+    chunk_ms: float = typer.Option(100.0, min=1.0, help="audio per append message"),
+    sample_rate_hz: int = typer.Option(24000, help="input audio rate (audio/pcm)"),
+    mode: str = typer.Option("duplex", help="duplex | turn"),
+    audio_dir: str = typer.Option("tests/fixtures/audio", help="folder of speech WAVs"),
+    api_key: str = typer.Option(None, envvar="METRONOME_API_KEY", show_default=False,
+                                help="bearer key (prefer the env variable)"),
+    out: str = typer.Option("out/load", help="folder for frames.csv and summary.json"),
+    seed: int = typer.Option(0, help="arrival seed (poisson)"),
+) -> None:
+    """Open N Realtime sessions against a server, stream speech in real time, measure."""
+    import asyncio
+    import json
+
+    from metronome.load.run import LoadConfig, run_load
+
+    try:
+        config = LoadConfig(url=url, sessions=sessions, ramp_s=ramp_s, arrival=arrival,
+                            duration_s=duration_s, chunk_ms=chunk_ms,
+                            sample_rate_hz=sample_rate_hz, mode=mode, audio_dir=audio_dir,
+                            api_key=api_key, out=out, seed=seed)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    summary = asyncio.run(run_load(config))
+    typer.echo(json.dumps({k: summary[k] for k in (
+        "sessions", "frames", "goodput_server", "goodput_client", "latency_ms", "gap_ms",
+        "errors")}, indent=2, default=str))
+
+
 def main() -> None:
     app()
