@@ -133,6 +133,11 @@ class WallDriver:
         self.beat = Beat(self.worker, self.clock, on_result, on_step)
         self.worker.start()
 
+    def call_on_engine(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread after the commands queued so far (e.g. read the pool
+        right after a close); fn must not block."""
+        self.worker.commands.put(fn)
+
     def _on_report(self, report: StepReport) -> None:
         started = time.perf_counter()
         self.beat.on_step(report)

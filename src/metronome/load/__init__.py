@@ -1,0 +1,1 @@
+"""The load generator: real Realtime WebSocket clients streaming speech in real time."""

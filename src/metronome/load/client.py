@@ -1,0 +1,192 @@
+"""One load-generating session: a real WebSocket client speaking the Realtime subset.
+
+It streams speech at real-time pace (a chunk is sent when its audio would have been
+captured), and times every frame from the client's side: from sending the chunk that holds
+the frame's last byte to receiving the frame's `metronome.frame` event. Refusals (HTTP 503
+before the upgrade, or close 1013 after it) are recorded with their retry hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import bisect
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+OPEN_TIMEOUT_S = 10.0
+REFUSED_CLOSE_CODE = 1013
+
+
+@dataclass
+class FrameRecord:
+    session: int
+    index: int
+    kind: str
+    status: str
+    num_tokens: int
+    text_chars: int
+    server_latency_ms: float
+    client_latency_ms: float | None  # audio frames only: the client knows when it sent them
+    deadline_ms: float
+    deadline_met: bool  # on the server's clock
+    good: bool  # the server's verdict: output within the deadline
+    received_at_s: float  # since the run started
+    gap_ms: float | None  # since this session's previous frame result arrived
+
+    @property
+    def client_on_time(self) -> bool | None:
+        if self.client_latency_ms is None:
+            return None
+        return self.client_latency_ms <= self.deadline_ms
+
+
+@dataclass
+class SessionOutcome:
+    session: int
+    outcome: str  # completed | refused | failed | closed_by_server
+    detail: str = ""
+    retry_after_s: float | None = None
+    close_code: int | None = None
+    frame_period_s: float | None = None  # as the server announced it
+    frames: int = 0
+    errors: Counter = field(default_factory=Counter)  # error event codes
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    url: str
+    mode: str
+    sample_rate_hz: int
+    chunk_ms: float
+    api_key: str | None
+
+
+class SessionClient:
+    def __init__(self, settings: ClientSettings, index: int, pcm: bytes, origin_s: float,
+                 on_frame: Callable[[FrameRecord], None]) -> None:
+        self.settings = settings
+        self.index = index
+        self.pcm = pcm
+        self.origin_s = origin_s  # time.monotonic() at the start of the run
+        self.on_frame = on_frame
+        self.outcome = SessionOutcome(index, "failed")
+        self._sent_end_ms: list[float] = []  # per chunk sent: stream position after it
+        self._sent_at_s: list[float] = []
+        self._text_chars: Counter = Counter()  # response id -> delta characters
+        self._last_frame_at_s: float | None = None
+        self._expected_frames = 0
+        self._answered_audio_frames = 0
+        self._deadline_ms = 1000.0
+
+    async def run(self) -> SessionOutcome:
+        headers = {}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        try:
+            async with connect(self.settings.url, additional_headers=headers, compression=None,
+                               open_timeout=OPEN_TIMEOUT_S, max_size=None) as ws:
+                await self._converse(ws)
+        except InvalidStatus as err:
+            self._refused_http(err)
+        except ConnectionClosed as err:
+            self._closed(err)
+        except (OSError, TimeoutError, ValueError) as err:
+            self.outcome.outcome, self.outcome.detail = "failed", repr(err)
+        return self.outcome
+
+    async def _converse(self, ws) -> None:
+        await self._expect(ws, "session.created")
+        await ws.send(json.dumps({"type": "session.update", "session": {
+            "type": "realtime", "output_modalities": ["text"],
+            "audio": {"input": {"format": {"type": "audio/pcm",
+                                           "rate": self.settings.sample_rate_hz}}},
+            "metronome": {"mode": self.settings.mode},
+        }}))
+        session = (await self._expect(ws, "session.updated"))["session"]["metronome"]
+        period_s = self.outcome.frame_period_s = session["frame_period_s"]
+        self._deadline_ms = session["deadline_s"] * 1e3
+        frame_bytes = round(self.settings.sample_rate_hz * period_s) * 2
+        self._expected_frames = len(self.pcm) // frame_bytes
+        sender = asyncio.create_task(self._send_audio(ws))
+        try:
+            await asyncio.wait_for(self._receive(ws), self._receive_budget_s())
+        except TimeoutError:
+            self.outcome.detail = "timed out waiting for frame results"
+        finally:
+            sender.cancel()
+        self.outcome.outcome = "completed"
+
+    def _receive_budget_s(self) -> float:
+        return len(self.pcm) / (2 * self.settings.sample_rate_hz) + 2 * self._deadline_ms / 1e3 + 5
+
+    async def _expect(self, ws, event_type: str) -> dict:
+        while True:
+            event = json.loads(await ws.recv())
+            if event["type"] == event_type:
+                return event
+            if event["type"] == "error":
+                raise ValueError(f"expected {event_type}, got error {event['error']}")
+
+    async def _send_audio(self, ws) -> None:
+        rate = self.settings.sample_rate_hz
+        chunk_bytes = round(rate * self.settings.chunk_ms / 1000) * 2
+        start_s = time.monotonic()
+        for offset in range(0, len(self.pcm), chunk_bytes):
+            chunk = self.pcm[offset: offset + chunk_bytes]
+            end_ms = (offset + len(chunk)) / (2 * rate) * 1e3
+            # a microphone delivers a chunk when its last sample has been captured
+            await asyncio.sleep(max(0.0, start_s + end_ms / 1e3 - time.monotonic()))
+            message = json.dumps({"type": "input_audio_buffer.append",
+                                  "audio": base64.b64encode(chunk).decode()})
+            self._sent_end_ms.append(end_ms)  # before the send: its answer may come first
+            self._sent_at_s.append(time.monotonic())
+            await ws.send(message)
+
+    async def _receive(self, ws) -> None:
+        while self._answered_audio_frames < self._expected_frames:
+            event = json.loads(await ws.recv())
+            received_s = time.monotonic()
+            if event["type"] == "metronome.frame":
+                self._on_frame(event, received_s)
+            elif event["type"] == "response.output_text.delta":
+                self._text_chars[event["response_id"]] += len(event["delta"])
+            elif event["type"] == "error":
+                self.outcome.errors[event["error"]["code"]] += 1
+
+    def _on_frame(self, event: dict, received_s: float) -> None:
+        frame = event["frame"]
+        client_latency_ms = None
+        if frame["audio_end_ms"] is not None:
+            self._answered_audio_frames += 1
+            chunk = bisect.bisect_left(self._sent_end_ms, frame["audio_end_ms"] - 1e-6)
+            client_latency_ms = (received_s - self._sent_at_s[chunk]) * 1e3
+        gap_ms = None if self._last_frame_at_s is None else (
+            received_s - self._last_frame_at_s) * 1e3
+        self._last_frame_at_s = received_s
+        self.outcome.frames += 1
+        self.on_frame(FrameRecord(
+            self.index, frame["index"], frame["kind"], frame["status"], frame["num_tokens"],
+            self._text_chars.pop(event["response_id"], 0), frame["latency_ms"],
+            client_latency_ms, self._deadline_ms, frame["deadline_met"], frame["good"],
+            received_s - self.origin_s, gap_ms,
+        ))
+
+    def _refused_http(self, err: InvalidStatus) -> None:
+        response = err.response
+        self.outcome.outcome = "refused" if response.status_code == 503 else "failed"
+        self.outcome.detail = f"HTTP {response.status_code}"
+        retry_after = response.headers.get("Retry-After")
+        self.outcome.retry_after_s = float(retry_after) if retry_after else None
+
+    def _closed(self, err: ConnectionClosed) -> None:
+        code = err.rcvd.code if err.rcvd is not None else None
+        self.outcome.close_code = code
+        self.outcome.outcome = "refused" if code == REFUSED_CLOSE_CODE else "closed_by_server"
+        self.outcome.detail = err.rcvd.reason if err.rcvd is not None else str(err)

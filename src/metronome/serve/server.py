@@ -1,0 +1,83 @@
+"""Running the app under uvicorn: in the foreground (`metronome serve`) or on a background
+thread of this process (tests, embedding), on a socket bound before the server starts."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from metronome.model.llama import LlamaModel
+from metronome.serve.app import create_app
+from metronome.serve.config import ServerConfig
+
+STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model (~20 s on 2 cores)
+
+
+SPURIOUS_DENIAL_ERROR = "ASGI callable returned without completing handshake."
+
+
+class _DenialLogFilter(logging.Filter):
+    """uvicorn's sans-I/O WebSocket protocol logs SPURIOUS_DENIAL_ERROR after every denial
+    response it sent correctly (our HTTP 503 before the upgrade); this app never returns
+    without a handshake otherwise, so the line would only mislead operators."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != SPURIOUS_DENIAL_ERROR
+
+
+DENIAL_LOG_FILTER = _DenialLogFilter()  # one instance: adding it again is a no-op
+
+
+def uvicorn_config(app, config: ServerConfig, log_level: str = "info") -> uvicorn.Config:
+    settings = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=log_level,
+        ws_max_size=config.ws_max_message_bytes,  # the hard cap; see ServerConfig
+        ws_per_message_deflate=False,  # PCM does not compress; deflate costs CPU per message
+    )
+    logging.getLogger("uvicorn.error").addFilter(DENIAL_LOG_FILTER)  # after uvicorn's setup
+    return settings
+
+
+def serve_forever(config: ServerConfig, log_level: str = "info") -> None:
+    uvicorn.Server(uvicorn_config(create_app(config), config, log_level)).run()
+
+
+class ServerThread:
+    """`with ServerThread(config, model, tokenizer) as server:` serves on `server.url`
+    (127.0.0.1, a free port) until the block ends."""
+
+    def __init__(self, config: ServerConfig, model: LlamaModel | None = None, tokenizer=None,
+                 log_level: str = "warning") -> None:
+        self.app = create_app(config, model, tokenizer)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, log_level))
+        self._thread = threading.Thread(target=self.server.run, kwargs={
+            "sockets": [self._socket]}, name="metronome-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+        self._socket.close()

@@ -1,0 +1,328 @@
+"""One Realtime session: client events in, frames to the beat, frame results out as events.
+
+Owns the session's settings (mode, input rate), its audio framer, the frames it has in the
+beat and the responses they belong to. No socket here: events come in through `handle`
+(already parsed), go out through `emit`, and `ClientError` means "answer with an error,
+the session is unchanged". The host (`serve.runtime`) provides the beat and the clock.
+
+Responses: a frame whose profile asks for output is one response
+(`response.created` at submit, then `response.output_text.delta`, `metronome.frame`,
+`response.done` when the beat answers it). In duplex mode that is every frame, so text
+streams back per frame with no commit; in turn mode audio frames only prefill (they get a
+`metronome.frame`, no response) and a reply is the frame that `response.create` submits.
+Mode and input rate are fixed once input has started: the engine session's profile is.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from metronome.audio.frontend import AudioFrontEnd
+from metronome.audio.pcm import PCM16_BYTES_PER_SAMPLE
+from metronome.runtime.frame import Frame, FrameResult, FrameStatus
+from metronome.runtime.profile import SessionProfile
+from metronome.serve import protocol as p
+from metronome.serve.audio_input import AudioFrame, AudioFramer
+from metronome.serve.config import ServerConfig, SessionMode
+from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.text import ChatText
+
+FrameKind = Literal["audio", "text", "response"]
+
+
+class SessionHost(Protocol):
+    config: ServerConfig
+    model_name: str
+    chat: ChatText | None  # None: the model has no tokenizer (presets): audio only
+
+    def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
+
+    def open_engine_session(self, session: RealtimeSession, profile: SessionProfile) -> int: ...
+
+    def close_engine_session(self, engine_session_id: int) -> None: ...
+
+    def submit(self, frame: Frame) -> None: ...
+
+    def now_s(self) -> float: ...
+
+
+@dataclass
+class _FrameOrigin:
+    kind: FrameKind
+    num_input_tokens: int
+    response_id: str | None  # None: no output asked for (turn-mode prefill)
+    output_item_id: str | None
+    audio_end_ms: float | None
+
+
+_RESPONSE_STATUS = {  # frame status -> (response status, reason)
+    FrameStatus.OK: ("completed", None),
+    FrameStatus.LATE: ("incomplete", "deadline"),
+    FrameStatus.CANCELLED: ("cancelled", "session_closed"),
+}
+
+
+class RealtimeSession:
+    def __init__(self, host: SessionHost, emit: Callable[[p.ServerEvent], None],
+                 on_failure: Callable[[], None]) -> None:
+        self.id = p.new_id("sess")
+        self.host = host
+        self.emit = emit
+        self.on_failure = on_failure  # a bug in this session: its connection ends it (1011)
+        config = host.config
+        self.mode = config.mode
+        self.sample_rate_hz = config.default_sample_rate_hz
+        self.profile = config.profile(self.mode)
+        self.opened_at_s = host.now_s()
+        self.engine_session_id = host.open_engine_session(self, self.profile)
+        self.framer = AudioFramer(host.frontend(self.sample_rate_hz), config.frame_period_s)
+        self.decoder = host.chat.decoder() if host.chat else None
+        self.started = False  # input has reached the engine: mode and rate are fixed
+        self.ended_reason = ""  # the engine ended the session (context full)
+        self.frames_submitted = 0
+        self.frames_answered = 0
+        self.last_frame_status: str | None = None
+        self._in_flight: dict[int, _FrameOrigin] = {}
+        self._appended_since_commit_bytes = 0
+        self._last_item_id: str | None = None
+        self._client_response_id: str | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self.emit(p.SessionCreated(session=self._describe()))
+
+    def close(self) -> None:
+        """Answer what is owed (`cancelled`) and give the engine session's blocks back now."""
+        self.host.close_engine_session(self.engine_session_id)
+
+    # ---- client events -----------------------------------------------------------------
+    def handle(self, event: p.ClientEvent) -> None:
+        match event:
+            case p.SessionUpdate():
+                self._update(event.session)
+            case p.InputAudioBufferAppend():
+                self._append(event.audio)
+            case p.InputAudioBufferCommit():
+                self._commit()
+            case p.ConversationItemCreate():
+                self._create_item(event.item)
+            case p.ResponseCreate():
+                self._create_response()
+
+    def _update(self, update: p.SessionIn) -> None:
+        mode, rate_hz = self.mode, self.sample_rate_hz
+        if update.metronome is not None and update.metronome.mode is not None:
+            mode = SessionMode(update.metronome.mode)
+        audio_in = update.audio.input if update.audio else None
+        if audio_in is not None and audio_in.format is not None:
+            rate_hz = audio_in.format.rate
+        if rate_hz not in self.host.config.sample_rates_hz:
+            raise ClientError(
+                ErrorCode.UNSUPPORTED_SAMPLE_RATE,
+                f"rate {rate_hz} Hz is not served; use one of {self.host.config.sample_rates_hz}",
+                "session.audio.input.format.rate",
+            )
+        if (mode, rate_hz) != (self.mode, self.sample_rate_hz):
+            self._reconfigure(mode, rate_hz)
+        self.emit(p.SessionUpdated(session=self._describe()))
+
+    def _reconfigure(self, mode: SessionMode, rate_hz: int) -> None:
+        if self.started or self.framer.received_bytes:
+            raise ClientError(ErrorCode.SESSION_LOCKED,
+                              "mode and input format are fixed once input has started",
+                              "session")
+        if mode is not self.mode:  # nothing submitted yet: a fresh engine session is free
+            self.host.close_engine_session(self.engine_session_id)
+            self.profile = self.host.config.profile(mode)
+            self.engine_session_id = self.host.open_engine_session(self, self.profile)
+        self.mode, self.sample_rate_hz = mode, rate_hz
+        self.framer = AudioFramer(self.host.frontend(rate_hz), self.host.config.frame_period_s)
+
+    def _append(self, audio_b64: str) -> None:
+        pcm = _decode_pcm16(audio_b64)
+        framer = self.framer
+        buffered_s = self._unanswered_s() + (framer.pending_bytes + len(pcm)) / framer.bytes_per_s
+        if buffered_s > self.host.config.max_buffered_audio_s:
+            raise ClientError(
+                ErrorCode.BUFFER_OVERFLOW,
+                f"audio is arriving faster than real time: {buffered_s:.2f} s would be "
+                f"unanswered (limit {self.host.config.max_buffered_audio_s} s); this chunk "
+                "was dropped", "audio",
+            )
+        self._appended_since_commit_bytes += len(pcm)
+        for frame in framer.append(pcm):
+            self._submit_audio(frame)
+
+    def _unanswered_s(self) -> float:
+        """Input the beat has not answered yet, counting every frame as one period."""
+        return len(self._in_flight) * self.host.config.frame_period_s
+
+    def _check_room_for_a_frame(self) -> None:
+        limit_s = self.host.config.max_buffered_audio_s
+        if self._unanswered_s() + self.host.config.frame_period_s > limit_s:
+            raise ClientError(ErrorCode.TOO_MANY_PENDING, f"{len(self._in_flight)} frames are "
+                              f"still unanswered (limit {limit_s:g} s of frames); retry later")
+
+    def _commit(self) -> None:
+        if not self._appended_since_commit_bytes:
+            raise ClientError(ErrorCode.COMMIT_EMPTY, "no audio appended since the last commit")
+        self._appended_since_commit_bytes = 0
+        frame = self.framer.flush()
+        if frame is not None:
+            self._submit_audio(frame)
+        item = p.ItemOut(id=p.new_id("item"), role="user",
+                         content=[p.ContentOut(type="input_audio")])
+        self.emit(p.InputAudioBufferCommitted(item_id=item.id,
+                                              previous_item_id=self._last_item_id))
+        self._add_item(item)
+
+    def _create_item(self, item: p.MessageItemIn) -> None:
+        chat = self._chat()
+        text = "".join(part.text for part in item.content)
+        if len(text) > self.host.config.max_text_chars:
+            raise ClientError(ErrorCode.TEXT_TOO_LONG, f"text has {len(text)} characters; "
+                              f"the limit is {self.host.config.max_text_chars}", "item.content")
+        self._check_room_for_a_frame()
+        self._add_item(p.ItemOut(id=item.id or p.new_id("item"), role=item.role,
+                                 content=[p.ContentOut(type="input_text", text=text)]))
+        self._submit("text", token_ids=chat.item_ids(item.role, text))
+
+    def _create_response(self) -> None:
+        chat = self._chat()
+        if self._client_response_id is not None:
+            raise ClientError(ErrorCode.ACTIVE_RESPONSE,
+                              f"response {self._client_response_id} is still in progress")
+        self._check_room_for_a_frame()
+        self._client_response_id = self._submit("response", token_ids=chat.response_prefix_ids,
+                                                respond=True)
+
+    def _chat(self) -> ChatText:
+        if self.host.chat is None:
+            raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer: "
+                              "text items and text responses are not available")
+        return self.host.chat
+
+    def _add_item(self, item: p.ItemOut) -> None:
+        self.emit(p.ConversationItemAdded(previous_item_id=self._last_item_id, item=item))
+        self._last_item_id = item.id
+
+    # ---- frames ------------------------------------------------------------------------
+    def _submit_audio(self, frame: AudioFrame) -> None:
+        self._submit("audio", embeddings=frame.embeddings, audio_end_ms=frame.audio_end_ms,
+                     respond=self.mode is SessionMode.DUPLEX)
+
+    def _submit(self, kind: FrameKind, token_ids: list[int] | None = None,
+                embeddings: torch.Tensor | None = None, respond: bool = False,
+                audio_end_ms: float | None = None) -> str | None:
+        """Hand one frame to the beat; returns its response id (None: no output asked)."""
+        self.started = True
+        index = self.frames_submitted
+        self.frames_submitted += 1
+        frame = Frame(self.engine_session_id, index, self.host.now_s(), token_ids, embeddings,
+                      respond)
+        response_id = None
+        if self.profile.output_tokens_for(respond) > 0:
+            response_id = p.new_id("resp")
+            self.emit(p.ResponseCreated(response=p.ResponseOut(id=response_id,
+                                                               status="in_progress")))
+        self._in_flight[index] = _FrameOrigin(kind, frame.num_input_tokens, response_id,
+                                              response_id and p.new_id("item"), audio_end_ms)
+        self.host.submit(frame)  # may answer at once (a rejected frame): origin is in place
+        return response_id
+
+    def on_result(self, result: FrameResult) -> None:
+        origin = self._in_flight.pop(result.index)
+        self.frames_answered += 1
+        self.last_frame_status = result.status.value
+        if result.status is FrameStatus.CONTEXT_FULL:
+            self.ended_reason = result.reason
+        text = self._text_of(result.token_ids, flush=origin.kind == "response")
+        if origin.response_id is not None and text:
+            self.emit(p.ResponseOutputTextDelta(response_id=origin.response_id,
+                                                item_id=origin.output_item_id, delta=text))
+        self.emit(p.MetronomeFrame(response_id=origin.response_id,
+                                   frame=_frame_out(result, origin)))
+        if origin.response_id is not None:
+            self.emit(p.ResponseDone(response=_response_out(result, origin, text)))
+        if origin.kind == "response":
+            self._client_response_id = None
+
+    def _text_of(self, token_ids: list[int], flush: bool) -> str:
+        if self.decoder is None:
+            return ""
+        text = self.decoder.push(token_ids)
+        return text + self.decoder.flush() if flush else text
+
+    # ---- descriptions --------------------------------------------------------------------
+    def _describe(self) -> p.SessionOut:
+        config, profile = self.host.config, self.profile
+        return p.SessionOut(
+            id=self.id, model=self.host.model_name,
+            audio=p.AudioOut(input=p.AudioInputOut(
+                format=p.AudioFormatOut(rate=self.sample_rate_hz))),
+            metronome=p.MetronomeSessionOut(
+                mode=self.mode.value, frame_period_s=profile.frame_period_s,
+                deadline_s=profile.deadline_s,
+                output_tokens_per_frame=profile.max_output_tokens_per_frame,
+                policy=str(profile.policy), token_rate_hz=config.token_rate_hz,
+            ),
+        )
+
+    def summary(self, now_s: float, resident_kv_tokens: int | None) -> dict:
+        """What `GET /v1/sessions` shows of this session."""
+        return {
+            "id": self.id, "status": "ended" if self.ended_reason else "active",
+            "ended_reason": self.ended_reason or None, "mode": self.mode.value,
+            "sample_rate_hz": self.sample_rate_hz, "age_s": round(now_s - self.opened_at_s, 3),
+            "engine_session_id": self.engine_session_id,
+            "resident_kv_tokens": resident_kv_tokens, "frames_submitted": self.frames_submitted,
+            "frames_answered": self.frames_answered, "last_frame_status": self.last_frame_status,
+            "unanswered_frames": len(self._in_flight),
+        }
+
+
+def _decode_pcm16(audio_b64: str) -> bytes:
+    try:
+        pcm = base64.b64decode(audio_b64, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ClientError(ErrorCode.INVALID_AUDIO, f"audio is not valid base64: {err}",
+                          "audio") from None
+    if not pcm or len(pcm) % PCM16_BYTES_PER_SAMPLE:
+        raise ClientError(ErrorCode.INVALID_AUDIO, f"audio/pcm needs whole 16-bit samples; got "
+                          f"{len(pcm)} bytes", "audio")
+    return pcm
+
+
+def _frame_out(result: FrameResult, origin: _FrameOrigin) -> p.FrameOut:
+    return p.FrameOut(
+        index=result.index, kind=origin.kind, status=result.status.value, reason=result.reason,
+        num_input_tokens=origin.num_input_tokens, num_tokens=len(result.token_ids),
+        arrival_s=result.arrival_s, start_s=result.start_s, finish_s=result.finish_s,
+        deadline_at_s=result.deadline_at_s, latency_ms=result.latency_s * 1e3,
+        deadline_met=result.deadline_met, good=result.good, audio_end_ms=origin.audio_end_ms,
+    )
+
+
+def _response_out(result: FrameResult, origin: _FrameOrigin, text: str) -> p.ResponseOut:
+    status, reason = _RESPONSE_STATUS.get(result.status, ("failed", None))
+    error = None
+    if status == "failed":
+        error = {"type": p.ErrorType.SERVER.value, "code": result.status.value,
+                 "message": result.reason}
+    item = p.ItemOut(id=origin.output_item_id, role="assistant",
+                     status="completed" if status == "completed" else "incomplete",
+                     content=[p.ContentOut(type="output_text", text=text)])
+    num_output = len(result.token_ids)
+    return p.ResponseOut(
+        id=origin.response_id, status=status,
+        status_details=p.StatusDetails(type=status, reason=reason, error=error),
+        output=[item],
+        usage=p.Usage(total_tokens=origin.num_input_tokens + num_output,
+                      input_tokens=origin.num_input_tokens, output_tokens=num_output),
+    )

@@ -1,0 +1,51 @@
+"""Text in and out: ChatML framing of text items, and incremental detokenization.
+
+Text items are framed with ChatML markers (`<|im_start|>role\\n...<|im_end|>\\n`), SmolLM2's
+and Qwen's chat format, and a response starts with the assistant header, so the bundled
+model answers text turns as the chat model it is. A model with another chat format still
+gets text through, framed in markers it was not trained on.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+MAX_HELD_TOKENS = 8  # a UTF-8 character spans at most 4 byte-level tokens; hold no longer
+
+
+class ChatText:
+    def __init__(self, tokenizer) -> None:  # a tokenizers.Tokenizer
+        self.tokenizer = tokenizer
+        self.response_prefix_ids: list[int] = tokenizer.encode("<|im_start|>assistant\n").ids
+
+    def item_ids(self, role: str, text: str) -> list[int]:
+        return self.tokenizer.encode(f"<|im_start|>{role}\n{text}<|im_end|>\n").ids
+
+    def decoder(self) -> DeltaDecoder:
+        return DeltaDecoder(self.tokenizer)
+
+
+class DeltaDecoder:
+    """Token ids in pieces -> text deltas that concatenate to the decoded whole.
+
+    Byte-level BPE decodes each token on its own, except a multi-byte character split
+    across tokens: its leading tokens decode to U+FFFD, so they are held back until the
+    character completes (or `MAX_HELD_TOKENS` pass, when they go out as they are).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._held_ids: list[int] = []
+
+    def push(self, token_ids: list[int]) -> str:
+        ids = self._held_ids + list(token_ids)
+        text = self.tokenizer.decode(ids)
+        if text.endswith(REPLACEMENT_CHAR) and len(ids) < MAX_HELD_TOKENS:
+            self._held_ids = ids
+            return ""
+        self._held_ids = []
+        return text
+
+    def flush(self) -> str:
+        """Whatever is held, as it decodes now (the end of a response)."""
+        ids, self._held_ids = self._held_ids, []
+        return self.tokenizer.decode(ids) if ids else ""

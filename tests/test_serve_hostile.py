@@ -1,0 +1,377 @@
+"""Hostile input: over 1,000 malformed or hostile messages across sessions (a corpus plus
+hypothesis-generated ones). Each is answered by an `error` event or a clean close, every
+hostile session stays consistent, nothing crashes, and a well-behaved session streaming
+speech alongside the whole time meets every deadline."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from metronome.load.speech import speech_stream
+from metronome.model.weights import load_tokenizer
+from metronome.serve.config import ServerConfig
+from metronome.serve.server import ServerThread
+
+pytestmark = pytest.mark.model
+AUDIO_DIR = Path(__file__).parent / "fixtures" / "audio"
+CONFIG = ServerConfig(pool_tokens=4096, admission="off", max_message_bytes=16384,
+                      max_text_chars=2000, max_buffered_audio_s=3.0)
+TRANSPORT_CLOSE = 1009  # over the transport cap (4 x 16 KiB): closed before it reaches us
+REPLY_TIMEOUT_S = 3.0  # answers take milliseconds
+MIN_MESSAGES = 1000
+
+
+def recv(ws, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
+    return json.loads(ws.recv(timeout=timeout_s))
+
+
+class SpeechStreamer:
+    """The well-behaved session: speech at real-time pace in 100 ms chunks, from a sender
+    thread, while a receiver thread collects every frame result."""
+
+    CHUNK_S = 0.1
+
+    def __init__(self, url: str) -> None:
+        self.ws = connect(url)
+        recv(self.ws)
+        self.pcm = speech_stream(AUDIO_DIR, 24000, 120.0)
+        self.frames: list[dict] = []
+        self.errors: list[dict] = []
+        self.sent_bytes = 0
+        self._stop = threading.Event()
+        self._sender = threading.Thread(target=self._send, daemon=True)
+        self._receiver = threading.Thread(target=self._receive, daemon=True)
+
+    def start(self) -> None:
+        self._sender.start()
+        self._receiver.start()
+
+    def _send(self) -> None:
+        chunk_bytes = round(24000 * self.CHUNK_S) * 2
+        started = time.monotonic()
+        for k, offset in enumerate(range(0, len(self.pcm), chunk_bytes)):
+            time.sleep(max(0.0, started + (k + 1) * self.CHUNK_S - time.monotonic()))
+            if self._stop.is_set():
+                return
+            chunk = self.pcm[offset: offset + chunk_bytes]
+            self.ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                     "audio": base64.b64encode(chunk).decode()}))
+            self.sent_bytes += len(chunk)
+
+    def _receive(self) -> None:
+        for message in self.ws:
+            event = json.loads(message)
+            if event["type"] == "metronome.frame":
+                self.frames.append(event["frame"])
+            elif event["type"] == "error":
+                self.errors.append(event["error"])
+
+    def stop(self) -> int:
+        """Stop sending, wait for the last results; returns the frames sent."""
+        self._stop.set()
+        self._sender.join()
+        sent_frames = self.sent_bytes // 48000
+        deadline = time.monotonic() + 5
+        while len(self.frames) < sent_frames and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.ws.close()
+        self._receiver.join(timeout=5)
+        return sent_frames
+
+
+@dataclass
+class Tally:
+    outcomes: Counter = field(default_factory=Counter)  # error code or close:<code>
+
+    @property
+    def total(self) -> int:
+        return sum(self.outcomes.values())
+
+
+class HostileSession:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.ws = None
+
+    def exchange(self, message: str | bytes) -> str:
+        """Send one message; its answer: an error code, or `close:<code>`."""
+        if self.ws is None:
+            self.ws = connect(self.url, max_size=None)
+            assert recv(self.ws)["type"] == "session.created"
+        self.ws.send(message)
+        try:
+            while True:
+                event = recv(self.ws)
+                if event["type"] == "error":
+                    return event["error"]["code"]
+        except ConnectionClosed as closed:
+            self.ws = None
+            return f"close:{closed.rcvd.code if closed.rcvd else None}"
+
+    def assert_consistent(self) -> None:
+        """The session still answers, with its settings untouched."""
+        if self.ws is None:
+            return
+        self.ws.send(json.dumps({"type": "session.update", "session": {}}))
+        event = recv(self.ws)
+        while event["type"] in ("metronome.frame", "response.done"):  # flood answers
+            event = recv(self.ws)
+        assert event["type"] == "session.updated", event
+        assert event["session"]["metronome"]["mode"] == "duplex"
+        assert event["session"]["audio"]["input"]["format"]["rate"] == 24000
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+
+
+@pytest.fixture(scope="module")
+def world(smollm2):
+    with ServerThread(CONFIG, smollm2, load_tokenizer()) as server:
+        streamer = SpeechStreamer(server.ws_url)
+        streamer.start()
+        yield server, streamer, Tally()
+        streamer.stop()
+
+
+def play(world, messages: list[str | bytes], num_sessions: int = 3) -> list[str]:
+    server, _, tally = world
+    sessions = [HostileSession(server.ws_url) for _ in range(num_sessions)]
+    answers = [sessions[i % num_sessions].exchange(m) for i, m in enumerate(messages)]
+    for session in sessions:
+        session.assert_consistent()
+        session.close()
+    tally.outcomes.update(answers)
+    return answers
+
+
+# ---- the corpus ------------------------------------------------------------------------------
+def _event(**fields) -> str:
+    return json.dumps(fields)
+
+
+def _session(session) -> str:
+    return _event(type="session.update", session=session)
+
+
+def _pcm_format(**fmt) -> dict:
+    return {"audio": {"input": {"format": {"type": "audio/pcm"} | fmt}}}
+
+
+def _item(**item) -> str:
+    return _event(type="conversation.item.create", item={"type": "message", "role": "user",
+                                                         "content": [{"type": "input_text",
+                                                                      "text": "hi"}]} | item)
+
+
+CORPUS: list[tuple[str | bytes, str]] = [
+    # not JSON, or not an object
+    ("", "invalid_json"), (" ", "invalid_json"), ("{", "invalid_json"), ("}", "invalid_json"),
+    ("nul", "invalid_json"), ("\x00", "invalid_json"), ("{'type': 'x'}", "invalid_json"),
+    ('{"type": "session.update",}', "invalid_json"), ("[]", "invalid_json"),
+    ("null", "invalid_json"), ("true", "invalid_json"), ("42", "invalid_json"),
+    ("NaN", "invalid_json"), ("1e999999", "invalid_json"), ('"session.update"', "invalid_json"),
+    ("[" * 10000, "invalid_json"), ('{"a":' * 3000, "invalid_json"),
+    # the event type
+    ("{}", "unknown_event_type"), ('{"type": null}', "unknown_event_type"),
+    ('{"type": 1}', "unknown_event_type"), ('{"type": []}', "unknown_event_type"),
+    ('{"type": {}}', "unknown_event_type"), ('{"type": "SESSION.UPDATE"}', "unknown_event_type"),
+    ('{"type": "session.update "}', "unknown_event_type"),
+    ('{"type": "response.cancel"}', "unknown_event_type"),
+    ('{"type": "input_audio_buffer.clear"}', "unknown_event_type"),
+    (_event(type="x" * 5000), "unknown_event_type"),
+    # session.update
+    ('{"type": "session.update"}', "missing_required_parameter"),
+    (_session(None), "invalid_value"), (_session([]), "invalid_value"),
+    (_session({"voice": "alloy"}), "unknown_parameter"),
+    (_session({"instructions": "be evil"}), "unknown_parameter"),
+    (_session({"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}),
+     "invalid_value"),
+    (_session({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}), "invalid_value"),
+    (_session({"audio": {"input": {"format": {"type": "audio/pcma"}}}}), "invalid_value"),
+    (_session(_pcm_format(rate="24000")), "invalid_value"),
+    (_session(_pcm_format(rate=24000.5)), "invalid_value"),
+    (_session(_pcm_format(rate=-1)), "unsupported_sample_rate"),
+    (_session(_pcm_format(rate=10**30)), "unsupported_sample_rate"),
+    (_session(_pcm_format(rate=8000)), "unsupported_sample_rate"),
+    (_session({"output_modalities": ["audio"]}), "invalid_value"),
+    (_session({"metronome": {"mode": "simplex"}}), "invalid_value"),
+    (_session({"metronome": {"frame_period_s": 0.001}}), "unknown_parameter"),
+    (_event(type="session.update", event_id="e" * 200, session={}), "invalid_value"),
+    (_event(type="session.update", event_id=7, session={}), "invalid_value"),
+    # input_audio_buffer.append
+    ('{"type": "input_audio_buffer.append"}', "missing_required_parameter"),
+    (_event(type="input_audio_buffer.append", audio=None), "invalid_value"),
+    (_event(type="input_audio_buffer.append", audio=[1, 2]), "invalid_value"),
+    (_event(type="input_audio_buffer.append", audio="!!!!"), "invalid_audio"),
+    (_event(type="input_audio_buffer.append", audio="abc"), "invalid_audio"),
+    (_event(type="input_audio_buffer.append", audio="AA=="), "invalid_audio"),  # one byte
+    (_event(type="input_audio_buffer.append", audio=""), "invalid_audio"),
+    (_event(type="input_audio_buffer.append", audio="é"), "invalid_audio"),
+    (_event(type="input_audio_buffer.append", audio="AA AA"), "invalid_audio"),
+    (_event(type="input_audio_buffer.append", audio="AAAA", x=1), "unknown_parameter"),
+    # input_audio_buffer.commit: nothing was appended
+    ('{"type": "input_audio_buffer.commit"}', "input_audio_buffer_commit_empty"),
+    ('{"type": "input_audio_buffer.commit", "item_id": "i"}', "unknown_parameter"),
+    # conversation.item.create
+    ('{"type": "conversation.item.create"}', "missing_required_parameter"),
+    (_item(role="assistant"), "invalid_value"), (_item(content=[]), "invalid_value"),
+    (_item(content=[{"type": "input_audio", "audio": "AAAA"}]), "invalid_value"),
+    (_item(content=[{"type": "input_text", "text": 5}]), "invalid_value"),
+    (_item(content=[{"type": "input_text", "text": "x" * 2001}]), "text_too_long"),
+    (_item(content=[{"type": "input_text", "text": "x"}] * 100), "invalid_value"),
+    (_item(type="function_call"), "invalid_value"),
+    # response.create
+    (_event(type="response.create", response={"instructions": "x"}), "unknown_parameter"),
+    (_event(type="response.create", response={"output_modalities": ["audio"]}),
+     "invalid_value"),
+    (_event(type="response.create", response=5), "invalid_value"),
+    # frames and sizes
+    (b"", "binary_not_supported"), (b"\x00" * 10, "binary_not_supported"),
+    (b'{"type": "response.create"}', "binary_not_supported"),
+    ("x" * 20000, "message_too_large"),
+    (_event(type="input_audio_buffer.append", audio="A" * 30000), "message_too_large"),
+    ("x" * 70000, f"close:{TRANSPORT_CLOSE}"),
+]
+
+
+def test_corpus_each_message_gets_its_exact_error_or_a_clean_close(world):
+    messages, expected = zip(*CORPUS, strict=True)
+    assert play(world, list(messages)) == list(expected)
+
+
+def test_audio_flood_is_refused_past_the_buffer_and_the_session_survives(world):
+    server, _, tally = world
+    session = HostileSession(server.ws_url)
+    chunk = base64.b64encode(speech_stream(AUDIO_DIR, 24000, 0.2)).decode()
+    append = json.dumps({"type": "input_audio_buffer.append", "audio": chunk})
+    assert session.exchange("{}") == "unknown_event_type"  # connected
+    for _ in range(50):  # 10 s of audio at once; 3 s may be unanswered
+        session.ws.send(append)
+    session.ws.send(json.dumps({"type": "session.update", "session": {}}))
+    events = []
+    while not events or events[-1]["type"] != "session.updated":  # after every append
+        events.append(recv(session.ws))
+    errors = [e["error"]["code"] for e in events if e["type"] == "error"]
+    assert set(errors) == {"input_audio_buffer_overflow"} and len(errors) >= 30
+    frames = sum(e["type"] == "metronome.frame" for e in events)
+    while frames < (50 - len(errors)) // 5:  # every accepted second is answered
+        frames += recv(session.ws)["type"] == "metronome.frame"
+    tally.outcomes["input_audio_buffer_overflow"] += len(errors)
+    session.assert_consistent()
+    session.close()
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _bad_audio(text: str) -> bool:
+    try:
+        pcm = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return True
+    return len(pcm) % 2 == 1 or not pcm
+
+
+JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(
+    max_size=20)
+JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.lists(inner, max_size=4) | (
+    st.dictionaries(st.text(max_size=10), inner, max_size=4)), max_leaves=16)
+NOT_STRINGS = JSON_VALUES.filter(lambda v: not isinstance(v, str))
+TEMPLATES = [  # (valid event, its field, values that field can never take)
+    ({"type": "session.update", "session": {"type": "realtime"}}, "session", JSON_LEAVES),
+    ({"type": "input_audio_buffer.append", "audio": "AAAA"}, "audio", NOT_STRINGS),
+    ({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}},
+     "item", JSON_LEAVES),
+    ({"type": "response.create", "response": {"output_modalities": ["text"]}}, "response",
+     JSON_LEAVES.filter(lambda v: v is not None)),  # response is optional: null is valid
+]
+
+
+@st.composite
+def mutated_event(draw) -> str:
+    """A valid event made invalid in one way that no server may accept."""
+    template, field_name, invalid = draw(st.sampled_from(TEMPLATES))
+    event = json.loads(json.dumps(template))
+    how = draw(st.sampled_from(["extra", "drop", "type", "value"]))
+    if how == "extra":
+        event[f"x_{draw(st.text(max_size=8))}"] = draw(JSON_VALUES)
+    elif how == "drop" and field_name != "response":  # the others are required
+        del event[field_name]
+    elif how == "type":
+        event["type"] = draw(st.text(max_size=30).filter(lambda t: "." not in t))
+    else:
+        event[field_name] = draw(invalid)
+    return json.dumps(event)
+
+
+HOSTILE = st.one_of(
+    st.text(max_size=300).filter(lambda t: not _is_json_object(t)),
+    JSON_VALUES.map(json.dumps),
+    mutated_event(),
+    st.text(max_size=200).filter(_bad_audio).map(
+        lambda a: json.dumps({"type": "input_audio_buffer.append", "audio": a})),
+    st.integers().filter(lambda r: r not in CONFIG.sample_rates_hz).map(
+        lambda r: _session(_pcm_format(rate=r))),
+    st.binary(max_size=64),
+)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(messages=st.lists(HOSTILE, min_size=20, max_size=20))
+def test_generated_hostile_messages_are_each_answered(world, messages):
+    answers = play(world, messages, num_sessions=2)
+    assert all(not a.startswith("close:") for a in answers), answers  # all small messages
+
+
+def test_abrupt_disconnects_leave_nothing_behind(world):
+    server, _, _ = world
+    for _ in range(10):
+        ws = connect(server.ws_url)
+        ws.send('{"type": "input_audio_buffer.append", "audio": "AAAA"}')
+        ws.socket.close()  # no close frame: the TCP connection just goes
+    deadline = time.monotonic() + 5
+    while httpx.get(server.url + "/healthz").json()["sessions"] > 1:  # the streamer remains
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_server_stays_whole_and_the_streamer_met_every_deadline(world):
+    server, streamer, tally = world
+    assert tally.total >= MIN_MESSAGES, tally.outcomes
+    with connect(server.ws_url) as ws:  # a fresh session gets a full, correct reply
+        recv(ws)
+        ws.send(_item(content=[{"type": "input_text", "text": "What is the capital of France?"}]))
+        ws.send('{"type": "response.create"}')
+        events = [recv(ws, 30.0) for _ in range(8)]
+        done = next(e for e in events if e["type"] == "response.done")
+    assert done["response"]["status"] == "completed"
+    while streamer.sent_bytes < 6 * 48000:  # at least 6 frames, all during the hostility
+        time.sleep(0.1)
+    sent_frames = streamer.stop()
+    assert len(streamer.frames) == sent_frames
+    assert streamer.errors == []
+    late = [f for f in streamer.frames if f["status"] != "ok" or not f["deadline_met"]]
+    assert late == [], late
+    print(f"hostile messages: {tally.total} {dict(tally.outcomes)}; streamer frames "
+          f"{sent_frames}, latency ms max {max(f['latency_ms'] for f in streamer.frames):.0f}")
