@@ -153,3 +153,10 @@ def test_step_reports_what_the_runtime_needs(tiny_model):
     third = engine.step().by_session()[sid]  # the last token's KV is still written
     assert third.new_token_ids == [] and not third.generating and not engine.has_work
     assert engine.session_tokens(sid) == 7
+
+
+def test_warm_up_leaves_the_engine_as_it_found_it(tiny_model):
+    engine = make_engine(tiny_model, blocks=20)
+    engine.warm_up()
+    assert engine.pool_stats().used_blocks == 0 and not engine.sessions
+    assert engine.open_session() == 1  # ids keep counting: no reuse of the warm-up's id

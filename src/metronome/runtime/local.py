@@ -117,6 +117,7 @@ def build(config: RunConfig):
     model = load_model(config.model, DTYPES[config.dtype])
     engine = Engine(model, EngineConfig(block_size=config.block_size,
                                         pool_tokens=config.pool_tokens))
+    engine.warm_up()
     if config.input == "audio":
         source = audio_source(model, config.frame_period_s)
     else:

@@ -37,6 +37,7 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         served, tok = (model, tokenizer) if model is not None else _load(config)
         engine = Engine(served, config.engine_config())
+        engine.warm_up()  # before the engine thread starts: the first user pays no warm-up
         runtime = ServerRuntime(config, engine, tok, registry or CollectorRegistry(),
                                 model_name=served.config.name)
         app.state.runtime = runtime
