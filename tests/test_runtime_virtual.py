@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from metronome.engine.engine import Engine, EngineConfig
+from metronome.engine.sampling import SamplingParams
 from metronome.kv.residency import ResidencyPolicy
 from metronome.observe.stall_detector import Health
 from metronome.runtime.cost_model import StepCostModel
@@ -140,3 +141,29 @@ def test_bad_frame_and_disconnect_touch_no_other_session(tiny_model):
     assert {r.status for r in by_session[bad]} == {FrameStatus.REJECTED}
     assert len(by_session[bad]) == 6
     assert [r.status for r in by_session[leaver]][-1] is FrameStatus.CANCELLED
+
+
+def test_late_frames_keep_their_tokens_and_the_next_frame_starts_clean(tiny_model):
+    """Steps of 0.3 s: a frame's 4th token is sampled by a step that straddles its deadline.
+    That token is the late frame's (late_token_ids), never the next frame's."""
+    engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=64 * BLOCK))
+    recorder = RunRecorder()
+    late_counts = []
+    driver = VirtualDriver(engine, StepCostModel(0.3, 0.0, 0.0), recorder.on_result)
+    driver.beat.on_late_tokens = late_counts.append
+    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
+                             policy=ResidencyPolicy.sinks_window(4, 64),
+                             sampling=SamplingParams())
+    sid = driver.beat.open_session(profile)
+    for i in range(5):
+        t = float(i + 1)
+        driver.clock.call_at(t, lambda now, i=i: driver.beat.submit_frame(
+            Frame(sid, i, now, [1 + i, 2, 3]), now))
+    driver.run_until(8.0)
+    frames = sorted(recorder.results, key=lambda r: r.index)
+    assert [r.status for r in frames] == [FrameStatus.LATE] * 5
+    for r in frames:
+        assert r.start_s is None or r.start_s >= r.arrival_s  # no work credited before arrival
+        assert len(r.token_ids) + len(r.late_token_ids) <= 4
+    assert any(r.late_token_ids for r in frames) and sum(late_counts) == sum(
+        len(r.late_token_ids) for r in frames)

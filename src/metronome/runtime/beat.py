@@ -1,7 +1,9 @@
 """The beat: every frame of every session gets exactly one result, on time, with the truth.
 
 Owns per-session frame queues and the attribution of engine work to frames. One frame per
-session is in flight in the engine at a time; a frame is answered when its work is done
+session is submitted at a time (the next goes in when the previous is answered; a step
+already under way may still finish work of the answered one: see `_attribute`); a frame
+is answered when its work is done
 (`ok`), when its deadline passes first (`late`, with what was ready), or at once when the
 engine reports its session stalled on KV (`stalled_kv`: what real engines do silently;
 an empty result on the beat), so frames keep going out while the truth is recorded.
@@ -50,11 +52,13 @@ class Beat:
         scheduler: Scheduler,
         on_result: Callable[[FrameResult], None],
         on_step: Callable[[StepReport], None] | None = None,
+        on_late_tokens: Callable[[int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.on_result = on_result
         self.on_step_report = on_step
+        self.on_late_tokens = on_late_tokens  # tokens credited after their frame went out
         self.sessions: dict[int, _SessionState] = {}
         self._next_session_id = 0
 
@@ -71,11 +75,15 @@ class Beat:
     def close_session(self, session_id: int, now_s: float) -> None:
         """Answer what is still owed (`cancelled`) and free the session's blocks at once."""
         state = self.sessions.pop(session_id)
-        if state.in_flight is not None:
-            self._answer(state, state.in_flight, FrameStatus.CANCELLED, now_s, "session closed")
-        for frame in state.waiting:
-            self._answer_unstarted(state, frame, FrameStatus.CANCELLED, now_s, "session closed")
-        self.engine.close(session_id)
+        try:
+            if state.in_flight is not None:
+                self._answer(state, state.in_flight, FrameStatus.CANCELLED, now_s,
+                             "session closed")
+            for frame in state.waiting:
+                self._answer_unstarted(state, frame, FrameStatus.CANCELLED, now_s,
+                                       "session closed")
+        finally:  # a failing result callback must not keep the blocks
+            self.engine.close(session_id)
 
     # ---- frames ------------------------------------------------------------------------
     def submit_frame(self, frame: Frame, now_s: float) -> None:
@@ -113,16 +121,12 @@ class Beat:
         state = self.sessions.get(frame.session_id)
         if state is None:
             return
+        # Frames queue FIFO with one deadline_s, so a waiting frame's deadline never comes
+        # before the in-flight frame's: only the in-flight frame can be overtaken here.
         flight = state.in_flight
         if flight is not None and flight.frame is frame:
             self._answer(state, flight, FrameStatus.LATE, now_s, "deadline passed mid-work")
             self._advance(frame.session_id, state)
-        elif any(f is frame for f in state.waiting):
-            # never reached the engine in time: answer late, but keep its input (context)
-            state.waiting.remove(frame)
-            self._answer_unstarted(state, frame, FrameStatus.LATE, now_s, "queued past deadline")
-            self.engine.submit(frame.session_id, frame.token_ids, frame.embeddings, 0)
-            state.backlog_tokens += frame.num_input_tokens
 
     # ---- engine steps -------------------------------------------------------------------
     def on_step(self, report: StepReport) -> None:
@@ -150,24 +154,27 @@ class Beat:
         self._advance(session_id, state)
 
     def _attribute(self, state, flight: _InFlight | None, outcome: SessionStep, report) -> None:
-        consumed = outcome.submitted_tokens
-        paid = min(consumed, state.backlog_tokens)
+        """Input pays the backlog of answered frames first, then the in-flight frame. Tokens
+        are the in-flight frame's only once its own input is all consumed (nothing samples
+        before that); otherwise they come from a step that began before the previous frame
+        was answered (its deadline fell mid-step) and are that frame's late tokens."""
+        paid = min(outcome.submitted_tokens, state.backlog_tokens)
         state.backlog_tokens -= paid
-        if flight is None:
-            if state.last_answered is not None:
-                state.last_answered.late_token_ids += outcome.new_token_ids
-            return
-        if consumed - paid or outcome.new_token_ids:
+        own = outcome.submitted_tokens - paid
+        if flight is not None and own:
             flight.start_s = report.started_s if flight.start_s is None else flight.start_s
-        flight.input_left -= consumed - paid
-        assert flight.input_left >= 0, (flight.input_left, outcome)
-        flight.token_ids += outcome.new_token_ids
+            flight.input_left -= own
+            assert flight.input_left >= 0, (flight.input_left, outcome)
+        if flight is not None and flight.input_left == 0:
+            flight.token_ids += outcome.new_token_ids
+        elif state.last_answered is not None and outcome.new_token_ids:
+            state.last_answered.late_token_ids += outcome.new_token_ids
+            if self.on_late_tokens is not None:
+                self.on_late_tokens(len(outcome.new_token_ids))
 
     @staticmethod
     def _done(flight: _InFlight, outcome: SessionStep) -> bool:
-        if flight.input_left:
-            return False
-        return not outcome.generating or len(flight.token_ids) >= flight.max_tokens
+        return flight.input_left == 0 and not outcome.generating
 
     def _end(self, state: _SessionState, now_s: float, reason: str) -> None:
         state.ended_reason = reason
