@@ -51,14 +51,15 @@ def test_every_metric_is_exposed_and_parses():
 
 def test_frame_counters_histograms_and_goodput_are_exact():
     metrics = Metrics(CollectorRegistry(), goodput_window_frames=3)
-    metrics.observe_frame("ok", 0.004, 3, deadline_met=True)  # good
-    metrics.observe_frame(Status.STALLED_KV, 0.003, 0, deadline_met=True)  # on time, empty
-    metrics.observe_frame("late", 0.25, 5, deadline_met=False)  # 5 late tokens
-    metrics.observe_frame("ok", 0.002, 0, deadline_met=True, expected_output=False)  # good
+    metrics.observe_frame("ok", 0.004, 3, good=True)
+    metrics.observe_frame(Status.STALLED_KV, 0.003, 0, good=False)  # on time, empty
+    metrics.observe_frame("late", 0.25, 5, good=False)
+    metrics.observe_late_tokens(5)  # produced after the late frame went out
+    metrics.observe_frame("ok", 0.002, 0, good=True)  # nothing asked, nothing owed
     got = samples(metrics)
     frames = {s: got[("metronome_frames_total", (("status", s),))]
-              for s in ("ok", "late", "stalled_kv", "rejected", "error", "context_full")}
-    assert frames == {"ok": 2, "late": 1, "stalled_kv": 1, "rejected": 0, "error": 0,
+              for s in ("ok", "late", "stalled_kv", "rejected", "cancelled", "context_full")}
+    assert frames == {"ok": 2, "late": 1, "stalled_kv": 1, "rejected": 0, "cancelled": 0,
                       "context_full": 0}
     assert got[("metronome_good_frames_total", ())] == 2
     assert got[("metronome_late_tokens_total", ())] == 5

@@ -31,3 +31,41 @@ def test_latency_rises_with_sessions(runs):
     p50 = {n: runs[n]["latency_ms"]["p50"] for n in runs}
     print("wall clock p50 latency ms by sessions:", p50)
     assert p50[1] < p50[4] < p50[12]
+
+
+def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_model):
+    import asyncio
+
+    from metronome.engine.engine import Engine, EngineConfig
+    from metronome.runtime.frame import Frame
+    from metronome.runtime.profile import SessionProfile
+    from metronome.runtime.wall import WallDriver
+
+    engine = Engine(tiny_model, EngineConfig(block_size=16, pool_tokens=1024))
+    real_step, calls = engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = failing_once
+    results = []
+
+    async def scenario():
+        driver = WallDriver(engine, results.append)
+        sid = driver.beat.open_session(SessionProfile(frame_period_s=0.5))
+        driver.beat.submit_frame(Frame(sid, 0, driver.now_s(), [1, 2, 3]), driver.now_s())
+        await asyncio.sleep(0.3)
+        driver.beat.submit_frame(Frame(sid, 1, driver.now_s(), [4, 5]), driver.now_s())
+        await asyncio.sleep(0.8)
+        driver.beat.close_session(sid, driver.now_s())
+        await asyncio.sleep(0.2)
+        driver.close()
+        return driver.worker.error
+
+    error = asyncio.run(scenario())
+    assert error == "RuntimeError: boom"
+    assert len(calls) > 1 and len(results) == 2  # the engine kept stepping after the failure
+    assert engine.pool_stats().used_blocks == 0  # and the close still returned every block

@@ -38,7 +38,8 @@ HEALTH_STATE = "metronome_health_state"
 
 # Statuses whose series exist from the start (at 0), so rate() works before the first event.
 # Other status values are accepted and get their own series.
-FRAME_STATUSES = ("ok", "late", "stalled_kv", "rejected", "error", "context_full")
+# runtime.frame.FrameStatus values (spelled out: this module does not import the runtime)
+FRAME_STATUSES = ("ok", "late", "stalled_kv", "context_full", "rejected", "cancelled")
 POOL_STATES = ("used", "free", "pinned")  # pinned blocks are a subset of used
 
 # 1-2-5 steps from 1 ms to 5 s: Moshi frames are 80 ms, Omni chunks 1-2 s, the wall ~1.6 s.
@@ -74,7 +75,8 @@ class Metrics:
                                        buckets=TOKEN_BUCKETS, registry=reg)
         self._good_frames = Counter(GOOD_FRAMES_TOTAL, "Frames with output within the deadline.",
                                     registry=reg)
-        self._late_tokens = Counter(LATE_TOKENS_TOTAL, "Tokens of frames that missed the deadline.",
+        self._late_tokens = Counter(LATE_TOKENS_TOTAL,
+                                    "Tokens produced after their frame's result went out.",
                                     registry=reg)
         goodput = Gauge(GOODPUT_RATIO, "Good share of the last frames (see module doc).",
                         registry=reg)
@@ -101,20 +103,19 @@ class Metrics:
                                        buckets=BATCH_BUCKETS, registry=reg)
         self._health = Gauge(HEALTH_STATE, "0 ok, 1 degraded, 2 critical.", registry=reg)
 
-    def observe_frame(
-        self, status: str, latency_s: float, num_tokens: int, deadline_met: bool,
-        expected_output: bool = True,
-    ) -> None:
-        """Record one finished frame; `status` is a frame status value (str or StrEnum)."""
-        good = deadline_met and (num_tokens > 0 or not expected_output)
+    def observe_frame(self, status: str, latency_s: float, num_tokens: int, good: bool) -> None:
+        """Record one answered frame; `status` is a frame status value (str or StrEnum) and
+        `good` is the frame's own verdict (`FrameResult.good`: one definition of goodput)."""
         self._frames.labels(str(status)).inc()
         self._frame_latency.observe(latency_s)
         self._frame_tokens.observe(num_tokens)
         if good:
             self._good_frames.inc()
-        if not deadline_met:
-            self._late_tokens.inc(num_tokens)
         self._push_good(good)
+
+    def observe_late_tokens(self, num_tokens: int) -> None:
+        """Tokens the engine produced for a frame after its result had gone out."""
+        self._late_tokens.inc(num_tokens)
 
     def _push_good(self, good: bool) -> None:
         if len(self._good_window) == self._goodput_window_frames:

@@ -163,6 +163,7 @@ def _cost_model(config: RunConfig, engine: Engine, console: Console) -> StepCost
 def _run_virtual(config, engine, source, recorder, observer, cost, console) -> None:
     driver = VirtualDriver(engine, cost, _fan(recorder.on_result, observer.on_result),
                            _fan(recorder.on_step, observer.on_step))
+    driver.beat.on_late_tokens = observer.on_late_tokens
     workload = config.workload()
     schedule(workload, config.profile(), driver.beat, driver.clock, source)
     end_s = workload.end_s + 2 * config.frame_period_s
@@ -179,6 +180,7 @@ def _run_virtual(config, engine, source, recorder, observer, cost, console) -> N
 async def _run_wall(config, engine, source, recorder, observer, console) -> None:
     driver = WallDriver(engine, _fan(recorder.on_result, observer.on_result),
                         _fan(recorder.on_step, observer.on_step))
+    driver.beat.on_late_tokens = observer.on_late_tokens
     workload = config.workload()
     schedule(workload, config.profile(), driver.beat, driver.clock, source)
     end_s = workload.end_s + 2 * config.frame_period_s

@@ -43,10 +43,13 @@ class RuntimeObserver:
     def on_result(self, result: FrameResult) -> None:
         num_tokens = len(result.token_ids)
         self.metrics.observe_frame(result.status.value, result.latency_s, num_tokens,
-                                   result.deadline_met, result.expects_output)
+                                   result.good)
         self.detector.observe(result.status.value, num_tokens, result.expects_output,
                               result.deadline_met)
         self.metrics.set_health(self.detector.state)
+
+    def on_late_tokens(self, num_tokens: int) -> None:
+        self.metrics.observe_late_tokens(num_tokens)
 
     def on_step(self, report: StepReport) -> None:
         pool = report.pool

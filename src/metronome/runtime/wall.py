@@ -35,6 +35,10 @@ class EngineThread:
         self.loop = loop
         self.on_report = on_report
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.error: str | None = None  # set if a step ever failed: health reports it
+        # After a step in which nobody could work (all stalled on KV), nothing changes until
+        # a command arrives (a close, new input): wait for one instead of spinning.
+        self._idle_until_command = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metronome-engine", daemon=True)
 
@@ -66,15 +70,16 @@ class EngineThread:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_work)
-            if self.engine.has_work and not self._stop.is_set():
-                self._step()
+            self._drain(block=not self.engine.has_work or self._idle_until_command)
+            if self.engine.has_work and not self._idle_until_command and not self._stop.is_set():
+                self._guarded_step()
 
     def _drain(self, block: bool) -> None:
         try:
             command = self.commands.get(timeout=0.05) if block else self.commands.get_nowait()
             while True:
                 self._apply(command)
+                self._idle_until_command = False
                 command = self.commands.get_nowait()
         except queue.Empty:
             return
@@ -85,6 +90,16 @@ class EngineThread:
             command()
         except SessionError as err:  # one session's bad request never stops the engine
             log.warning("engine refused a command: %s", err)
+        except Exception:  # nor does anything else a command raises
+            log.exception("engine command failed")
+
+    def _guarded_step(self) -> None:
+        try:
+            self._step()
+        except Exception as err:  # keep serving closes; health says the engine failed
+            log.exception("engine step failed")
+            self.error = f"{type(err).__name__}: {err}"
+            self._idle_until_command = True
 
     def _step(self) -> None:
         started_s = time.monotonic() - self.origin_s
@@ -98,8 +113,7 @@ class EngineThread:
         self.overhead.engine_s += finished_s - started_s
         self.overhead.runtime_s += time.monotonic() - self.origin_s - finished_s
         self.overhead.steps += 1
-        if result.num_input_tokens == 0:
-            time.sleep(0.002)  # every session stalled: do not spin a core while waiting
+        self._idle_until_command = result.num_input_tokens == 0
 
 
 class LoopScheduler:

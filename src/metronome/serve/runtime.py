@@ -45,6 +45,7 @@ class ServerRuntime:
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         self.resident_tokens: dict[int, int] = {}  # engine session id -> live KV tokens
         self.driver = WallDriver(engine, self._on_result, self._on_step)  # engine thread on
+        self.driver.beat.on_late_tokens = self.observer.on_late_tokens
         limit = make_limit(config.admission, config.admission_cap)
         self.controller = AdmissionController(
             limit, lambda: len(self.sessions), config.admission_interval_s,
@@ -133,8 +134,10 @@ class ServerRuntime:
     # ---- views ---------------------------------------------------------------------------
     def health(self) -> dict:
         summary = self.observer.health_summary()
+        engine_error = self.driver.worker.error
         return {
-            "status": summary["state"], "stall_detector": summary,
+            "status": "critical" if engine_error else summary["state"],
+            "engine_error": engine_error, "stall_detector": summary,
             "sessions": len(self.sessions), "admission": {
                 "kind": self.config.admission, "cap": self.controller.limit.cap,
                 "counts": dict(self.controller.counts)},
