@@ -34,9 +34,16 @@ def check_books(engine: Engine) -> None:
     held = sum(len(s.table.logical_to_block_id) for s in engine.sessions.values())
     assert held == stats.used_blocks  # every used block belongs to exactly one session
     for session in engine.sessions.values():
-        bound = session.spec.policy.max_resident_tokens(BLOCK)
+        table, policy = session.table, session.spec.policy
+        bound = policy.max_resident_tokens(BLOCK)
         if bound is not None:
-            assert session.table.resident_tokens <= bound
+            assert table.resident_tokens <= bound
+        # the blocks actually held are exactly the sink blocks and the window's blocks
+        if table.num_tokens:
+            first = policy.window_start(table.num_tokens, BLOCK) // BLOCK
+            window = range(first, (table.num_tokens - 1) // BLOCK + 1)
+            sinks = range(min(table.num_sink_blocks, (table.num_tokens - 1) // BLOCK + 1))
+            assert set(table.logical_to_block_id) == set(sinks) | set(window)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
-from metronome.model.weights import load_model, load_tokenizer
+from metronome.model.weights import DTYPES, load_model, load_tokenizer
 
 FRAMES = [
     "User: Hi! Can you tell me a fact about the ocean?\nAssistant:",
@@ -27,7 +26,6 @@ FRAMES = [
     "User: Thanks, and goodbye!\nAssistant:",
 ]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def run_demo(model: str, num_sessions: int, num_frames: int, policy: str, dtype: str) -> None:

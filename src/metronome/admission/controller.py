@@ -66,8 +66,7 @@ class AdmissionController:
         """Feed every frame result; frames that never reach the engine are no signal."""
         if result.status in (FrameStatus.REJECTED, FrameStatus.CANCELLED):
             return
-        deadline_s = result.deadline_at_s - result.arrival_s
-        self._fractions.append(result.latency_s / deadline_s)
+        self._fractions.append(result.latency_fraction)
         self._misses += not result.deadline_met
         self._stalled += result.status is FrameStatus.STALLED_KV
 

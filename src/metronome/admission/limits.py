@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from metronome.runtime.recorder import percentile
+
 
 @dataclass(frozen=True)
 class IntervalSample:
@@ -44,9 +46,7 @@ class IntervalSample:
         return len(self.latency_fractions)
 
     def percentile(self, q: float) -> float:
-        ordered = sorted(self.latency_fractions)
-        rank = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
-        return ordered[rank]
+        return percentile(self.latency_fractions, q)
 
 
 class ConcurrencyLimit(Protocol):

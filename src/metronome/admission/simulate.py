@@ -50,10 +50,6 @@ class Scenario:
                                None)
 
 
-def latency_fraction(result: FrameResult) -> float:
-    return result.latency_s / (result.deadline_at_s - result.arrival_s)
-
-
 def run_fixed(scenario: Scenario, sessions: int, duration_s: float = 40.0,
               warmup_s: float = 10.0) -> dict:
     """N sessions for the whole run (no admission): steady-state p95 of latency/deadline."""
@@ -63,7 +59,7 @@ def run_fixed(scenario: Scenario, sessions: int, duration_s: float = 40.0,
     schedule(workload, scenario.profile(), driver.beat, driver.clock, scenario.source())
     driver.run_until(workload.end_s + 2)
     steady = [r for r in results if r.arrival_s >= warmup_s]
-    fractions = [latency_fraction(r) for r in steady]
+    fractions = [r.latency_fraction for r in steady]
     return {"sessions": sessions, "p95_fraction": percentile(fractions, 95),
             "miss_rate": sum(not r.deadline_met for r in steady) / max(1, len(steady))}
 

@@ -82,8 +82,8 @@ def virtual_runs(cost, smoke: bool) -> dict:
 async def _wall_run(duration_s: float, arrival_every_s: float) -> dict:
     from metronome.engine.engine import Engine, EngineConfig
     from metronome.kv.residency import ResidencyPolicy
-    from metronome.model.weights import load_model, load_tokenizer
-    from metronome.runtime.local import DTYPES, text_source
+    from metronome.model.weights import DTYPES, load_model, load_tokenizer
+    from metronome.runtime.local import text_source
     from metronome.runtime.profile import SessionProfile
     from metronome.runtime.wall import WallDriver
     from metronome.runtime.workload import Workload, schedule
@@ -175,8 +175,8 @@ def run(out_md: str, out_json: str, smoke: bool, wall: bool = True) -> dict:
     return results
 
 
-TABLE_HEAD = ("| run | swept N* | steady cap mean (min..max) | time to 90 % of N* | misses "
-              "after convergence | stalled frames | goodput | admitted / refused |")
+TABLE_HEAD = ("| run | swept N* | cap mean in 2nd half (min..max) | time to 90 % of N* | misses "
+              "in 2nd half | stalled frames | goodput | admitted / refused |")
 TABLE_RULE = "|---|---|---|---|---|---|---|---|"
 
 
@@ -211,10 +211,11 @@ def render(r: dict, figures: str, smoke: bool) -> str:
               f"![unbounded]({figures}/virtual_unbounded.png)", ""]
     if u.get("saturated_at_s"):
         before = [h for h in u["history"] if h["at_s"] < u["saturated_at_s"]]
+        signals = sum(h["misses"] + h["stalled"] for h in before)
         lines.append(
             f"Unbounded: the pool saturated at t = {u['saturated_at_s']:.1f} s with the cap at "
-            f"{before[-1]['cap'] if before else '-'} and no deadline miss or stall signal "
-            "before it; afterwards admitted sessions stalled (they are never evicted).")
+            f"{before[-1]['cap'] if before else '-'}, after {signals} deadline-miss or stall "
+            "signals; afterwards admitted sessions stalled (they are never evicted).")
     if "wall" in r:
         lines += ["", "## Wall clock, SmolLM2 bf16 (bounded 4+128, arrivals every 0.5 s)", "",
                   TABLE_HEAD, TABLE_RULE, _row("wall clock", r["wall"]),

@@ -58,13 +58,12 @@ from metronome.engine.engine import Engine, EngineConfig  # noqa: E402
 from metronome.engine.session import SessionSpec  # noqa: E402
 from metronome.kv.residency import ResidencyPolicy  # noqa: E402
 from metronome.model.llama import LlamaModel  # noqa: E402
-from metronome.model.weights import bundled_model_dir, load_model  # noqa: E402
+from metronome.model.weights import DTYPES, bundled_model_dir, load_model  # noqa: E402
 
 COMMAND = "metronome bench engine"
 MIB = 1 << 20
 GIB = 1 << 30
 BLOCK_SIZE_TOKENS = 16
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HF_SYSTEM = "transformers"
 OVERHEAD_GOAL_SHARE = 0.10
 FLAT_GOAL_SHARE = 0.10

@@ -28,7 +28,10 @@ class EngineConfig:
     block_size: int = 16
     pool_tokens: int | None = 65536  # pool size in tokens ...
     pool_memory_bytes: int | None = None  # ... or in bytes (set pool_tokens=None)
-    max_chunk_tokens: int = 256  # input tokens one session may process in one step
+    # Input tokens one session may process in one step. Every query in a step is padded to
+    # the longest chunk, so one long prompt would slow every other session's step: keep it
+    # a few frames' worth (a 1 s audio frame is 12-25 tokens).
+    max_chunk_tokens: int = 64
     max_step_tokens: int = 4096  # input tokens of all sessions in one step
     # Server limits on what sessions may ask for:
     allow_unbounded: bool = True

@@ -12,10 +12,6 @@ from __future__ import annotations
 import torch
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 def num_blocks_for(
     block_size: int,
     pool_tokens: int | None = None,

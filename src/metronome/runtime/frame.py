@@ -60,6 +60,11 @@ class FrameResult:
         return self.finish_s - self.arrival_s
 
     @property
+    def latency_fraction(self) -> float:
+        """Latency as a share of the frame's deadline (the admission controller's signal)."""
+        return self.latency_s / (self.deadline_at_s - self.arrival_s)
+
+    @property
     def good(self) -> bool:
         """Goodput counts this frame: its work done, with output if output was asked for."""
         has_output = bool(self.token_ids) or not self.expects_output

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.kv.residency import ResidencyPolicy
+from metronome.model.weights import DTYPES
 from metronome.runtime.cost_model import StepCostModel, calibrate
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.profile import GenerationMode, SessionProfile
@@ -29,8 +30,6 @@ from metronome.runtime.recorder import RunRecorder
 from metronome.runtime.virtual import VirtualDriver
 from metronome.runtime.wall import WallDriver
 from metronome.runtime.workload import FrameSource, Workload, schedule
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

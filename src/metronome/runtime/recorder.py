@@ -8,6 +8,7 @@ while the engine is silently stalled.
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +21,12 @@ CSV_FIELDS = ["session_id", "index", "status", "num_tokens", "late_tokens", "arr
 
 
 def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (the value at rank ceil(q/100 x n)); None for no values.
+    The one definition the recorder, the N* sweep and the admission controller share."""
     if not values:
         return None
     ordered = sorted(values)
-    rank = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[rank]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 @dataclass

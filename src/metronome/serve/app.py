@@ -53,11 +53,10 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
 
 
 def _load(config: ServerConfig):
-    import torch
 
-    from metronome.model.weights import load_model, load_tokenizer
+    from metronome.model.weights import DTYPES, load_model, load_tokenizer
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    dtype = DTYPES[config.dtype]
     return load_model(config.model, dtype), load_tokenizer(config.model)
 
 
