@@ -245,7 +245,7 @@ def test_admission_refuses_before_the_upgrade_with_retry_after(model):
             time.sleep(0.02)
         with connect(server.ws_url) as again:
             assert recv(again)["type"] == "session.created"
-        assert metric(server, "metronome_sessions_total", outcome="refused") == 1
+        assert metric(server, "metronome_sessions_total", outcome="refused_at_capacity") == 1
 
 
 def test_api_key_guards_everything_but_healthz(model):

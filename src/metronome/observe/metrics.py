@@ -13,6 +13,7 @@ listening frame). `metronome_goodput_ratio` is the share of good frames among th
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -32,6 +33,7 @@ KV_POOL_SATURATION_ETA_SECONDS = "metronome_kv_pool_saturation_eta_seconds"
 SESSIONS_ACTIVE = "metronome_sessions_active"
 SESSIONS_TOTAL = "metronome_sessions_total"
 ADMISSION_CAP = "metronome_admission_cap"
+ADMISSION_SIGNAL = "metronome_admission_latency_p95_fraction"
 ENGINE_STEP_SECONDS = "metronome_engine_step_seconds"
 STEP_BATCH_FRAMES = "metronome_step_batch_frames"
 HEALTH_STATE = "metronome_health_state"
@@ -101,6 +103,9 @@ class Metrics:
                                        buckets=LATENCY_BUCKETS_S, registry=reg)
         self._batch_frames = Histogram(STEP_BATCH_FRAMES, "Frames served by one engine step.",
                                        buckets=BATCH_BUCKETS, registry=reg)
+        self._admission_signal = Gauge(
+            ADMISSION_SIGNAL, "p95 of latency / deadline in the last control interval: the "
+            "signal the admission controller acted on (NaN: no frames).", registry=reg)
         self._health = Gauge(HEALTH_STATE, "0 ok, 1 degraded, 2 critical.", registry=reg)
 
     def observe_frame(self, status: str, latency_s: float, num_tokens: int, good: bool) -> None:
@@ -146,6 +151,10 @@ class Metrics:
 
     def session_closed(self, outcome: str) -> None:
         self._sessions.labels(str(outcome)).inc()
+
+    def set_admission_signal(self, p95_latency_fraction: float | None) -> None:
+        self._admission_signal.set(math.nan if p95_latency_fraction is None
+                                   else p95_latency_fraction)
 
     def set_admission_cap(self, cap_sessions: int) -> None:
         self._admission_cap.set(cap_sessions)

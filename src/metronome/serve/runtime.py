@@ -49,7 +49,7 @@ class ServerRuntime:
         limit = make_limit(config.admission, config.admission_cap)
         self.controller = AdmissionController(
             limit, lambda: len(self.sessions), config.admission_interval_s,
-            on_update=lambda sample: self.metrics.set_admission_cap(sample.cap),
+            on_update=self._on_admission_update,
         )
         self.metrics.set_admission_cap(limit.cap)
         for rate_hz in config.sample_rates_hz:  # now, not on the loop when a session comes
@@ -60,7 +60,7 @@ class ServerRuntime:
     def admit(self) -> Decision:
         decision = self.controller.try_admit(self.now_s())
         if not decision.admitted:
-            self.metrics.session_closed("refused")
+            self.metrics.session_closed(f"refused_{decision.reason}")
         return decision
 
     def add(self, session: RealtimeSession) -> None:
@@ -108,6 +108,10 @@ class ServerRuntime:
         except Exception:  # one session's failure must not stop the beat for the others
             log.exception("session %s failed on a frame result", session.id)
             session.on_failure()
+
+    def _on_admission_update(self, sample) -> None:
+        self.metrics.set_admission_cap(sample.cap)
+        self.metrics.set_admission_signal(sample.p95_latency_fraction)
 
     def _on_step(self, report: StepReport) -> None:
         self.observer.on_step(report)
