@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from metronome.admission.controller import AdmissionController, Decision
@@ -53,7 +54,9 @@ class ServerRuntime:
         )
         self.metrics.set_admission_cap(limit.cap)
         for rate_hz in config.sample_rates_hz:  # now, not on the loop when a session comes
-            self.frontend(rate_hz)
+            frontend = self.frontend(rate_hz)
+            # first STFT/projection calls set up kernels: pay that now, not in a frame
+            frontend.encode(torch.zeros(2 * frontend.fmt.samples_per_token))
         self.controller.start(self.driver.clock, self.driver.now_s())
 
     # ---- admission and session lifecycle ---------------------------------------------------
