@@ -7,6 +7,7 @@ configured, every route but `/healthz` needs `Authorization: Bearer <key>`.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -38,6 +39,11 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
         served, tok = (model, tokenizer) if model is not None else _load(config)
         engine = Engine(served, config.engine_config())
         engine.warm_up()  # before the engine thread starts: the first user pays no warm-up
+        # Everything alive now (model, tokenizer, imports) lives for the whole process: keep
+        # it out of the cyclic GC's scans, whose full passes would otherwise pause the loop
+        # and the engine thread for long enough to make frames late.
+        gc.collect()
+        gc.freeze()
         runtime = ServerRuntime(config, engine, tok, registry or CollectorRegistry(),
                                 model_name=served.config.name)
         app.state.runtime = runtime
