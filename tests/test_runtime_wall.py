@@ -11,8 +11,10 @@ from metronome.runtime.local import RunConfig, run_local
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for sessions in (1, 4, 12):
-        config = RunConfig(sessions=sessions, duration_s=6.0, ramp_s=1.0, frame_period_s=1.0,
+    # spread wide enough that the latency steps stand out of this machine's noise (the bench
+    # at 30 s: p50 241 / 297 / 665 ms for 1 / 8 / 24 sessions)
+    for sessions in (1, 8, 24):
+        config = RunConfig(sessions=sessions, duration_s=8.0, ramp_s=1.0, frame_period_s=1.0,
                            tokens_per_frame=12, output_tokens=4, policy="sinks_window:4:64",
                            clock="wall", out=str(tmp_path_factory.mktemp(f"n{sessions}")))
         out[sessions] = run_local(config)
@@ -20,9 +22,9 @@ def runs(tmp_path_factory):
 
 
 def test_small_load_meets_every_deadline(runs):
-    for sessions in (1, 4):
+    for sessions in (1, 8):
         summary = runs[sessions]
-        assert summary["frames"] == sessions * 6
+        assert summary["frames"] == sessions * 8
         assert summary["deadline_met_fraction"] == 1.0, summary["frames_by_status"]
         assert summary["goodput"] == 1.0
 
@@ -30,7 +32,7 @@ def test_small_load_meets_every_deadline(runs):
 def test_latency_rises_with_sessions(runs):
     p50 = {n: runs[n]["latency_ms"]["p50"] for n in runs}
     print("wall clock p50 latency ms by sessions:", p50)
-    assert p50[1] < p50[4] < p50[12]
+    assert p50[1] < p50[8] < p50[24]
 
 
 def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_model):
