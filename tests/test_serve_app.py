@@ -246,6 +246,9 @@ def test_admission_refuses_before_the_upgrade_with_retry_after(model):
         with connect(server.ws_url) as again:
             assert recv(again)["type"] == "session.created"
         assert metric(server, "metronome_sessions_total", outcome="refused_at_capacity") == 1
+        assert metric(server, "metronome_admission_decisions_total",
+                      decision="refused_at_capacity") == 1
+        assert metric(server, "metronome_admission_decisions_total", decision="admitted") >= 1
 
 
 def test_api_key_guards_everything_but_healthz(model):

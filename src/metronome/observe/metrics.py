@@ -34,6 +34,7 @@ SESSIONS_ACTIVE = "metronome_sessions_active"
 SESSIONS_TOTAL = "metronome_sessions_total"
 ADMISSION_CAP = "metronome_admission_cap"
 ADMISSION_SIGNAL = "metronome_admission_latency_p95_fraction"
+ADMISSION_DECISIONS_TOTAL = "metronome_admission_decisions_total"
 ENGINE_STEP_SECONDS = "metronome_engine_step_seconds"
 STEP_BATCH_FRAMES = "metronome_step_batch_frames"
 HEALTH_STATE = "metronome_health_state"
@@ -103,6 +104,9 @@ class Metrics:
                                        buckets=LATENCY_BUCKETS_S, registry=reg)
         self._batch_frames = Histogram(STEP_BATCH_FRAMES, "Frames served by one engine step.",
                                        buckets=BATCH_BUCKETS, registry=reg)
+        self._admission_decisions = Counter(
+            ADMISSION_DECISIONS_TOTAL, "Session opens by decision: admitted or refused_<reason>.",
+            ["decision"], registry=reg)
         self._admission_signal = Gauge(
             ADMISSION_SIGNAL, "p95 of latency / deadline in the last control interval: the "
             "signal the admission controller acted on (NaN: no frames).", registry=reg)
@@ -151,6 +155,9 @@ class Metrics:
 
     def session_closed(self, outcome: str) -> None:
         self._sessions.labels(str(outcome)).inc()
+
+    def admission_decision(self, decision: str) -> None:
+        self._admission_decisions.labels(decision).inc()
 
     def set_admission_signal(self, p95_latency_fraction: float | None) -> None:
         self._admission_signal.set(math.nan if p95_latency_fraction is None

@@ -62,8 +62,10 @@ class ServerRuntime:
     # ---- admission and session lifecycle ---------------------------------------------------
     def admit(self) -> Decision:
         decision = self.controller.try_admit(self.now_s())
+        label = "admitted" if decision.admitted else f"refused_{decision.reason}"
+        self.metrics.admission_decision(label)
         if not decision.admitted:
-            self.metrics.session_closed(f"refused_{decision.reason}")
+            self.metrics.session_closed(label)
         return decision
 
     def add(self, session: RealtimeSession) -> None:
