@@ -16,6 +16,9 @@ import wave
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from metronome.audio.pcm import decode_pcm16, encode_pcm16
 
 FIXTURE_RATE_HZ = 16000
 SENTENCES = {
@@ -34,7 +37,7 @@ def read_wav(path: Path) -> tuple[np.ndarray, int]:
             raise ValueError(f"{path}: need mono 16-bit PCM")
         data = wav.readframes(wav.getnframes())
         rate_hz = wav.getframerate()
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768, rate_hz
+    return decode_pcm16(data).numpy(), rate_hz
 
 
 def write_wav(path: Path, samples: np.ndarray, rate_hz: int) -> None:
@@ -46,7 +49,7 @@ def write_wav(path: Path, samples: np.ndarray, rate_hz: int) -> None:
 
 
 def to_pcm16(samples: np.ndarray) -> bytes:
-    return np.clip(np.round(samples * 32768), -32768, 32767).astype("<i2").tobytes()
+    return encode_pcm16(torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32)))
 
 
 def resample(samples: np.ndarray, from_hz: int, to_hz: int) -> np.ndarray:
