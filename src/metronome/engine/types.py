@@ -37,9 +37,6 @@ class StepResult:
     def by_session(self) -> dict[int, SessionStep]:
         return {s.session_id: s for s in self.sessions}
 
-    def with_status(self, status: WorkStatus) -> list[int]:
-        return [s.session_id for s in self.sessions if s.status is status]
-
 
 @dataclass(frozen=True)
 class PoolStats:
@@ -48,7 +45,3 @@ class PoolStats:
     used_blocks: int
     free_blocks: int
     pinned_blocks: int  # sink blocks of bounded sessions (a subset of used)
-
-    @property
-    def used_fraction(self) -> float:
-        return self.used_blocks / self.num_blocks

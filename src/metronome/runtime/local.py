@@ -25,6 +25,7 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.model.weights import DTYPES
 from metronome.runtime.cost_model import StepCostModel, calibrate
 from metronome.runtime.observer import RuntimeObserver
+from metronome.runtime.ports import OverheadMeter
 from metronome.runtime.profile import GenerationMode, SessionProfile
 from metronome.runtime.recorder import RunRecorder
 from metronome.runtime.virtual import VirtualDriver
@@ -159,7 +160,7 @@ def _cost_model(config: RunConfig, engine: Engine, console: Console) -> StepCost
     return cost
 
 
-def _run_virtual(config, engine, source, recorder, observer, cost, console) -> None:
+def _run_virtual(config, engine, source, recorder, observer, cost, console) -> OverheadMeter:
     driver = VirtualDriver(engine, cost, _fan(recorder.on_result, observer.on_result),
                            _fan(recorder.on_step, observer.on_step))
     driver.beat.on_late_tokens = observer.on_late_tokens
@@ -176,7 +177,7 @@ def _run_virtual(config, engine, source, recorder, observer, cost, console) -> N
     return driver.overhead
 
 
-async def _run_wall(config, engine, source, recorder, observer, console) -> None:
+async def _run_wall(config, engine, source, recorder, observer, console) -> OverheadMeter:
     driver = WallDriver(engine, _fan(recorder.on_result, observer.on_result),
                         _fan(recorder.on_step, observer.on_step))
     driver.beat.on_late_tokens = observer.on_late_tokens

@@ -57,7 +57,8 @@ class StepReport:
 @dataclass
 class OverheadMeter:
     """The runtime's own cost next to the engine's: report building, the beat's attribution,
-    observers. Written from the engine thread and the loop (float adds under the GIL)."""
+    observers. Written from the engine thread and the loop without a lock: `+=` on a float
+    is not atomic, so a rare update can be lost; fine for a share-of-time estimate."""
 
     engine_s: float = 0.0
     runtime_s: float = 0.0

@@ -52,10 +52,8 @@ class ErrorCode(enum.StrEnum):
     ACTIVE_RESPONSE = "conversation_already_has_active_response"
     IDLE_TIMEOUT = "idle_timeout"
     SESSION_EXPIRED = "session_expired"
-    SLOW_CONSUMER = "slow_consumer"
     AT_CAPACITY = "server_at_capacity"
     INVALID_API_KEY = "invalid_api_key"
-    INTERNAL = "internal_error"
 
 
 class ClientError(Exception):
