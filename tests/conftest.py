@@ -5,20 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metronome.model.config import ModelConfig
+from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import load_model, random_model
-
-TINY = ModelConfig(
-    name="tiny", arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96,
-    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
-    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-)
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
     torch.manual_seed(0)
-    return random_model(TINY, torch.float32, seed=1)
+    return random_model(TINY_LLAMA, torch.float32, seed=1)
 
 
 @pytest.fixture(scope="session")

@@ -24,16 +24,10 @@ import torch
 from metronome.admission.controller import AdmissionController
 from metronome.admission.limits import AIMDLimit
 from metronome.admission.simulate import Scenario, run_controlled, sweep_n_star
-from metronome.model.config import ModelConfig
+from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.runtime.cost_model import from_engine_bench
 from metronome.runtime.frame import FrameStatus
-
-TINY = ModelConfig(
-    name="tiny", arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96,
-    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
-    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-)
 
 
 def log(message: str) -> None:
@@ -64,7 +58,7 @@ def summarize(run, n_star: int | None, converged_s: float) -> dict:
 
 
 def virtual_runs(cost, smoke: bool) -> dict:
-    model = random_model(TINY, torch.float32)
+    model = random_model(TINY_LLAMA, torch.float32)
     duration_s = 60.0 if smoke else 240.0
     bounded = Scenario(model, cost, policy="sinks_window:4:128")
     log("virtual: sweeping N* (bounded)")

@@ -78,6 +78,14 @@ class ModelConfig:
         )
 
 
+# A 2-layer random Llama: for exact tests, and for virtual-clock experiments whose step
+# *time* comes from a cost model, so that real engine steps cost next to nothing.
+TINY_LLAMA = ModelConfig(
+    name="tiny", arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
 PRESETS: dict[str, ModelConfig] = {
     # Qwen2.5-Omni-7B "thinker" LLM = Qwen2.5-7B shapes.
     "qwen2.5-omni-7b": ModelConfig(
