@@ -1,4 +1,5 @@
-"""Per-session token choice: greedy, or seeded temperature + top-p."""
+"""Per-session token choice: greedy (the engine's batched argmax), or seeded temperature +
+top-p (here)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """logits: (vocab,) float32 -> one token id."""
-    if params.greedy:
-        return int(logits.argmax())
+    """Seeded temperature + top-p draw: logits (vocab,) float32 -> one token id. Greedy
+    sessions never come here: the engine takes one batched argmax over the step."""
+    assert not params.greedy, "greedy decoding is the engine's batched argmax"
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
