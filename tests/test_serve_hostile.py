@@ -18,13 +18,12 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from served import served
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from metronome.load.speech import speech_stream
-from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
-from metronome.serve.server import ServerThread
 
 pytestmark = pytest.mark.model
 AUDIO_DIR = Path(__file__).parent / "fixtures" / "audio"
@@ -139,9 +138,21 @@ class HostileSession:
             self.ws.close()
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http", "ws", 1) + "/v1/realtime"
+
+
 @pytest.fixture(scope="module")
-def world(smollm2):
-    with ServerThread(CONFIG, smollm2, load_tokenizer()) as server:
+def world():
+    # A separate process, as deployed: the hostile clients' own Python work here must not
+    # take the server's GIL, or the streamer's lateness would measure this test, not us.
+    with served(CONFIG) as url:
+        server = Server(url)
         streamer = SpeechStreamer(server.ws_url)
         streamer.start()
         yield server, streamer, Tally()

@@ -6,16 +6,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import csv
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from openai import AsyncOpenAI
+from served import free_port, server_process
 
 from metronome.load.run import LoadConfig, run_load
 from metronome.load.speech import speech_stream
@@ -23,13 +19,6 @@ from metronome.load.speech import speech_stream
 pytestmark = pytest.mark.model
 AUDIO_DIR = Path(__file__).parent / "fixtures" / "audio"
 API_KEY = "sk-metronome-test"
-STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +26,8 @@ def server_url():
     port = free_port()
     command = [str(Path(sys.executable).parent / "metronome"), "serve", "--port", str(port),
                "--pool-tokens", "4096", "--admission", "off", "--log-level", "warning"]
-    process = subprocess.Popen(command, env=os.environ | {"METRONOME_API_KEY": API_KEY})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            assert process.poll() is None, "metronome serve exited"
-            assert time.monotonic() < deadline, "metronome serve did not come up"
-            time.sleep(0.2)
+    with server_process(command, port, env={"METRONOME_API_KEY": API_KEY}) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def sdk_client(url: str) -> AsyncOpenAI:

@@ -1,0 +1,61 @@
+"""A real server process for tests: `metronome serve` semantics in a subprocess, so the test
+client's own Python (and its GIL) never shares the server's CPU time slices."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from metronome.serve.config import ServerConfig
+
+STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def server_process(command: list[str], port: int, env: dict | None = None) -> Iterator[str]:
+    """Start `command` (a server on 127.0.0.1:`port`), wait for /healthz; yields its URL."""
+    process = subprocess.Popen(command, env=os.environ | (env or {}))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not healthy(url):
+            assert process.poll() is None, "the server process exited"
+            assert time.monotonic() < deadline, "the server process did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@contextmanager
+def served(config: ServerConfig) -> Iterator[str]:
+    """`config` (its port replaced by a free one) served by `serve_forever` in a subprocess."""
+    port = free_port()
+    config = config.model_copy(update={"port": port})
+    program = ("import sys; from metronome.serve.config import ServerConfig; "
+               "from metronome.serve.server import serve_forever; "
+               "serve_forever(ServerConfig.model_validate_json(sys.argv[1]), 'warning')")
+    command = [sys.executable, "-c", program, config.model_dump_json()]
+    with server_process(command, port) as url:
+        yield url
