@@ -12,6 +12,33 @@ app.add_typer(bench_app, name="bench")
 
 
 @app.command()
+def experiment(
+    name: str = typer.Argument(..., help="cliff | admission | predict | quality | all"),
+    out: str = typer.Option("out/experiments", help="folder for summary.json, plots, report.md"),
+    scale: str = typer.Option("smoke", help="smoke (minutes, CI) | full (docs/results/paper.md)"),
+    seed: int = typer.Option(0, help="base seed; every run derives its own from it"),
+) -> None:
+    """Reproduce one of the paper's results (or all): writes summary.json, PNG plots and
+    report.md into --out (one sub-folder each for `all`)."""
+    import json
+
+    from metronome.experiments import EXPERIMENTS, Scale, run_experiments
+
+    names = list(EXPERIMENTS) if name == "all" else [name]
+    if name != "all" and name not in EXPERIMENTS:
+        raise typer.BadParameter(f"unknown experiment {name!r}; choose from "
+                                 f"{', '.join(EXPERIMENTS)} or all", param_hint="NAME")
+    try:
+        chosen = Scale(scale)
+    except ValueError:
+        raise typer.BadParameter("choose smoke or full", param_hint="--scale") from None
+    summaries = run_experiments(names, out, chosen, seed)
+    typer.echo(json.dumps({n: {"out": str(s["command"].split("--out ")[-1]),
+                               "elapsed_s": s["elapsed_s"]} for n, s in summaries.items()},
+                          indent=2))
+
+
+@app.command()
 def demo(
     model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
     sessions: int = typer.Option(4, min=1, help="concurrent sessions"),
