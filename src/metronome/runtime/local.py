@@ -126,12 +126,14 @@ def build(config: RunConfig):
     return engine, source
 
 
-def run_local(config: RunConfig, console: Console | None = None) -> dict:
+def run_local(config: RunConfig, console: Console | None = None,
+              recorder: RunRecorder | None = None) -> dict:
+    """Run and summarize; pass a `recorder` to keep every frame result and step sample."""
     console = console or Console(stderr=True)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     engine, source = build(config)
-    recorder = RunRecorder()
+    recorder = recorder if recorder is not None else RunRecorder()
     observer = RuntimeObserver.for_engine(engine)
     started = time.perf_counter()
     if config.clock == "virtual":
