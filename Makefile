@@ -36,7 +36,7 @@ test: install
 bench: install
 	$(BIN)/metronome bench engine
 
-# The paper's results at full scale (about an hour here): docs/results/paper/<name>/.
+# The paper's results at full scale (about 1.5 h here; quality alone ~70 min): docs/results/paper/<name>/.
 experiments: install
 	$(BIN)/metronome experiment all --scale full --out docs/results/paper
 
