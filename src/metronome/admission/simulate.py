@@ -72,6 +72,12 @@ def sweep_n_star(scenario: Scenario, n_max: int = 256, **run_args) -> tuple[int,
         table[n] = run_fixed(scenario, n, **run_args)
         return table[n]["p95_fraction"] <= scenario.target_fraction
 
+    return largest_passing(ok, n_max), [table[n] for n in sorted(table)]
+
+
+def largest_passing(ok, n_max: int) -> int:
+    """Largest n in [0, n_max] with ok(n), for ok true up to some n and false beyond:
+    doubling, then bisection (O(log n) calls)."""
     lo, hi = 0, 1
     while hi <= n_max and ok(hi):
         lo, hi = hi, hi * 2
@@ -79,7 +85,7 @@ def sweep_n_star(scenario: Scenario, n_max: int = 256, **run_args) -> tuple[int,
     while hi - lo > 1:  # invariant: ok(lo) (or lo == 0), not ok(hi)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo, [table[n] for n in sorted(table)]
+    return lo
 
 
 @dataclass

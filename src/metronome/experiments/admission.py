@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from metronome.admission.limits import StaticLimit
-from metronome.admission.simulate import Scenario, run_controlled
+from metronome.admission.simulate import Scenario, largest_passing, run_controlled
 from metronome.bench.admission_bench import plot as plot_run
 from metronome.bench.admission_bench import virtual_runs
 from metronome.experiments.cliff import cost_model
@@ -41,14 +41,8 @@ def memory_n_star(scenario: Scenario, duration_s: float, n_max: int, advance) ->
         advance()
         return table[n] == 0
 
-    lo, hi = 0, 1
-    while hi <= n_max and ok(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, n_max + 1)
-    while hi - lo > 1:  # invariant: ok(lo) (or lo == 0), not ok(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo, [{"cap": n, "stalled_frames": table[n]} for n in sorted(table)]
+    n_star = largest_passing(ok, n_max)
+    return n_star, [{"cap": n, "stalled_frames": table[n]} for n in sorted(table)]
 
 
 def run(ctx: ExperimentContext) -> dict:
