@@ -32,10 +32,9 @@ def experiment(
         chosen = Scale(scale)
     except ValueError:
         raise typer.BadParameter("choose smoke or full", param_hint="--scale") from None
-    summaries = run_experiments(names, out, chosen, seed)
-    typer.echo(json.dumps({n: {"out": str(s["command"].split("--out ")[-1]),
-                               "elapsed_s": s["elapsed_s"]} for n, s in summaries.items()},
-                          indent=2))
+    done = run_experiments(names, out, chosen, seed)
+    typer.echo(json.dumps({n: {"out": str(folder), "elapsed_s": summary["elapsed_s"]}
+                           for n, (folder, summary) in done.items()}, indent=2))
 
 
 @app.command()

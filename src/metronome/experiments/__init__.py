@@ -17,11 +17,12 @@ def module(name: str):
     return importlib.import_module(f"metronome.experiments.{name}")
 
 
-def run_experiments(names: list[str], out: Path, scale: Scale, seed: int = 0) -> dict:
-    """Run each named experiment into `out/<name>` (or `out` for a single one)."""
-    summaries = {}
+def run_experiments(names: list[str], out: Path, scale: Scale,
+                    seed: int = 0) -> dict[str, tuple[Path, dict]]:
+    """Run each named experiment into `out/<name>` (or `out` for a single one); by name,
+    the folder it wrote and its summary."""
+    done = {}
     for name in names:
-        mod = module(name)
         folder = Path(out) / name if len(names) > 1 else Path(out)
-        summaries[name] = mod.run(ExperimentContext(folder, scale, seed))
-    return summaries
+        done[name] = folder, module(name).run(ExperimentContext(folder, scale, seed))
+    return done

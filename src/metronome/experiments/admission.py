@@ -20,8 +20,7 @@ from metronome.admission.limits import StaticLimit
 from metronome.admission.simulate import Scenario, largest_passing, run_controlled
 from metronome.bench.admission_bench import plot as plot_run
 from metronome.bench.admission_bench import virtual_runs
-from metronome.experiments.cliff import cost_model
-from metronome.experiments.common import ExperimentContext, fmt
+from metronome.experiments.common import ExperimentContext, cost_model, fmt
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.runtime.frame import FrameStatus
@@ -53,7 +52,7 @@ def run(ctx: ExperimentContext) -> dict:
         advance()
     model = random_model(TINY_LLAMA, torch.float32)
     unbounded = Scenario(model, cost, policy="unbounded", pool_tokens=v["unbounded_pool_tokens"])
-    with ctx.progress("admission: memory N* sweep (unbounded, static caps)", 8) as advance:
+    with ctx.progress("admission: memory N* sweep (unbounded, static caps)", None) as advance:
         mem_n, mem_table = memory_n_star(unbounded, v["duration_s"], 64, advance)
     b, u = v["bounded"], v["unbounded"]
     u_caps = [h["cap"] for h in u["history"]]

@@ -22,26 +22,22 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from statistics import fmean, median
 
 import torch
 
 from metronome.admission.simulate import Scenario
-from metronome.experiments.common import ExperimentContext, fmt
+from metronome.experiments.common import ExperimentContext, cost_model, fmt
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
-from metronome.runtime.cost_model import StepCostModel, from_engine_bench
+from metronome.runtime.cost_model import StepCostModel
 from metronome.runtime.frame import FrameResult, FrameStatus
-from metronome.runtime.ports import StepReport
-from metronome.runtime.recorder import percentile
+from metronome.runtime.recorder import RunRecorder, percentile
 from metronome.runtime.workload import Workload, schedule
 
 NAME = "cliff"
 REQUIRED_FIELDS = ("workload", "wall_definition", "runs", "collapsed", "policies")
 WALL_FRAMES = 3  # consecutive stalled_kv frames of one session = it hit the wall
-ENGINE_BENCH_JSON = Path("docs/results/engine.json")
-COST_FALLBACK = StepCostModel(fixed_s=0.0645, per_token_s=0.00065, per_context_token_s=4.5e-6)
 
 
 @dataclass(frozen=True)
@@ -85,37 +81,28 @@ class CliffWorkload:
         return peak
 
 
-def cost_model() -> tuple[StepCostModel, str]:
-    if ENGINE_BENCH_JSON.exists():
-        return from_engine_bench(ENGINE_BENCH_JSON), str(ENGINE_BENCH_JSON)
-    return COST_FALLBACK, "built-in fallback (docs/results/engine.json not found)"
-
-
 def run_once(model, cost: StepCostModel, wl: CliffWorkload, policy: str, seed: int) -> dict:
     """One run; per-frame results and per-step pool occupancy, condensed."""
     scenario = Scenario(model, cost, policy=policy, pool_tokens=wl.pool_tokens,
                         block_size=wl.block_size, tokens_per_frame=wl.tokens_per_frame,
                         output_tokens=wl.output_tokens)
-    results: list[FrameResult] = []
-    steps: list[tuple[float, float, int]] = []  # (finished_s, pool used fraction, waiting)
-
-    def on_step(report: StepReport) -> None:
-        pool = report.pool
-        stalled = sum(s.status == "stalled_kv" for s in report.result.sessions)
-        steps.append((report.finished_s, pool.used_blocks / pool.num_blocks, stalled))
-
-    engine, driver = scenario.driver(results.append, on_step)
+    recorder = RunRecorder()
+    _, driver = scenario.driver(recorder.on_result, recorder.on_step)
     workload = wl.plan(seed)
     schedule(workload, scenario.profile(), driver.beat, driver.clock, scenario.source())
     driver.run_until(workload.end_s + 3)
-    return condense(results, steps, policy, seed, workload.end_s + 3)
+    return condense(recorder, policy, seed, workload.end_s + 3)
 
 
-def condense(results: list[FrameResult], steps, policy: str, seed: int, end_s: float) -> dict:
+def condense(recorder: RunRecorder, policy: str, seed: int, end_s: float) -> dict:
+    """One run's frames and steps (virtual or wall clock) as the cliff's numbers + series."""
+    results = recorder.results
+    steps = [(s.finished_s, s.used_blocks / (s.used_blocks + s.free_blocks))
+             for s in recorder.steps]  # (finished_s, pool used fraction)
     by_session: dict[int, list[FrameResult]] = defaultdict(list)
     for r in sorted(results, key=lambda r: (r.session_id, r.index)):
         by_session[r.session_id].append(r)
-    longest, walled_sessions, silent_s = 0, 0, 0.0
+    longest, walled_sessions = 0, 0
     perceived: list[tuple[float, float]] = []  # (arrival_s, user-perceived latency s)
     for frames in by_session.values():
         run = best = 0
@@ -124,7 +111,6 @@ def condense(results: list[FrameResult], steps, policy: str, seed: int, end_s: f
             best = max(best, run)
         longest = max(longest, best)
         walled_sessions += best >= WALL_FRAMES
-        silent_s += sum(not r.good for r in frames)
         # what the user waits: a good frame's latency; a bad frame's wait until the
         # session's next good frame (or the end of the run: censored)
         next_good_s = end_s
@@ -141,12 +127,12 @@ def condense(results: list[FrameResult], steps, policy: str, seed: int, end_s: f
         "hit_wall": longest >= WALL_FRAMES, "longest_stall_run_frames": longest,
         "sessions_hit_wall": walled_sessions, "sessions": len(by_session),
         "first_stall_s": min(stalls) if stalls else None,
-        "stalled_frames": len(stalls), "silent_frames": int(silent_s),
+        "stalled_frames": len(stalls), "silent_frames": sum(not r.good for r in results),
         "goodput": sum(r.good for r in results) / max(1, len(results)),
         "deadline_met_fraction": sum(r.deadline_met for r in results) / max(1, len(results)),
         "latency_ms_p50": 1e3 * percentile(latencies, 50),
         "latency_ms_p95": 1e3 * percentile(latencies, 95),
-        "peak_pool_fraction": max((u for _, u, _ in steps), default=0.0),
+        "peak_pool_fraction": max((u for _, u in steps), default=0.0),
         # time series for the plots (1 s bins)
         "series": _series(results, perceived, steps, end_s),
     }
@@ -166,7 +152,7 @@ def _series(results, perceived, steps, end_s: float) -> dict:
     for arrival_s, wait_s in perceived:
         user[min(bins - 1, int(arrival_s))].append(wait_s)
     pool = [0.0] * bins
-    for finished_s, used, _ in steps:
+    for finished_s, used in steps:
         b = min(bins - 1, int(finished_s))
         pool[b] = max(pool[b], used)
     return {
@@ -183,7 +169,6 @@ def wall_check(ctx: ExperimentContext, wl: CliffWorkload, policy: str, seed: int
     """The same seed on the wall clock with the real SmolLM2 (bf16, Hamlet text): does the
     virtual picture (same pool, same arrivals) hold when every step takes its real time?"""
     from metronome.runtime.local import RunConfig, run_local
-    from metronome.runtime.recorder import RunRecorder
 
     name = "wall_" + policy.split(":")[0]
     config = RunConfig(sessions=wl.sessions, duration_s=wl.session_s,
@@ -193,9 +178,7 @@ def wall_check(ctx: ExperimentContext, wl: CliffWorkload, policy: str, seed: int
                        clock="wall", seed=seed, out=str(ctx.out_dir / name))
     recorder = RunRecorder()
     run_local(config, ctx.console, recorder=recorder)
-    steps = [(s.finished_s, s.used_blocks / (s.used_blocks + s.free_blocks), s.num_stalled)
-             for s in recorder.steps]
-    return condense(recorder.results, steps, policy, seed, config.workload().end_s + 2)
+    return condense(recorder, policy, seed, config.workload().end_s + 2)
 
 
 def run(ctx: ExperimentContext) -> dict:

@@ -20,6 +20,12 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from metronome.runtime.cost_model import StepCostModel, from_engine_bench
+
+# Virtual-clock step times: the cost model fitted to `metronome bench engine`'s SmolLM2 steps
+# on this machine, or (without that file) its constants as measured here on 2026-11-30.
+ENGINE_BENCH_JSON = Path("docs/results/engine.json")
+COST_FALLBACK = StepCostModel(fixed_s=0.0645, per_token_s=0.00065, per_context_token_s=4.5e-6)
 # Keys every summary.json has, whatever the experiment.
 COMMON_FIELDS = ("experiment", "scale", "seed", "clock", "elapsed_s", "plots", "command")
 
@@ -52,15 +58,16 @@ class ExperimentContext:
         self.console.print(message)
 
     @contextmanager
-    def progress(self, description: str, total: int) -> Iterator[callable]:
-        """`with ctx.progress("runs", 40) as advance: ... advance()` shows a bar on stderr."""
+    def progress(self, description: str, total: int | None) -> Iterator[callable]:
+        """`with ctx.progress("runs", 40) as advance: ... advance()` shows a bar on stderr
+        (total None: a count with no end known in advance, e.g. a bisection)."""
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=self.console, transient=False) as bar:
             task = bar.add_task(description, total=total)
             yield lambda n=1: bar.advance(task, n)
 
     def figure(self, name: str):
-        """A new matplotlib figure saved as `name` on `save()`; returns (fig, save)."""
+        """pyplot and a `save(fig)` that writes `fig` as `name` and lists it in the summary."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -95,6 +102,13 @@ class ExperimentContext:
         self.log(f"[bold]{experiment}[/bold]: wrote {self.out_dir}/summary.json, report.md "
                  f"and {len(self.plots)} plot(s) in {full['elapsed_s']:.0f} s")
         return full
+
+
+def cost_model() -> tuple[StepCostModel, str]:
+    """The virtual clock's step cost model and where it came from."""
+    if ENGINE_BENCH_JSON.exists():
+        return from_engine_bench(ENGINE_BENCH_JSON), str(ENGINE_BENCH_JSON)
+    return COST_FALLBACK, "built-in fallback (docs/results/engine.json not found)"
 
 
 def _plain(value):

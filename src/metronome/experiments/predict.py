@@ -32,8 +32,7 @@ import torch
 
 from metronome.admission.simulate import Scenario
 from metronome.engine.types import WorkStatus
-from metronome.experiments.cliff import cost_model
-from metronome.experiments.common import ExperimentContext, fmt
+from metronome.experiments.common import ExperimentContext, cost_model, fmt
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.observe.forecast import SaturationForecaster
