@@ -9,7 +9,7 @@ from statistics import fmean
 import pytest
 
 from metronome.admission.limits import AIMDLimit
-from metronome.admission.simulate import Scenario, run_controlled, sweep_n_star
+from metronome.harness.scenario import Scenario, run_controlled, sweep_n_star
 from metronome.runtime.cost_model import from_engine_bench
 from metronome.runtime.frame import FrameStatus
 

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from metronome.runtime.recorder import percentile
+from metronome.stats import percentile
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from metronome.admission.controller import AdmissionController
 from metronome.admission.limits import AIMDLimit
-from metronome.admission.simulate import Scenario, run_controlled, sweep_n_star
+from metronome.harness.scenario import Scenario, run_controlled, sweep_n_star
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.runtime.cost_model import from_engine_bench

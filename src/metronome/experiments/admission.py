@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 
 from metronome.admission.limits import StaticLimit
-from metronome.admission.simulate import Scenario, largest_passing, run_controlled
 from metronome.bench.admission_bench import plot as plot_run
 from metronome.bench.admission_bench import virtual_runs
 from metronome.experiments.common import ExperimentContext, cost_model, fmt
+from metronome.harness.scenario import Scenario, run_controlled
+from metronome.harness.search import largest_passing
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.runtime.frame import FrameStatus

@@ -26,14 +26,15 @@ from statistics import fmean, median
 
 import torch
 
-from metronome.admission.simulate import Scenario
 from metronome.experiments.common import ExperimentContext, cost_model, fmt
+from metronome.harness.scenario import Scenario
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.runtime.cost_model import StepCostModel
 from metronome.runtime.frame import FrameResult, FrameStatus
-from metronome.runtime.recorder import RunRecorder, percentile
+from metronome.runtime.recorder import RunRecorder
 from metronome.runtime.workload import Workload, schedule
+from metronome.stats import percentile
 
 NAME = "cliff"
 REQUIRED_FIELDS = ("workload", "wall_definition", "runs", "collapsed", "policies")

@@ -30,9 +30,9 @@ from statistics import fmean, median
 
 import torch
 
-from metronome.admission.simulate import Scenario
 from metronome.engine.types import WorkStatus
 from metronome.experiments.common import ExperimentContext, cost_model, fmt
+from metronome.harness.scenario import Scenario
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.observe.forecast import SaturationForecaster

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from metronome.load.client import ClientSettings, FrameRecord, SessionClient, SessionOutcome
 from metronome.load.speech import speech_stream
-from metronome.runtime.recorder import percentile
+from metronome.stats import percentile
 
 STUTTER_FACTOR = 1.5  # a gap between results longer than 1.5 frame periods is a stutter
 

@@ -8,25 +8,17 @@ while the engine is silently stalled.
 from __future__ import annotations
 
 import csv
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.runtime.ports import StepReport
+from metronome.stats import percentile
 
 CSV_FIELDS = ["session_id", "index", "status", "num_tokens", "late_tokens", "arrival_s",
               "start_s", "finish_s", "deadline_at_s", "latency_ms", "deadline_met", "good"]
 
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (the value at rank ceil(q/100 x n)); None for no values.
-    The one definition the recorder, the N* sweep and the admission controller share."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 @dataclass

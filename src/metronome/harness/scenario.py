@@ -1,25 +1,27 @@
-"""Admission scenarios on the virtual clock: the offline N* sweep and controlled runs.
+"""Virtual-clock scenarios: N sessions for a whole run, the offline N* sweep, and runs under an
+admission controller.
 
 Real engine steps (any model: the tiny test model or SmolLM2), time from a `StepCostModel`
 (e.g. fitted from `metronome bench engine`), so a run is deterministic and fast. Used by the
-tests and by `metronome bench admission`.
+tests, `metronome bench admission` and the cliff, admission and predict experiments.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from metronome.admission.controller import AdmissionController, CapSample
 from metronome.admission.limits import ConcurrencyLimit
 from metronome.engine.engine import Engine, EngineConfig
+from metronome.harness.search import largest_passing
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.llama import LlamaModel
 from metronome.runtime.cost_model import StepCostModel
 from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.runtime.profile import SessionProfile
-from metronome.runtime.recorder import percentile
 from metronome.runtime.virtual import VirtualDriver
 from metronome.runtime.workload import Workload, schedule
+from metronome.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -75,18 +77,6 @@ def sweep_n_star(scenario: Scenario, n_max: int = 256, **run_args) -> tuple[int,
     return largest_passing(ok, n_max), [table[n] for n in sorted(table)]
 
 
-def largest_passing(ok, n_max: int) -> int:
-    """Largest n in [0, n_max] with ok(n), for ok true up to some n and false beyond:
-    doubling, then bisection (O(log n) calls)."""
-    lo, hi = 0, 1
-    while hi <= n_max and ok(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, n_max + 1)
-    while hi - lo > 1:  # invariant: ok(lo) (or lo == 0), not ok(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
 
 @dataclass
 class ControlledRun:
@@ -94,7 +84,6 @@ class ControlledRun:
     results: list[FrameResult]
     counts: dict
     saturated_at_s: float | None = None  # first stalled_kv frame (unbounded runs)
-    steps: list = field(default_factory=list)
 
 
 def run_controlled(scenario: Scenario, limit: ConcurrencyLimit, duration_s: float,
