@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import random
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,12 +21,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from metronome.runtime.cost_model import StepCostModel, from_engine_bench
+from metronome.runtime.cost_model import PACKAGED_STEP_COST, StepCostModel
 
-# Virtual-clock step times: the cost model fitted to `metronome bench engine`'s SmolLM2 steps
-# on this machine, or (without that file) its constants as measured here on 2026-11-30.
-ENGINE_BENCH_JSON = Path("docs/results/engine.json")
-COST_FALLBACK = StepCostModel(fixed_s=0.0645, per_token_s=0.00065, per_context_token_s=4.5e-6)
 # Keys every summary.json has, whatever the experiment.
 COMMON_FIELDS = ("experiment", "scale", "seed", "clock", "elapsed_s", "plots", "command")
 
@@ -104,11 +101,19 @@ class ExperimentContext:
         return full
 
 
-def cost_model() -> tuple[StepCostModel, str]:
-    """The virtual clock's step cost model and where it came from."""
-    if ENGINE_BENCH_JSON.exists():
-        return from_engine_bench(ENGINE_BENCH_JSON), str(ENGINE_BENCH_JSON)
-    return COST_FALLBACK, "built-in fallback (docs/results/engine.json not found)"
+def cost_model(path: str | Path | None = None) -> tuple[StepCostModel, str]:
+    """The virtual clock's step cost model and where it came from, logged on stderr: the file
+    at `path` (written by `StepCostModel.save`, e.g. by `metronome bench engine`), else the
+    calibration packaged with metronome."""
+    chosen = PACKAGED_STEP_COST if path is None else Path(path)
+    if not chosen.is_file():
+        hint = " (the package data was not installed)" if path is None else ""
+        raise FileNotFoundError(f"step cost model not found: {chosen}{hint}")
+    cost, calibration = StepCostModel.load(chosen)
+    name = "packaged metronome/runtime/step_cost.json" if path is None else str(chosen)
+    source = f"{name}: {calibration.describe()}"
+    print(f"step cost model: {source}", file=sys.stderr, flush=True)
+    return cost, source
 
 
 def _plain(value):

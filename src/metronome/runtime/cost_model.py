@@ -5,18 +5,38 @@
 `input_tokens` drive the weight matmuls, `context_tokens` (keys each session's chunk
 attends to) drive KV gathers and attention. `calibrate` fits the constants by least squares
 from real steps of a real engine, so virtual-clock experiments inherit that machine's shape.
+
+A fitted model is stored as a small JSON file (`save` / `load`): the three constants and a
+`Calibration` saying where they were measured. `PACKAGED_STEP_COST` ships with the package:
+`metronome bench engine`'s SmolLM2 decode steps (docs/results/engine.json) on the project's
+2-core CPU; each bench run writes its own beside its results.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from metronome.engine.types import StepResult
+
+PACKAGED_STEP_COST = Path(__file__).with_name("step_cost.json")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Where a cost model's constants were measured; stored beside them."""
+
+    source: str  # the measurement fitted, e.g. "docs/results/engine.json (metronome bench engine)"
+    machine: str  # CPU model and logical CPUs
+    date: str  # when the measurement finished, UTC
+    dtype: str  # the model dtype of the measured steps
+
+    def describe(self) -> str:
+        return f"{self.source}, {self.machine}, {self.dtype}, {self.date}"
 
 
 @dataclass(frozen=True)
@@ -38,21 +58,18 @@ class StepCostModel:
         coef = torch.linalg.lstsq(a, b).solution.clamp(min=0).flatten().tolist()
         return cls(fixed_s=coef[0], per_token_s=coef[1], per_context_token_s=coef[2])
 
+    def save(self, path: str | Path, calibration: Calibration) -> None:
+        """Write the constants and their calibration as JSON (floats round-trip exactly)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        record = asdict(self) | {"calibration": asdict(calibration)}
+        Path(path).write_text(json.dumps(record, indent=2) + "\n")
 
-def from_engine_bench(path: str | Path) -> StepCostModel:
-    """Fit from `metronome bench engine` JSON: our decode steps (not transformers'), in the
-    dtype the bench chose: input tokens = N, context = N x attended keys per session."""
-    data = json.loads(Path(path).read_text())
-    dtype = data["dtype"]["chosen"]
-    samples = [
-        (row["sessions"], row["sessions"] * row["attended_tokens"], row["step_ms_median"] / 1e3)
-        for row in data["grid"]
-        if row.get("status") == "ok" and row["system"] != "transformers"
-        and row.get("dtype", dtype) == dtype
-    ]
-    if len(samples) < 3:
-        raise ValueError(f"{path}: too few engine rows to fit a cost model")
-    return StepCostModel.fit(samples)
+    @classmethod
+    def load(cls, path: str | Path) -> tuple[StepCostModel, Calibration]:
+        """A model written by `save`, and where its constants were measured."""
+        record = json.loads(Path(path).read_text())
+        calibration = Calibration(**record.pop("calibration"))
+        return cls(**record), calibration
 
 
 def calibrate(engine, batch_sizes=(1, 8), lengths=(64, 512), chunks=(1, 16), repeats: int = 3):
