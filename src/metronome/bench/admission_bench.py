@@ -26,7 +26,7 @@ from metronome.admission.limits import AIMDLimit
 from metronome.harness.scenario import Scenario, run_controlled, sweep_n_star
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
-from metronome.runtime.cost_model import from_engine_bench
+from metronome.runtime.cost_model import PACKAGED_STEP_COST, StepCostModel
 from metronome.runtime.frame import FrameStatus
 
 
@@ -149,7 +149,7 @@ def plot(name: str, summary: dict, n_star: int | None, out_png: Path) -> None:
 
 def run(out_md: str, out_json: str, smoke: bool, wall: bool = True) -> dict:
     started = time.time()
-    cost = from_engine_bench("docs/results/engine.json")
+    cost, _ = StepCostModel.load(PACKAGED_STEP_COST)
     results = {"cost_model": vars(cost), "virtual": virtual_runs(cost, smoke)}
     if wall:
         log("wall clock: SmolLM2, AIMD, arrivals faster than capacity")
