@@ -3,24 +3,22 @@ engine`: it finds N* when KV is bounded, and over-admits into the wall when it i
 
 from __future__ import annotations
 
-from pathlib import Path
 from statistics import fmean
 
 import pytest
 
 from metronome.admission.limits import AIMDLimit
 from metronome.harness.scenario import Scenario, run_controlled, sweep_n_star
-from metronome.runtime.cost_model import from_engine_bench
+from metronome.runtime.cost_model import PACKAGED_STEP_COST, StepCostModel
 from metronome.runtime.frame import FrameStatus
 
-ENGINE_BENCH = Path(__file__).parent.parent / "docs" / "results" / "engine.json"
 DURATION_S = 160.0
 CONVERGED_S = 80.0
 
 
 @pytest.fixture(scope="module")
 def cost():
-    return from_engine_bench(ENGINE_BENCH)
+    return StepCostModel.load(PACKAGED_STEP_COST)[0]  # fitted from `metronome bench engine`
 
 
 @pytest.fixture(scope="module")

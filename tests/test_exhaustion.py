@@ -136,13 +136,16 @@ def test_seeded_sampling_is_reproducible(tiny_model):
 def test_step_reports_what_the_runtime_needs(tiny_model):
     """Caller input vs fed-back tokens, generation state, cancellation, chosen ids."""
     engine = make_engine(tiny_model, blocks=20)
-    sid = engine.open_session(SessionSpec(stop_token_ids=()), session_id=41)
-    assert sid == 41 and engine.open_session() == 42
-    try:
-        engine.open_session(session_id=41)
-        raise AssertionError("a duplicate id must be refused")
-    except SessionError:
-        pass
+    reserved = engine.new_session_id()  # one allocator: ids reserved now, opened later
+    assert engine.open_session() == reserved + 1
+    sid = engine.open_session(SessionSpec(stop_token_ids=()), session_id=reserved)
+    assert sid == reserved
+    for bad_id in (reserved, 10_000):  # a duplicate, and an id never issued
+        try:
+            engine.open_session(session_id=bad_id)
+            raise AssertionError(f"session id {bad_id} must be refused")
+        except SessionError:
+            pass
     engine.submit(sid, [1, 2, 3, 4, 5], max_new_tokens=3)
     first = engine.step().by_session()[sid]
     assert (first.input_tokens, first.submitted_tokens, len(first.new_token_ids)) == (5, 5, 1)

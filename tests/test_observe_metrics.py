@@ -42,7 +42,7 @@ def test_every_metric_is_exposed_and_parses():
         "metronome_kv_pool_blocks", "metronome_kv_pool_saturation_eta_seconds",
         "metronome_sessions_active", "metronome_sessions", "metronome_admission_cap",
         "metronome_engine_step_seconds", "metronome_step_batch_frames",
-        "metronome_health_state", "metronome_admission_latency_p95_fraction",
+        "metronome_health_state", "metronome_admission_latency_fraction",
         "metronome_admission_decisions",
     }  # counters are families without `_total`; their samples carry it
     assert value(metrics, "metronome_frames_total", status="context_full") == 0.0

@@ -14,6 +14,7 @@ from metronome.observe.stall_detector import Health
 from metronome.runtime.cost_model import StepCostModel
 from metronome.runtime.frame import Frame, FrameStatus
 from metronome.runtime.observer import RuntimeObserver
+from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
 from metronome.runtime.recorder import RunRecorder
 from metronome.runtime.virtual import VirtualDriver
@@ -33,9 +34,10 @@ class Run:
     def __init__(self, model, policy: str, pool_blocks: int, sessions=8, duration_s=30.0):
         self.engine = Engine(model, EngineConfig(block_size=BLOCK, pool_tokens=pool_blocks * BLOCK))
         self.recorder = RunRecorder()
-        self.observer = RuntimeObserver.for_engine(self.engine)
+        self.observer = RuntimeObserver.create(BLOCK)
         self.forecasts: list[tuple[float, float, float]] = []  # (t, used fraction, predicted t)
-        self.driver = VirtualDriver(self.engine, COST, self._on_result, self._on_step)
+        self.driver = VirtualDriver(self.engine, COST, Listeners.of(self.recorder, self.observer,
+                                                                   self))
         self.profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
                                       policy=ResidencyPolicy.parse(policy))
         self.workload = Workload(sessions, duration_s, arrival_spread_s=0.0, seed=3)
@@ -43,13 +45,7 @@ class Run:
                  text_frames(model.config.vocab_size))
         self.driver.run_until(self.workload.end_s + 3)
 
-    def _on_result(self, result):
-        self.recorder.on_result(result)
-        self.observer.on_result(result)
-
-    def _on_step(self, report):
-        self.recorder.on_step(report)
-        self.observer.on_step(report)
+    def on_step(self, report):  # after the recorder's and the observer's
         used = report.pool.used_blocks / report.pool.num_blocks
         self.forecasts.append((report.finished_s, used,
                                self.observer.forecaster.predicted_saturation_time_s))
@@ -115,7 +111,7 @@ def test_metrics_endpoint_text_parses_and_has_every_metric(unbounded_run):
 def test_bad_frame_and_disconnect_touch_no_other_session(tiny_model):
     engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=64 * BLOCK))
     recorder = RunRecorder()
-    driver = VirtualDriver(engine, COST, recorder.on_result, recorder.on_step)
+    driver = VirtualDriver(engine, COST, Listeners.of(recorder))
     beat = driver.beat
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=3,
                              policy=ResidencyPolicy.sinks_window(4, 32))
@@ -149,8 +145,9 @@ def test_late_frames_keep_their_tokens_and_the_next_frame_starts_clean(tiny_mode
     engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=64 * BLOCK))
     recorder = RunRecorder()
     late_counts = []
-    driver = VirtualDriver(engine, StepCostModel(0.3, 0.0, 0.0), recorder.on_result)
-    driver.beat.on_late_tokens = late_counts.append
+    driver = VirtualDriver(engine, StepCostModel(0.3, 0.0, 0.0),
+                           Listeners(on_result=recorder.on_result,
+                                     on_late_tokens=late_counts.append))
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
                              policy=ResidencyPolicy.sinks_window(4, 64),
                              sampling=SamplingParams())

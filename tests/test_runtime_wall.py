@@ -8,12 +8,16 @@ import pytest
 from metronome.runtime.local import RunConfig, run_local
 
 
+SESSIONS = (1, 4, 12)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    # spread wide enough that the latency steps stand out of this machine's noise (the bench
-    # at 30 s: p50 241 / 297 / 665 ms for 1 / 8 / 24 sessions)
-    for sessions in (1, 8, 24):
+    # spread wide enough that the latency steps stand out of the noise, small enough for the
+    # slowest machine CI runs on (a 2-core AMD EPYC without native bf16, in fp32: 8 sessions
+    # already miss deadlines there; a 2-core Xeon held 24 at p50 665 ms, docs/results)
+    for sessions in SESSIONS:
         config = RunConfig(sessions=sessions, duration_s=8.0, ramp_s=1.0, frame_period_s=1.0,
                            tokens_per_frame=12, output_tokens=4, policy="sinks_window:4:64",
                            clock="wall", out=str(tmp_path_factory.mktemp(f"n{sessions}")))
@@ -22,7 +26,7 @@ def runs(tmp_path_factory):
 
 
 def test_small_load_meets_every_deadline(runs):
-    for sessions in (1, 8):
+    for sessions in SESSIONS[:2]:
         summary = runs[sessions]
         assert summary["frames"] == sessions * 8
         assert summary["deadline_met_fraction"] == 1.0, summary["frames_by_status"]
@@ -32,7 +36,7 @@ def test_small_load_meets_every_deadline(runs):
 def test_latency_rises_with_sessions(runs):
     p50 = {n: runs[n]["latency_ms"]["p50"] for n in runs}
     print("wall clock p50 latency ms by sessions:", p50)
-    assert p50[1] < p50[8] < p50[24]
+    assert p50[1] < p50[4] < p50[12]
 
 
 def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_model):
@@ -40,6 +44,7 @@ def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_mod
 
     from metronome.engine.engine import Engine, EngineConfig
     from metronome.runtime.frame import Frame
+    from metronome.runtime.ports import Listeners
     from metronome.runtime.profile import SessionProfile
     from metronome.runtime.wall import WallDriver
 
@@ -56,7 +61,7 @@ def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_mod
     results = []
 
     async def scenario():
-        driver = WallDriver(engine, results.append)
+        driver = WallDriver(engine, Listeners(on_result=results.append))
         sid = driver.beat.open_session(SessionProfile(frame_period_s=0.5))
         driver.beat.submit_frame(Frame(sid, 0, driver.now_s(), [1, 2, 3]), driver.now_s())
         await asyncio.sleep(0.3)
@@ -65,7 +70,7 @@ def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_mod
         driver.beat.close_session(sid, driver.now_s())
         await asyncio.sleep(0.2)
         driver.close()
-        return driver.worker.error
+        return driver.error
 
     error = asyncio.run(scenario())
     assert error == "RuntimeError: boom"

@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from metronome.load.run import LoadConfig, run_load
-from metronome.load.speech import speech_stream
+from metronome.load.speech import SPEECH_DIR, speech_stream
 from metronome.model.weights import load_tokenizer
 from metronome.serve import connection
 from metronome.serve.config import ServerConfig
@@ -28,7 +27,7 @@ from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
 
 pytestmark = pytest.mark.model
-AUDIO_DIR = Path(__file__).parent / "fixtures" / "audio"
+AUDIO_DIR = SPEECH_DIR
 SMALL = {"pool_tokens": 2048, "admission": "off"}
 
 

@@ -12,7 +12,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,11 +21,11 @@ from served import served
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from metronome.load.speech import speech_stream
+from metronome.load.speech import SPEECH_DIR, speech_stream
 from metronome.serve.config import ServerConfig
 
 pytestmark = pytest.mark.model
-AUDIO_DIR = Path(__file__).parent / "fixtures" / "audio"
+AUDIO_DIR = SPEECH_DIR
 CONFIG = ServerConfig(pool_tokens=4096, admission="off", max_message_bytes=16384,
                       max_text_chars=2000, max_buffered_audio_s=3.0)
 TRANSPORT_CLOSE = 1009  # over the transport cap (4 x 16 KiB): closed before it reaches us

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import csv
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,10 +17,10 @@ from openai import AsyncOpenAI
 from served import free_port, server_process
 
 from metronome.load.run import LoadConfig, run_load
-from metronome.load.speech import speech_stream
+from metronome.load.speech import SPEECH_DIR, speech_stream
 
 pytestmark = pytest.mark.model
-AUDIO_DIR = Path(__file__).parent / "fixtures" / "audio"
+AUDIO_DIR = SPEECH_DIR
 API_KEY = "sk-metronome-test"
 
 
@@ -43,9 +46,10 @@ async def _duplex(url: str) -> list:
         updated = await conn.recv()
         assert updated.type == "session.updated"
         pcm = speech_stream(AUDIO_DIR, 24000, 2.0)
-        for offset in range(0, len(pcm), 9600):  # 100 ms appends, no commit
+        for offset in range(0, len(pcm), 9600):  # 100 ms appends at real-time pace, no commit
             await conn.input_audio_buffer.append(
                 audio=base64.b64encode(pcm[offset: offset + 9600]).decode())
+            await asyncio.sleep(0.1)
         events, done = [], 0
         while done < 2:
             events.append(await asyncio.wait_for(conn.recv(), 30))
@@ -95,3 +99,22 @@ def test_load_generator_measures_every_frame(server_url, tmp_path):
     for row in rows:  # the client sees the answer after the server had it ready
         assert float(row["client_latency_ms"]) >= float(row["server_latency_ms"])
     assert summary["latency_ms"]["client_minus_server"]["p50"] >= 0
+
+
+def test_load_and_virtual_run_work_from_any_directory(server_url, tmp_path):
+    """The CLI finds what it ships (speech fixtures, corpus) as package data, not through
+    the working directory: run both commands from an empty temporary folder."""
+    metronome = str(Path(sys.executable).parent / "metronome")
+    load = subprocess.run(
+        [metronome, "load", "--url", server_url.replace("http", "ws") + "/v1/realtime",
+         "--sessions", "1", "--duration-s", "2", "--out", "load"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=os.environ | {"METRONOME_API_KEY": API_KEY})
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert json.loads((tmp_path / "load" / "summary.json").read_text())["frames"] == 2
+    run = subprocess.run(
+        [metronome, "run", "--clock", "virtual", "--sessions", "2", "--duration-s", "3",
+         "--out", "run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["frames"] == 6 and summary["frames_by_status"]["ok"] == 6

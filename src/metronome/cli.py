@@ -1,14 +1,26 @@
-"""`metronome` command line: the demo (main job for now) and benchmarks."""
+"""`metronome`: serve real-time sessions (the main job: `metronome serve`), load-test a
+server, run local workloads, reproduce the paper's experiments, and benchmark."""
 
 from __future__ import annotations
 
+import enum
+import inspect
+import json
+import typing
+
 import typer
+from pydantic import BaseModel, SecretStr
+
+from metronome.engine.engine import DEFAULT_POOL_TOKENS
+from metronome.kv.residency import DEFAULT_POLICY_SPEC
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 bench_app = typer.Typer(
     no_args_is_help=True, help="Benchmarks (not tests): print JSON, write docs."
 )
 app.add_typer(bench_app, name="bench")
+POLICY_HELP = "unbounded | window:W | sinks_window:S:W, optionally @rolling"
+DTYPE_HELP = "auto (bfloat16 where the CPU has native bf16, else float32) | float32 | bfloat16"
 
 
 @app.command()
@@ -20,8 +32,6 @@ def experiment(
 ) -> None:
     """Reproduce one of the paper's results (or all): writes summary.json, PNG plots and
     report.md into --out (one sub-folder each for `all`)."""
-    import json
-
     from metronome.experiments import EXPERIMENTS, Scale, run_experiments
 
     names = list(EXPERIMENTS) if name == "all" else [name]
@@ -31,7 +41,8 @@ def experiment(
     try:
         chosen = Scale(scale)
     except ValueError:
-        raise typer.BadParameter("choose smoke or full", param_hint="--scale") from None
+        raise typer.BadParameter(f"choose smoke or full, got {scale!r}",
+                                 param_hint="--scale") from None
     done = run_experiments(names, out, chosen, seed)
     typer.echo(json.dumps({n: {"out": str(folder), "elapsed_s": summary["elapsed_s"]}
                            for n, (folder, summary) in done.items()}, indent=2))
@@ -42,8 +53,8 @@ def demo(
     model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
     sessions: int = typer.Option(4, min=1, help="concurrent sessions"),
     frames: int = typer.Option(6, min=1, help="text frames streamed into each session"),
-    policy: str = typer.Option("sinks_window:4:64", help="unbounded | window:W | sinks_window:S:W"),
-    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16"),
+    policy: str = typer.Option("sinks_window:4:64", help=POLICY_HELP),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
 ) -> None:
     """Stream text frames into a few bounded sessions on the bundled model and show the pool."""
     from metronome.demo import run_demo
@@ -61,21 +72,17 @@ def run(
     deadline_fraction: float = typer.Option(1.0, help="deadline = fraction x period"),
     tokens_per_frame: int = typer.Option(12, min=1, help="text input tokens per frame"),
     output_tokens: int = typer.Option(4, min=0, help="max output tokens per frame"),
-    mode: str = typer.Option("free", help="free (every frame) | turn (every 4th frame)"),
-    policy: str = typer.Option(
-        "sinks_window:4:512", help="unbounded | window:W | sinks_window:S:W"
-    ),
-    pool_tokens: int = typer.Option(65536, min=16, help="KV pool size in tokens"),
+    mode: str = typer.Option("duplex", help="duplex (output every frame) | turn (every 4th)"),
+    policy: str = typer.Option(DEFAULT_POLICY_SPEC, help=POLICY_HELP),
+    pool_tokens: int = typer.Option(DEFAULT_POOL_TOKENS, min=16, help="KV pool size in tokens"),
     clock: str = typer.Option("wall", help="wall | virtual (deterministic, modelled step time)"),
     input_kind: str = typer.Option("text", "--input", help="text (Hamlet) | audio (front end)"),
     model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
-    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     seed: int = typer.Option(0, help="workload seed"),
     out: str = typer.Option("out/run", help="folder for frames.csv and summary.json"),
 ) -> None:
     """Run a local workload of real-time sessions on the engine; print the summary."""
-    import json
-
     from metronome.runtime.local import RunConfig, run_local
 
     try:
@@ -103,9 +110,9 @@ def bench_engine(
     repeats: int = typer.Option(5, min=1, help="timed steps per configuration"),
 ) -> None:
     """Step latency, tokens/s and resident KV: unbounded vs sinks+window vs transformers."""
-    from metronome.bench.engine_bench import run
+    from metronome.bench.engine_bench import run as run_bench
 
-    run(out_md=out, out_json=json_out, smoke=smoke, repeats=repeats)
+    run_bench(out_md=out, out_json=json_out, smoke=smoke, repeats=repeats)
 
 
 @bench_app.command("runtime")
@@ -133,53 +140,62 @@ def bench_admission(
     run_bench(out_md=out, out_json=json_out, smoke=smoke, wall=wall)
 
 
-@app.command()
-def serve(
-    host: str = typer.Option("127.0.0.1", help="address to listen on"),
-    port: int = typer.Option(8000, help="port to listen on"),
-    model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
-    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16"),
-    policy: str = typer.Option(
-        "sinks_window:4:512", help="every session's KV bound: unbounded | window:W | "
-        "sinks_window:S:W"
-    ),
-    pool_tokens: int = typer.Option(65536, help="KV pool size in tokens"),
-    frame_period_s: float = typer.Option(1.0, help="audio is cut into frames of this length"),
-    deadline_fraction: float = typer.Option(1.0, help="deadline = fraction x frame period"),
-    output_tokens: int = typer.Option(4, help="duplex: tokens generated per frame"),
-    response_tokens: int = typer.Option(16, help="turn mode: tokens of one reply"),
-    mode: str = typer.Option("duplex", help="default session mode: duplex | turn"),
-    admission: str = typer.Option("aimd", help="aimd | static | off"),
-    admission_cap: int = typer.Option(4, help="aimd: initial cap; static: the fixed cap"),
-    api_key: str = typer.Option(
-        None, envvar="METRONOME_API_KEY", show_default=False,
-        help="require this bearer key everywhere but /healthz (prefer the env variable)",
-    ),
-    max_message_bytes: int = typer.Option(1 << 20, help="largest client message"),
-    max_buffered_audio_s: float = typer.Option(4.0, help="unanswered audio a session may send"),
-    idle_timeout_s: float = typer.Option(60.0, help="close a session silent this long"),
-    max_session_s: float = typer.Option(3600.0, help="close a session this old"),
-    log_level: str = typer.Option("info", help="uvicorn log level"),
-) -> None:
-    """Serve the OpenAI Realtime subset over WebSocket (FastAPI + uvicorn)."""
+# ---- serve: every ServerConfig field is an option ---------------------------------------------
+ENV_VARS = {"api_key": "METRONOME_API_KEY"}
+
+
+def _cli_annotation(annotation):
+    """The type typer parses a config field as (pydantic validates the value after)."""
+    if annotation == SecretStr | None:
+        return str | None
+    if typing.get_origin(annotation) is tuple:
+        return list[typing.get_args(annotation)[0]]
+    return annotation
+
+
+def config_options(model: type[BaseModel]) -> list[inspect.Parameter]:
+    """One `--field-name` option per field of `model`, with its default and description."""
+    params = []
+    for name, field in model.model_fields.items():
+        default = field.default
+        if isinstance(default, tuple):
+            default = list(default)
+        elif isinstance(default, enum.Enum):
+            default = default.value
+        secret = name in ENV_VARS
+        option = typer.Option(None if secret else default, help=field.description,
+                              envvar=ENV_VARS.get(name), show_default=not secret)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=_cli_annotation(field.annotation)))
+    return params
+
+
+def serve(log_level: str = "info", **options) -> None:
+    """Serve the OpenAI Realtime subset over WebSocket (FastAPI + uvicorn): the main job."""
     from pydantic import ValidationError
 
     from metronome.serve.config import ServerConfig
     from metronome.serve.server import serve_forever
 
     try:
-        config = ServerConfig(
-            host=host, port=port, model=model, dtype=dtype, policy=policy,
-            pool_tokens=pool_tokens, frame_period_s=frame_period_s,
-            deadline_fraction=deadline_fraction, output_tokens_per_frame=output_tokens,
-            response_tokens=response_tokens, mode=mode, admission=admission,
-            admission_cap=admission_cap, api_key=api_key, max_message_bytes=max_message_bytes,
-            max_buffered_audio_s=max_buffered_audio_s, idle_timeout_s=idle_timeout_s,
-            max_session_s=max_session_s,
-        )
+        config = ServerConfig(**options)
     except ValidationError as err:
         raise typer.BadParameter(str(err)) from None
     serve_forever(config, log_level)
+
+
+def _serve_signature() -> None:
+    from metronome.serve.config import ServerConfig
+
+    params = config_options(ServerConfig) + [inspect.Parameter(
+        "log_level", inspect.Parameter.KEYWORD_ONLY, annotation=str,
+        default=typer.Option("info", help="uvicorn log level"))]
+    serve.__signature__ = inspect.Signature(params, return_annotation=None)
+    serve.__annotations__ = {p.name: p.annotation for p in params} | {"return": None}
+
+
+_serve_signature()
+app.command()(serve)
 
 
 @app.command()
@@ -192,7 +208,8 @@ def load(
     chunk_ms: float = typer.Option(100.0, min=1.0, help="audio per append message"),
     sample_rate_hz: int = typer.Option(24000, help="input audio rate (audio/pcm)"),
     mode: str = typer.Option("duplex", help="duplex | turn"),
-    audio_dir: str = typer.Option("tests/fixtures/audio", help="folder of speech WAVs"),
+    audio_dir: str = typer.Option(None, help="folder of speech WAVs (default: the espeak-ng "
+                                  "fixtures shipped in the package)", show_default=False),
     api_key: str = typer.Option(None, envvar="METRONOME_API_KEY", show_default=False,
                                 help="bearer key (prefer the env variable)"),
     out: str = typer.Option("out/load", help="folder for frames.csv and summary.json"),
@@ -200,7 +217,6 @@ def load(
 ) -> None:
     """Open N Realtime sessions against a server, stream speech in real time, measure."""
     import asyncio
-    import json
 
     from metronome.load.run import LoadConfig, run_load
 
@@ -215,7 +231,3 @@ def load(
     typer.echo(json.dumps({k: summary[k] for k in (
         "sessions", "frames", "goodput_server", "goodput_client", "latency_ms", "gap_ms",
         "errors")}, indent=2, default=str))
-
-
-def main() -> None:
-    app()

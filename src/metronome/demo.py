@@ -15,7 +15,7 @@ from rich.table import Table
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
-from metronome.model.weights import DTYPES, load_model, load_tokenizer
+from metronome.model.weights import load_model, load_tokenizer, resolve_dtype
 
 FRAMES = [
     "User: Hi! Can you tell me a fact about the ocean?\nAssistant:",
@@ -30,11 +30,13 @@ FRAMES = [
 
 def run_demo(model: str, num_sessions: int, num_frames: int, policy: str, dtype: str) -> None:
     console = Console()
-    if dtype not in DTYPES:
-        raise SystemExit(f"--dtype must be one of {sorted(DTYPES)}")
+    try:
+        torch_dtype = resolve_dtype(dtype)
+    except ValueError as err:
+        raise SystemExit(f"--dtype: {err}") from None
     residency = ResidencyPolicy.parse(policy)
     with console.status("loading model"):
-        llm = load_model(model, DTYPES[dtype])
+        llm = load_model(model, torch_dtype)
         tokenizer = load_tokenizer(model)
     engine = Engine(llm, EngineConfig(pool_tokens=16384))
     console.print(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from metronome.admission.limits import ConcurrencyLimit, IntervalSample
 from metronome.runtime.frame import FrameResult, FrameStatus
-from metronome.runtime.ports import Scheduler
+from metronome.runtime.ports import Timer
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class CapSample:
     at_s: float
     cap: int
     active_sessions: int
-    p95_latency_fraction: float | None
+    latency_fraction: float | None  # the limit's percentile of latency / deadline
+    percentile: float  # which percentile (95: p95)
     frames: int
     misses: int
     stalled: int
@@ -47,13 +48,13 @@ class AdmissionController:
     _misses: int = 0
     _stalled: int = 0
 
-    def start(self, scheduler: Scheduler, at_s: float = 0.0) -> None:
-        """Tick every interval on the runtime's scheduler, from `at_s` on."""
+    def start(self, timer: Timer, at_s: float = 0.0) -> None:
+        """Tick every interval on the runtime's timer, from `at_s` on."""
         def tick(now_s: float) -> None:
             self.end_interval(now_s)
-            scheduler.call_at(now_s + self.interval_s, tick)
+            timer.call_at(now_s + self.interval_s, tick)
 
-        scheduler.call_at(at_s + self.interval_s, tick)
+        timer.call_at(at_s + self.interval_s, tick)
 
     def try_admit(self, now_s: float) -> Decision:
         if self.active_sessions() < self.limit.cap:
@@ -62,8 +63,9 @@ class AdmissionController:
         self.counts["refused:at_capacity"] += 1
         return Decision(False, "at_capacity", retry_after_s=self.interval_s)
 
-    def observe(self, result: FrameResult) -> None:
-        """Feed every frame result; frames that never reach the engine are no signal."""
+    def on_result(self, result: FrameResult) -> None:
+        """Feed every frame result (a runtime listener); frames that never reach the engine
+        are no signal."""
         if result.status in (FrameStatus.REJECTED, FrameStatus.CANCELLED):
             return
         self._fractions.append(result.latency_fraction)
@@ -73,10 +75,10 @@ class AdmissionController:
     def end_interval(self, now_s: float) -> int:
         sample = IntervalSample(self._fractions, self._misses, self._stalled,
                                 self.active_sessions())
-        p95 = sample.percentile(95) if sample.num_frames else None
+        q = self.limit.percentile
         cap = self.limit.update(sample)
-        record = CapSample(now_s, cap, sample.active_sessions, p95, sample.num_frames,
-                           sample.deadline_misses, sample.stalled_frames)
+        record = CapSample(now_s, cap, sample.active_sessions, sample.percentile(q), q,
+                           sample.num_frames, sample.deadline_misses, sample.stalled_frames)
         self.history.append(record)
         if self.on_update is not None:
             self.on_update(record)

@@ -45,11 +45,15 @@ class IntervalSample:
     def num_frames(self) -> int:
         return len(self.latency_fractions)
 
-    def percentile(self, q: float) -> float:
+    def percentile(self, q: float) -> float | None:
+        """The q-th percentile of latency / deadline; None when no frame finished."""
         return percentile(self.latency_fractions, q)
 
 
 class ConcurrencyLimit(Protocol):
+    # the latency percentile the limit acts on (also what is recorded and exported)
+    percentile: float
+
     @property
     def cap(self) -> int: ...
 
@@ -69,11 +73,16 @@ class AIMDLimit:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_cap <= self.initial_cap <= self.max_cap:
-            raise ValueError("need 1 <= min_cap <= initial_cap <= max_cap")
+            raise ValueError(f"need 1 <= min_cap <= initial_cap <= max_cap, got min_cap="
+                             f"{self.min_cap}, initial_cap={self.initial_cap}, "
+                             f"max_cap={self.max_cap}")
         if not 0 < self.decrease < 1 or self.increase < 1:
-            raise ValueError("need 0 < decrease < 1 and increase >= 1")
+            raise ValueError(f"need 0 < decrease < 1 and increase >= 1, got decrease="
+                             f"{self.decrease}, increase={self.increase}")
         if not (self.target_fraction > 0 and 0 < self.percentile <= 100):
-            raise ValueError("need target_fraction > 0 and percentile in (0, 100]")
+            raise ValueError(f"need target_fraction > 0 and percentile in (0, 100], got "
+                             f"target_fraction={self.target_fraction}, "
+                             f"percentile={self.percentile}")
         self._cap = self.initial_cap
 
     @property
@@ -101,6 +110,7 @@ class StaticLimit:
     """Today's practice: a fixed slot count (Kyutai's "no free channels", max_sessions)."""
 
     fixed_cap: int
+    percentile: float = 95.0  # not acted on: the signal is still recorded for operators
 
     @property
     def cap(self) -> int:
@@ -114,6 +124,7 @@ class NoLimit:
     """Admission off: every session is admitted."""
 
     cap = 2**31 - 1
+    percentile = 95.0  # not acted on: the signal is still recorded for operators
 
     def update(self, sample: IntervalSample) -> int:
         return self.cap

@@ -14,91 +14,40 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
-from statistics import fmean
-
-import torch
 
 from metronome.admission.controller import AdmissionController
 from metronome.admission.limits import AIMDLimit
-from metronome.harness.scenario import Scenario, run_controlled, sweep_n_star
-from metronome.model.config import TINY_LLAMA
-from metronome.model.weights import random_model
+from metronome.harness.admission import log, summarize, virtual_runs
+from metronome.plots import plot_cap_history
 from metronome.runtime.cost_model import PACKAGED_STEP_COST, StepCostModel
-from metronome.runtime.frame import FrameStatus
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def summarize(run, n_star: int | None, converged_s: float) -> dict:
-    steady = [s.cap for s in run.history if s.at_s >= converged_s]
-    after = [r for r in run.results if r.arrival_s >= converged_s]
-    reach = None
-    if n_star:
-        reach = next((s.at_s for s in run.history if s.cap >= 0.9 * n_star), None)
-    return {
-        "n_star": n_star,
-        "steady_cap_mean": fmean(steady) if steady else None,
-        "steady_cap_min": min(steady, default=None), "steady_cap_max": max(steady, default=None),
-        "convergence_s": reach,
-        "miss_rate_after_convergence": (
-            sum(not r.deadline_met for r in after) / len(after) if after else None
-        ),
-        "stalled_frames": sum(r.status is FrameStatus.STALLED_KV for r in run.results),
-        "frames": len(run.results),
-        "goodput": sum(r.good for r in run.results) / max(1, len(run.results)),
-        "counts": run.counts,
-        "saturated_at_s": run.saturated_at_s,
-        "history": [vars(s) for s in run.history],
-    }
-
-
-def virtual_runs(cost, smoke: bool) -> dict:
-    model = random_model(TINY_LLAMA, torch.float32)
-    duration_s = 60.0 if smoke else 240.0
-    bounded = Scenario(model, cost, policy="sinks_window:4:128")
-    log("virtual: sweeping N* (bounded)")
-    n_star, table = sweep_n_star(bounded, n_max=64 if smoke else 256)
-    log(f"virtual: N* = {n_star}; AIMD bounded run")
-    run_b = run_controlled(bounded, AIMDLimit(initial_cap=4), duration_s)
-    unbounded = Scenario(model, cost, policy="unbounded", pool_tokens=40 * 8 * 16)
-    log("virtual: AIMD unbounded run (pool fills)")
-    run_u = run_controlled(unbounded, AIMDLimit(initial_cap=4), duration_s, session_s=60.0)
-    return {"sweep": table, "bounded": summarize(run_b, n_star, duration_s / 2),
-            "unbounded": summarize(run_u, None, duration_s / 2),
-            "unbounded_pool_tokens": unbounded.pool_tokens, "duration_s": duration_s}
 
 
 async def _wall_run(duration_s: float, arrival_every_s: float) -> dict:
     from metronome.engine.engine import Engine, EngineConfig
     from metronome.kv.residency import ResidencyPolicy
-    from metronome.model.weights import DTYPES, load_model, load_tokenizer
+    from metronome.model.weights import load_model, load_tokenizer, resolve_dtype
     from metronome.runtime.local import text_source
+    from metronome.runtime.ports import Listeners
     from metronome.runtime.profile import SessionProfile
+    from metronome.runtime.recorder import RunRecorder
     from metronome.runtime.wall import WallDriver
     from metronome.runtime.workload import Workload, schedule
 
-    model = load_model("bundled", DTYPES["bfloat16"])
+    model = load_model("bundled", resolve_dtype("auto"))
     engine = Engine(model, EngineConfig(block_size=16, pool_tokens=65536))
-    results = []
-
-    def on_result(result):
-        results.append(result)
-        controller.observe(result)
-
-    driver = WallDriver(engine, on_result)
+    recorder = RunRecorder()
     controller = AdmissionController(AIMDLimit(initial_cap=2), lambda: len(driver.beat.sessions))
+    driver = WallDriver(engine, Listeners.of(recorder, controller))
+    results = recorder.results
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
                              policy=ResidencyPolicy.sinks_window(4, 128))
     workload = Workload(int(duration_s / arrival_every_s), 30.0, arrival_spread_s=duration_s,
                         duration_jitter=0.3)
     source = text_source(load_tokenizer(), model.config.vocab_size, 12)
-    schedule(workload, profile, driver.beat, driver.clock, source, gate=controller.try_admit)
-    controller.start(driver.clock)
+    schedule(workload, profile, driver.beat, driver.timer, source, gate=controller.try_admit)
+    controller.start(driver.timer)
     try:
         while driver.now_s() < duration_s:
             await asyncio.sleep(5)
@@ -115,38 +64,6 @@ async def _wall_run(duration_s: float, arrival_every_s: float) -> dict:
     return summarize(Run, None, duration_s / 2)
 
 
-def plot(name: str, summary: dict, n_star: int | None, out_png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    history = summary["history"]
-    t = [h["at_s"] for h in history]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
-    ax1.plot(t, [h["cap"] for h in history], label="admission cap")
-    ax1.plot(t, [h["active_sessions"] for h in history], label="active sessions")
-    if n_star:
-        ax1.axhline(n_star, color="grey", linestyle="--", label=f"swept N* = {n_star}")
-    if summary.get("saturated_at_s"):
-        for ax in (ax1, ax2):
-            ax.axvline(summary["saturated_at_s"], color="red", linestyle=":",
-                       label="pool saturated")
-    ax1.set_ylabel("sessions")
-    ax1.legend(loc="upper left", fontsize=8)
-    ax2.plot(t, [h["p95_latency_fraction"] for h in history], color="tab:purple",
-             label="p95 latency / deadline")
-    ax2.plot(t, [h["stalled"] / max(1, h["frames"]) for h in history], color="tab:red",
-             label="stalled_kv share of frames")
-    ax2.axhline(0.8, color="grey", linestyle="--", label="target 0.8")
-    ax2.set_xlabel("time (s)")
-    ax2.legend(loc="upper left", fontsize=8)
-    ax1.set_title(name)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-
-
 def run(out_md: str, out_json: str, smoke: bool, wall: bool = True) -> dict:
     started = time.time()
     cost, _ = StepCostModel.load(PACKAGED_STEP_COST)
@@ -157,12 +74,13 @@ def run(out_md: str, out_json: str, smoke: bool, wall: bool = True) -> dict:
     figures = Path(out_md).with_suffix("")
     figures.mkdir(parents=True, exist_ok=True)
     v = results["virtual"]
-    plot("virtual clock, bounded (sinks_window 4+128)", v["bounded"], v["bounded"]["n_star"],
-         figures / "virtual_bounded.png")
-    plot("virtual clock, unbounded KV, pool fills", v["unbounded"], None,
-         figures / "virtual_unbounded.png")
+    plot_cap_history("virtual clock, bounded (sinks_window 4+128)", v["bounded"],
+                     v["bounded"]["n_star"], figures / "virtual_bounded.png")
+    plot_cap_history("virtual clock, unbounded KV, pool fills", v["unbounded"], None,
+                     figures / "virtual_unbounded.png")
     if wall:
-        plot("wall clock, SmolLM2 bf16, bounded", results["wall"], None, figures / "wall.png")
+        plot_cap_history("wall clock, SmolLM2 bf16, bounded", results["wall"], None,
+                         figures / "wall.png")
     results["elapsed_s"] = time.time() - started
     Path(out_json).write_text(json.dumps(results, indent=2, default=str))
     Path(out_md).write_text(render(results, figures.name, smoke))

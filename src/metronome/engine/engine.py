@@ -1,7 +1,8 @@
 """The engine: sessions with bounded KV in one fixed block pool, advanced by batched steps.
 
 A small synchronous API for the layers above (runtime, server, experiments):
-`open_session`, `submit`, `step`, `close`, `pool_stats`. No sockets and no clocks here.
+`open_session`, `submit`, `step`, `close`, `pool_stats`. No sockets and no clocks here. It
+implements `metronome.runtime.ports.EnginePort`, the one seam the runtime drives an engine by.
 
 One `step()` = plan (which sessions, how many tokens each, blocks for them) -> one batched
 forward over all of them -> sample -> slide windows. A session whose blocks cannot be
@@ -10,6 +11,7 @@ allocated is reported `stalled_kv` and keeps its input for a later step; nothing
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -17,17 +19,22 @@ import torch
 from metronome.engine.batch_builder import PlannedWork, build_batch
 from metronome.engine.sampling import sample
 from metronome.engine.session import Session, SessionSpec
-from metronome.engine.types import PoolStats, SessionStep, StepResult, WorkStatus
+from metronome.engine.types import PoolStats, PreparedInput, SessionStep, StepResult, WorkStatus
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.cache import KVCache, num_blocks_for
+from metronome.kv.residency import ResidencyPolicy
 from metronome.model.llama import LlamaModel
+
+DEFAULT_POOL_TOKENS = 65536  # the KV pool when nothing else is said: 4,096 blocks of 16
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    pool_tokens: int | None = 65536  # pool size in tokens ...
-    pool_memory_bytes: int | None = None  # ... or in bytes (set pool_tokens=None)
+    # The pool's size: in tokens, or as a memory budget in bytes (at most one of the two;
+    # neither: DEFAULT_POOL_TOKENS).
+    pool_tokens: int | None = None
+    pool_memory_bytes: int | None = None
     # Input tokens one session may process in one step. Every query in a step is padded to
     # the longest chunk, so one long prompt would slow every other session's step: keep it
     # a few frames' worth (a 1 s audio frame is 12-25 tokens).
@@ -43,7 +50,30 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_step_tokens < self.max_chunk_tokens:
-            raise ValueError("max_step_tokens must be >= max_chunk_tokens")
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be >= "
+                             f"max_chunk_tokens ({self.max_chunk_tokens})")
+        if self.pool_tokens is not None and self.pool_memory_bytes is not None:
+            raise ValueError(f"size the KV pool by pool_tokens ({self.pool_tokens}) or by "
+                             f"pool_memory_bytes ({self.pool_memory_bytes}), not both")
+
+    @property
+    def pool_size(self) -> dict[str, int]:
+        """The pool's size as `num_blocks_for` takes it: tokens or memory bytes."""
+        if self.pool_memory_bytes is not None:
+            return {"memory_bytes": self.pool_memory_bytes}
+        tokens = DEFAULT_POOL_TOKENS if self.pool_tokens is None else self.pool_tokens
+        return {"pool_tokens": tokens}
+
+
+def check_policy_limits(policy: ResidencyPolicy, config: EngineConfig) -> None:
+    """The engine's limits on what a session's bound may ask for (the one place they are
+    checked: the engine per session, the server once for its configured policy)."""
+    if policy.bounded and policy.window_tokens > config.max_window_tokens:
+        raise ValueError(f"window {policy.window_tokens} exceeds the engine's limit "
+                         f"{config.max_window_tokens}")
+    if policy.sink_tokens > config.max_sink_tokens:
+        raise ValueError(f"sinks {policy.sink_tokens} exceed the engine's limit "
+                         f"{config.max_sink_tokens}")
 
 
 class SessionError(ValueError):
@@ -56,10 +86,8 @@ class Engine:
         self.config = config
         cfg = model.config
         num_blocks = num_blocks_for(
-            config.block_size,
-            pool_tokens=config.pool_tokens,
-            memory_bytes=config.pool_memory_bytes,
-            bytes_per_token=cfg.kv_bytes_per_token(model.dtype),
+            config.block_size, bytes_per_token=cfg.kv_bytes_per_token(model.dtype),
+            **config.pool_size,
         )
         self.pool = BlockPool(num_blocks)
         self.cache = KVCache(
@@ -67,18 +95,28 @@ class Engine:
             model.dtype,
         )
         self.sessions: dict[int, Session] = {}
-        self._next_session_id = 0
+        self._next_session_id = 0  # the one allocator of session ids (see new_session_id)
+        self._id_lock = threading.Lock()
         self._rotation = 0  # where the next step starts handing out its token budget
 
     # ---- session lifecycle -------------------------------------------------------------
+    def new_session_id(self) -> int:
+        """Issue a session id (thread-safe: a driver on another thread reserves the id at once
+        and opens the session later on the engine's thread)."""
+        with self._id_lock:
+            session_id = self._next_session_id
+            self._next_session_id += 1
+        return session_id
+
     def open_session(self, spec: SessionSpec = SessionSpec(), session_id: int | None = None) -> int:
-        """Open a session; the caller may choose its id (the runtime does), else one is given."""
+        """Open a session under a fresh id, or under one `new_session_id` issued."""
         self._check_policy(spec)
         if session_id is None:
-            session_id = self._next_session_id
+            session_id = self.new_session_id()
+        if not 0 <= session_id < self._next_session_id:
+            raise SessionError(f"session id {session_id} was not issued by new_session_id()")
         if session_id in self.sessions:
             raise SessionError(f"session {session_id} is already open")
-        self._next_session_id = max(self._next_session_id, session_id + 1)
         stop_ids = spec.stop_token_ids
         if stop_ids is None:
             stop_ids = self.model.config.eos_token_ids
@@ -93,16 +131,22 @@ class Engine:
         max_new_tokens: int = 0,
     ) -> None:
         """Queue input (token ids or (n, hidden) embeddings) and ask for up to N new tokens."""
+        self.submit_prepared(session_id, self.prepare_input(token_ids, embeddings),
+                             max_new_tokens)
+
+    def submit_prepared(self, session_id: int, prepared: PreparedInput,
+                        max_new_tokens: int = 0) -> None:
+        """`submit` for input `prepare_input` has already validated (not checked again)."""
         session = self._get(session_id)
         if session.ended:
             raise SessionError(f"session {session_id} has ended (context full)")
         if max_new_tokens < 0:
             raise SessionError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        session.submit(self.check_input(token_ids, embeddings), max_new_tokens)
+        session.submit(prepared.data, max_new_tokens)
 
-    def check_input(
+    def prepare_input(
         self, token_ids: list[int] | torch.Tensor | None, embeddings: torch.Tensor | None
-    ) -> torch.Tensor | None:
+    ) -> PreparedInput:
         """Validate input against the model (no engine state: safe from any thread)."""
         if token_ids is not None and embeddings is not None:
             raise SessionError("submit token_ids or embeddings, not both")
@@ -111,10 +155,10 @@ class Engine:
                 ids = torch.as_tensor(token_ids, dtype=torch.int64)
             except (TypeError, ValueError, RuntimeError) as err:
                 raise SessionError(f"token_ids must be integers: {err}") from None
-            return self._check_token_ids(ids)
+            return PreparedInput(self._check_token_ids(ids))
         if embeddings is not None:
-            return self._check_embeddings(embeddings)
-        return None
+            return PreparedInput(self._check_embeddings(embeddings))
+        return PreparedInput(None)
 
     def cancel_generation(self, session_id: int) -> None:
         """Drop the session's remaining generation budget (its input is still processed)."""
@@ -248,6 +292,10 @@ class Engine:
     def resident_tokens(self, session_id: int) -> int:
         return self._get(session_id).table.resident_tokens
 
+    def resident_tokens_by_session(self) -> dict[int, int]:
+        """Live KV tokens of every open session."""
+        return {sid: s.table.resident_tokens for sid, s in self.sessions.items()}
+
     def session_blocks(self, session_id: int) -> int:
         return len(self._get(session_id).table.logical_to_block_id)
 
@@ -266,21 +314,20 @@ class Engine:
         policy, cfg = spec.policy, self.config
         if not policy.bounded and not cfg.allow_unbounded:
             raise SessionError("this engine does not allow unbounded sessions")
-        if policy.bounded and policy.window_tokens > cfg.max_window_tokens:
-            raise SessionError(
-                f"window {policy.window_tokens} exceeds the limit {cfg.max_window_tokens}"
-            )
-        if policy.sink_tokens > cfg.max_sink_tokens:
-            raise SessionError(f"sinks {policy.sink_tokens} exceed the limit {cfg.max_sink_tokens}")
+        try:
+            check_policy_limits(policy, cfg)
+        except ValueError as err:
+            raise SessionError(str(err)) from None
         if spec.max_session_tokens is not None and spec.max_session_tokens < 1:
-            raise SessionError("max_session_tokens must be >= 1")
+            raise SessionError(f"max_session_tokens must be >= 1, got {spec.max_session_tokens}")
 
     def _check_token_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 1:
             raise SessionError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
         vocab = self.model.config.vocab_size
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise SessionError(f"token ids must be in [0, {vocab})")
+            raise SessionError(f"token ids must be in [0, {vocab}), got values from "
+                               f"{int(ids.min())} to {int(ids.max())}")
         return ids
 
     def _check_embeddings(self, emb: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,18 @@ class WorkStatus(enum.StrEnum):
     CONTEXT_FULL = "context_full"  # it reached max_session_tokens; the session has ended
 
 
+@dataclass(frozen=True)
+class PreparedInput:
+    """Input the engine has validated (`Engine.prepare_input`): submitted as is, never checked
+    again. `data` is (n,) int64 token ids or (n, hidden) embeddings in the model's dtype."""
+
+    data: torch.Tensor | None  # None: no input (a request for generation only)
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.data is None else int(self.data.shape[0])
+
+
 @dataclass
 class SessionStep:
     session_id: int

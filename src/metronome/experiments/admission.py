@@ -17,18 +17,18 @@ from __future__ import annotations
 import torch
 
 from metronome.admission.limits import StaticLimit
-from metronome.bench.admission_bench import plot as plot_run
-from metronome.bench.admission_bench import virtual_runs
 from metronome.experiments.common import ExperimentContext, cost_model, fmt
+from metronome.harness.admission import virtual_runs
 from metronome.harness.scenario import Scenario, run_controlled
 from metronome.harness.search import largest_passing
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
+from metronome.plots import plot_cap_history as plot_run
 from metronome.runtime.frame import FrameStatus
 
 NAME = "admission"
 REQUIRED_FIELDS = ("bounded", "unbounded", "sweep", "memory_sweep", "paper")
-UNBOUNDED_SESSION_S = 60.0  # as in admission_bench.virtual_runs
+UNBOUNDED_SESSION_S = 60.0  # as in harness.admission.virtual_runs
 
 
 def memory_n_star(scenario: Scenario, duration_s: float, n_max: int, advance) -> tuple[int, list]:

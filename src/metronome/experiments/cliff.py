@@ -1,4 +1,5 @@
-"""`metronome experiment cliff`: the silent, metastable latency cliff, 20 runs x 2 policies.
+"""`metronome experiment cliff`: the silent, metastable latency cliff, N runs x 2 policies
+(20 at full scale, as in the paper).
 
 One workload, run with 20 seeds: N sessions open at uniformly random times over the first
 `arrival_spread_s`, each lasting `session_s x U(1 - jitter, 1 + jitter)`, streaming one
@@ -32,6 +33,7 @@ from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.runtime.cost_model import StepCostModel
 from metronome.runtime.frame import FrameResult, FrameStatus
+from metronome.runtime.ports import Listeners
 from metronome.runtime.recorder import RunRecorder
 from metronome.runtime.workload import Workload, schedule
 from metronome.stats import percentile
@@ -88,7 +90,7 @@ def run_once(model, cost: StepCostModel, wl: CliffWorkload, policy: str, seed: i
                         block_size=wl.block_size, tokens_per_frame=wl.tokens_per_frame,
                         output_tokens=wl.output_tokens)
     recorder = RunRecorder()
-    _, driver = scenario.driver(recorder.on_result, recorder.on_step)
+    _, driver = scenario.driver(Listeners.of(recorder))
     workload = wl.plan(seed)
     schedule(workload, scenario.profile(), driver.beat, driver.clock, scenario.source())
     driver.run_until(workload.end_s + 3)
@@ -290,7 +292,7 @@ def panel(ctx: ExperimentContext, r: dict, name: str, title: str) -> None:
 def render(summary: dict, runs: list[dict], policies, num_runs: int) -> str:
     wl = summary["workload"]
     lines = [
-        "# Cliff: 20 runs x {unbounded, bounded}", "",
+        f"# Cliff: {num_runs} runs x {{unbounded, bounded}}", "",
         f"Command: `{{command}}`. Clock: virtual: the engine runs every step for real (block "
         f"pool, stalls, tokens) on a tiny random Llama; step time comes from the cost model "
         f"fitted from `{wl['cost_model_source']}` (SmolLM2 bf16 on this CPU). The pool "

@@ -8,7 +8,7 @@ the configuration's mean k: real sessions do not all grow alike. Observed t_sat 
 of the first engine step in which a session could not get a KV block. Three forecasts, each
 knowing only the mean rate r = k + 4 (what an operator knows of a model a priori):
 
-- token level (MISSION's first-order model): rho(t) = rho0 + N r (t - t0) / P,
+- token level (the paper's first-order model): rho(t) = rho0 + N r (t - t0) / P,
   t_sat = t0 + (1 - rho0) P / (N r), with t0 = the sessions' mean first frame;
 - block level, a priori: each session can hold floor(F / N) of the F free blocks, so the
   pool is dry when the first session needs one more: t_sat = t0' + floor(F / N) b / r,
@@ -36,7 +36,7 @@ from metronome.harness.scenario import Scenario
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.observe.forecast import SaturationForecaster
-from metronome.runtime.ports import StepReport
+from metronome.runtime.ports import Listeners, StepReport
 from metronome.runtime.workload import Workload, schedule
 
 NAME = "predict"
@@ -98,11 +98,11 @@ def run_config(model, cost, config: Config) -> dict:
                                    for s in report.result.sessions):
             first_stall.append(report.started_s)
 
-    engine, driver = scenario.driver(lambda _r: None, on_step)
+    engine, driver = scenario.driver(Listeners(on_step=on_step))
     num_blocks = engine.pool.num_blocks
     prior_blocks = round(config.prior_fraction * num_blocks)
     if prior_blocks:  # idle sessions that already hold rho0 of the pool and do not grow
-        idle = engine.open_session(session_id=1_000_000)
+        idle = engine.open_session()
         assert engine.fast_forward(idle, prior_blocks * BLOCK_SIZE)
     free_blocks = engine.pool.num_free_blocks
     ks = config.session_tokens_per_frame()
@@ -211,15 +211,15 @@ def render(ctx: ExperimentContext, summary: dict) -> str:
         "t_sat = first step with a `stalled_kv` session.", "",
         "| forecast | median abs. error | max abs. error | configs |", "|---|---|---|---|",
     ]
-    for key, label in (("token_level", "token level, a priori (MISSION's formula)"),
+    for key, label in (("token_level", "token level, a priori (the paper's formula)"),
                        ("block_level", "block level, a priori (floor(F/N) blocks each)"),
                        ("online_block_level", "online forecaster, block level, at 50 % full"),
                        ("online_token_level", "online forecaster, token level, at 50 % full")):
         lines.append(f"| {label} | {fmt(e[key]['median'], '.1%')} | "
                      f"{fmt(e[key]['max'], '.1%')} | {e[key]['configs']} |")
     lines += [
-        "", "Paper: within a few % (Qwen3-Omni-30B), about 13 % (MiniCPM-o); our vLLM CPU "
-        "check (MISSION): about 1 % at block level, up to 9 % at token level.", "",
+        "", "Paper: within a few % (Qwen3-Omni-30B), about 13 % (MiniCPM-o); a vLLM check on "
+        "CPU reported with it: about 1 % at block level, up to 9 % at token level.", "",
         "| N | r tok/s | rate spread | pool | rho0 | arrivals over s | observed s | token level |"
         " block level | online block |", "|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -14,11 +14,13 @@ from metronome.admission.controller import AdmissionController, CapSample
 from metronome.admission.limits import ConcurrencyLimit
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.harness.search import largest_passing
-from metronome.kv.residency import ResidencyPolicy
+from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
 from metronome.model.llama import LlamaModel
 from metronome.runtime.cost_model import StepCostModel
 from metronome.runtime.frame import FrameResult, FrameStatus
+from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
+from metronome.runtime.recorder import RunRecorder
 from metronome.runtime.virtual import VirtualDriver
 from metronome.runtime.workload import Workload, schedule
 from metronome.stats import percentile
@@ -28,7 +30,7 @@ from metronome.stats import percentile
 class Scenario:
     model: LlamaModel
     cost: StepCostModel
-    policy: str = "sinks_window:4:512"
+    policy: str = DEFAULT_POLICY_SPEC
     pool_tokens: int = 1 << 20
     block_size: int = 16
     frame_period_s: float = 1.0
@@ -41,10 +43,10 @@ class Scenario:
                               max_output_tokens_per_frame=self.output_tokens,
                               policy=ResidencyPolicy.parse(self.policy))
 
-    def driver(self, on_result, on_step=None) -> tuple[Engine, VirtualDriver]:
+    def driver(self, listeners: Listeners) -> tuple[Engine, VirtualDriver]:
         engine = Engine(self.model, EngineConfig(block_size=self.block_size,
                                                  pool_tokens=self.pool_tokens))
-        return engine, VirtualDriver(engine, self.cost, on_result, on_step)
+        return engine, VirtualDriver(engine, self.cost, listeners)
 
     def source(self):
         vocab, n = self.model.config.vocab_size, self.tokens_per_frame
@@ -56,7 +58,7 @@ def run_fixed(scenario: Scenario, sessions: int, duration_s: float = 40.0,
               warmup_s: float = 10.0) -> dict:
     """N sessions for the whole run (no admission): steady-state p95 of latency/deadline."""
     results: list[FrameResult] = []
-    _, driver = scenario.driver(results.append)
+    _, driver = scenario.driver(Listeners(on_result=results.append))
     workload = Workload(sessions, duration_s, arrival_spread_s=scenario.frame_period_s)
     schedule(workload, scenario.profile(), driver.beat, driver.clock, scenario.source())
     driver.run_until(workload.end_s + 2)
@@ -90,14 +92,10 @@ def run_controlled(scenario: Scenario, limit: ConcurrencyLimit, duration_s: floa
                    arrival_every_s: float = 0.25, session_s: float = 30.0,
                    jitter: float = 0.3, interval_s: float = 2.0, seed: int = 0) -> ControlledRun:
     """Sessions arrive faster than capacity; the controller admits or refuses each."""
-    results: list[FrameResult] = []
-
-    def on_result(result: FrameResult) -> None:
-        results.append(result)
-        controller.observe(result)
-
-    engine, driver = scenario.driver(on_result)
+    recorder = RunRecorder()
     controller = AdmissionController(limit, lambda: len(engine.sessions), interval_s)
+    engine, driver = scenario.driver(Listeners.of(recorder, controller))
+    results = recorder.results
     workload = Workload(int(duration_s / arrival_every_s), session_s,
                         arrival_spread_s=duration_s, duration_jitter=jitter, seed=seed)
     schedule(workload, scenario.profile(), driver.beat, driver.clock, scenario.source(),

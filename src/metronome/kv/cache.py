@@ -20,7 +20,8 @@ def num_blocks_for(
 ) -> int:
     """Pool size in blocks from a token count or a memory budget (exactly one of them)."""
     if (pool_tokens is None) == (memory_bytes is None):
-        raise ValueError("size the KV pool by exactly one of pool_tokens or memory_bytes")
+        raise ValueError(f"size the KV pool by exactly one of pool_tokens or memory_bytes, "
+                         f"got pool_tokens={pool_tokens}, memory_bytes={memory_bytes}")
     if pool_tokens is None:
         assert bytes_per_token is not None
         pool_tokens = memory_bytes // bytes_per_token

@@ -24,6 +24,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# The server's and the runtime's default bound: 4 sinks + a 512-token window (absolute positions).
+DEFAULT_POLICY_SPEC = "sinks_window:4:512"
+
 
 class PolicyKind(enum.StrEnum):
     UNBOUNDED = "unbounded"
@@ -50,12 +53,14 @@ class ResidencyPolicy:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.kind is PolicyKind.UNBOUNDED:
             if self.window_tokens is not None or self.sink_tokens:
-                raise ValueError("unbounded takes no window or sinks")
+                raise ValueError(f"unbounded takes no window or sinks, got window_tokens="
+                                 f"{self.window_tokens}, sink_tokens={self.sink_tokens}")
             return
         if self.window_tokens is None or self.window_tokens < 1:
             raise ValueError(f"{self.kind} needs window_tokens >= 1, got {self.window_tokens}")
         if self.kind is PolicyKind.WINDOW and self.sink_tokens:
-            raise ValueError("window takes no sinks; use sinks_window")
+            raise ValueError(f"window takes no sinks (got {self.sink_tokens}); use "
+                             "sinks_window")
 
     @classmethod
     def unbounded(cls) -> ResidencyPolicy:

@@ -23,7 +23,7 @@ from rich.live import Live
 from rich.table import Table
 
 from metronome.load.client import ClientSettings, FrameRecord, SessionClient, SessionOutcome
-from metronome.load.speech import speech_stream
+from metronome.load.speech import SPEECH_DIR, speech_stream
 from metronome.stats import percentile
 
 STUTTER_FACTOR = 1.5  # a gap between results longer than 1.5 frame periods is a stutter
@@ -39,16 +39,19 @@ class LoadConfig:
     chunk_ms: float = 100.0  # audio per append
     sample_rate_hz: int = 24000
     mode: str = "duplex"
-    audio_dir: str = "tests/fixtures/audio"
+    audio_dir: str | None = None  # folder of speech WAVs; None: the packaged fixtures
     api_key: str | None = field(default=None, repr=False)
     out: str = "out/load"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.duration_s <= 0 or self.chunk_ms <= 0:
-            raise ValueError("need sessions >= 1, duration_s > 0 and chunk_ms > 0")
+            raise ValueError(f"need sessions >= 1, duration_s > 0 and chunk_ms > 0, got "
+                             f"{self.sessions}, {self.duration_s}, {self.chunk_ms}")
         if self.arrival not in ("ramp", "poisson"):
-            raise ValueError("arrival must be ramp or poisson")
+            raise ValueError(f"arrival must be ramp or poisson, got {self.arrival!r}")
+        if self.audio_dir is not None and not Path(self.audio_dir).is_dir():
+            raise ValueError(f"audio_dir {self.audio_dir!r} is not a folder")
 
     def start_times_s(self) -> list[float]:
         if self.arrival == "ramp":
@@ -108,7 +111,8 @@ async def run_load(config: LoadConfig, console: Console | None = None) -> dict:
     recorder = LoadRecorder()
     settings = ClientSettings(config.url, config.mode, config.sample_rate_hz, config.chunk_ms,
                               config.api_key)
-    speech = [speech_stream(Path(config.audio_dir), config.sample_rate_hz, config.duration_s,
+    audio_dir = SPEECH_DIR if config.audio_dir is None else Path(config.audio_dir)
+    speech = [speech_stream(audio_dir, config.sample_rate_hz, config.duration_s,
                             offset=i) for i in range(config.sessions)]  # before the clock
     origin_s = time.monotonic()
     tasks = [asyncio.create_task(_session(settings, i, pcm, at_s, origin_s, recorder))

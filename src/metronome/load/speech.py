@@ -1,10 +1,11 @@
 """Real speech for load: WAV fixtures synthesized with espeak-ng, looped into a stream.
 
-Fixtures are stored small (16 kHz mono PCM16; committed under tests/fixtures/audio) and
+Fixtures are stored small (16 kHz mono PCM16, shipped in the package: `SPEECH_DIR`) and
 resampled to the session's rate when a stream is built. Resampling is band-limited
 (FFT: zero-padding or truncating the spectrum), exact enough for a stand-in front end.
 
-Regenerate (needs Debian's `espeak-ng`): `python -m metronome.load.speech tests/fixtures/audio`
+Regenerate (needs Debian's `espeak-ng`):
+`python -m metronome.load.speech src/metronome/load/fixtures`
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from metronome.audio.pcm import decode_pcm16, encode_pcm16
 
+SPEECH_DIR = Path(__file__).parent / "fixtures"  # package data: found from any directory
 FIXTURE_RATE_HZ = 16000
 SENTENCES = {
     "weather": "What will the weather be like tomorrow?",

@@ -35,7 +35,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.name}: heads {self.num_heads} % kv heads {self.num_kv_heads}")
+            raise ValueError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         bytes_per_value = torch.empty((), dtype=dtype).element_size()

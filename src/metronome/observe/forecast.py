@@ -1,10 +1,11 @@
 """Saturation forecast: owns the online estimate of when the KV block pool runs dry if the
 sessions open now keep growing as they have.
 
-First-order model (MISSION.md): occupancy grows as rho(t) = rho0 + N*r*t, so the pool is full
-at t_sat = (1 - rho0) / (N*r). Counted in tokens, that pours the free room into sessions like
-a fluid and overestimates by up to one block of time per session; the pool runs out of
-*blocks*. So the primary forecast counts whole blocks:
+First-order model (the Metronome paper, "Bound the Cache, Keep the Beat for Real-Time
+Interaction Model Serving", Meng and Li, 2026): occupancy grows as rho(t) = rho0 + N*r*t,
+so the pool is full at t_sat = (1 - rho0) / (N*r). Counted in tokens, that pours the free
+room into sessions like a fluid and overestimates by up to one block of time per session;
+the pool runs out of *blocks*. So the primary forecast counts whole blocks:
 
     N growing sessions, each writing r tokens/s; session i has slack s_i tokens left in its
     last block; F free blocks. Blocks go out in rounds (each session takes one per
@@ -13,7 +14,7 @@ a fluid and overestimates by up to one block of time per session; the pool runs 
 
         t_sat = (s_(j) + q * block_size) / r
 
-    With every session in step (same slack) this is MISSION's "each session can hold
+    With every session in step (same slack) this is the paper's "each session can hold
     floor(F/N) more blocks". The token-level form, kept for comparison, is
     t_sat = (F * block_size + sum(s_i)) / (N * r).
 

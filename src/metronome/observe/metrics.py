@@ -33,7 +33,7 @@ KV_POOL_SATURATION_ETA_SECONDS = "metronome_kv_pool_saturation_eta_seconds"
 SESSIONS_ACTIVE = "metronome_sessions_active"
 SESSIONS_TOTAL = "metronome_sessions_total"
 ADMISSION_CAP = "metronome_admission_cap"
-ADMISSION_SIGNAL = "metronome_admission_latency_p95_fraction"
+ADMISSION_SIGNAL = "metronome_admission_latency_fraction"
 ADMISSION_DECISIONS_TOTAL = "metronome_admission_decisions_total"
 ENGINE_STEP_SECONDS = "metronome_engine_step_seconds"
 STEP_BATCH_FRAMES = "metronome_step_batch_frames"
@@ -108,8 +108,9 @@ class Metrics:
             ADMISSION_DECISIONS_TOTAL, "Session opens by decision: admitted or refused_<reason>.",
             ["decision"], registry=reg)
         self._admission_signal = Gauge(
-            ADMISSION_SIGNAL, "p95 of latency / deadline in the last control interval: the "
-            "signal the admission controller acted on (NaN: no frames).", registry=reg)
+            ADMISSION_SIGNAL, "The `quantile` of latency / deadline in the last control "
+            "interval: the signal the admission controller acted on (NaN: no frames).",
+            ["quantile"], registry=reg)
         self._health = Gauge(HEALTH_STATE, "0 ok, 1 degraded, 2 critical.", registry=reg)
 
     def observe_frame(self, status: str, latency_s: float, num_tokens: int, good: bool) -> None:
@@ -159,9 +160,10 @@ class Metrics:
     def admission_decision(self, decision: str) -> None:
         self._admission_decisions.labels(decision).inc()
 
-    def set_admission_signal(self, p95_latency_fraction: float | None) -> None:
-        self._admission_signal.set(math.nan if p95_latency_fraction is None
-                                   else p95_latency_fraction)
+    def set_admission_signal(self, quantile: float, latency_fraction: float | None) -> None:
+        """`quantile` in (0, 1] (0.95: the p95 the default AIMD limit acts on)."""
+        self._admission_signal.labels(f"{quantile:g}").set(
+            math.nan if latency_fraction is None else latency_fraction)
 
     def set_admission_cap(self, cap_sessions: int) -> None:
         self._admission_cap.set(cap_sessions)

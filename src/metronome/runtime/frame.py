@@ -19,6 +19,13 @@ class FrameStatus(enum.StrEnum):
     CANCELLED = "cancelled"  # the session closed before the frame was answered
 
 
+def count_input_tokens(token_ids: list[int] | None, embeddings: torch.Tensor | None) -> int:
+    """Input positions of token ids or (n, hidden) embeddings (one of them, or neither)."""
+    if token_ids is not None:
+        return len(token_ids)
+    return 0 if embeddings is None else int(embeddings.shape[0])
+
+
 @dataclass(eq=False)  # frames are compared by identity (they carry tensors)
 class Frame:
     session_id: int
@@ -26,13 +33,14 @@ class Frame:
     arrival_s: float  # when the frame was complete at the server
     token_ids: list[int] | None = None
     embeddings: torch.Tensor | None = None  # (n, hidden) from the audio front end
-    respond: bool = True  # ask for output (free-running: every frame; turn-based: turn ends)
+    respond: bool = True  # ask for output (duplex: every frame; turn: the turn's end)
+    # What the submitter needs back with the result (the server: the frame's kind and
+    # response ids); the runtime never looks inside.
+    origin: object = None
 
     @property
     def num_input_tokens(self) -> int:
-        if self.token_ids is not None:
-            return len(self.token_ids)
-        return 0 if self.embeddings is None else int(self.embeddings.shape[0])
+        return count_input_tokens(self.token_ids, self.embeddings)
 
 
 @dataclass
@@ -48,6 +56,7 @@ class FrameResult:
     expects_output: bool
     reason: str = ""
     late_token_ids: list[int] = field(default_factory=list)  # produced after it went out
+    origin: object = None  # the frame's `origin`, handed back
 
     @property
     def deadline_met(self) -> bool:

@@ -20,13 +20,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from metronome.engine.engine import Engine, EngineConfig
-from metronome.kv.residency import ResidencyPolicy
-from metronome.model.weights import DTYPES
+from metronome.engine.engine import DEFAULT_POOL_TOKENS, Engine, EngineConfig
+from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
+from metronome.model.weights import AUTO_DTYPE, resolve_dtype
 from metronome.runtime.cost_model import StepCostModel, calibrate
 from metronome.runtime.observer import RuntimeObserver
-from metronome.runtime.ports import OverheadMeter
-from metronome.runtime.profile import GenerationMode, SessionProfile
+from metronome.runtime.ports import Listeners, OverheadMeter
+from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.runtime.recorder import RunRecorder
 from metronome.runtime.virtual import VirtualDriver
 from metronome.runtime.wall import WallDriver
@@ -43,30 +43,31 @@ class RunConfig:
     deadline_fraction: float = 1.0
     tokens_per_frame: int = 12  # text input; audio input gets frame_period x token rate
     output_tokens: int = 4
-    mode: str = "free"
-    policy: str = "sinks_window:4:512"
-    pool_tokens: int = 65536
+    mode: str = SessionMode.DUPLEX.value
+    policy: str = DEFAULT_POLICY_SPEC
+    pool_tokens: int = DEFAULT_POOL_TOKENS
     block_size: int = 16
     clock: str = "wall"
     input: str = "text"  # text | audio
     model: str = "bundled"
-    dtype: str = "bfloat16"
+    dtype: str = AUTO_DTYPE
     seed: int = 0
     out: str = "out/run"
     cost_model: dict = field(default_factory=dict)  # virtual clock: fixed constants (else fit)
 
     def __post_init__(self) -> None:
         if self.clock not in ("wall", "virtual"):
-            raise ValueError("clock must be wall or virtual")
+            raise ValueError(f"clock must be wall or virtual, got {self.clock!r}")
         if self.input not in ("text", "audio"):
-            raise ValueError("input must be text or audio")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+            raise ValueError(f"input must be text or audio, got {self.input!r}")
+        resolve_dtype(self.dtype)  # raises for an unknown name
+        if self.mode not in set(SessionMode):
+            raise ValueError(f"mode must be one of {', '.join(SessionMode)}, got {self.mode!r}")
 
     def profile(self) -> SessionProfile:
         return SessionProfile(
             frame_period_s=self.frame_period_s, deadline_fraction=self.deadline_fraction,
-            max_output_tokens_per_frame=self.output_tokens, mode=GenerationMode(self.mode),
+            max_output_tokens_per_frame=self.output_tokens, mode=SessionMode(self.mode),
             policy=ResidencyPolicy.parse(self.policy),
         )
 
@@ -114,7 +115,7 @@ def audio_source(model, frame_period_s: float) -> FrameSource:
 def build(config: RunConfig):
     from metronome.model.weights import load_model, load_tokenizer
 
-    model = load_model(config.model, DTYPES[config.dtype])
+    model = load_model(config.model, resolve_dtype(config.dtype))
     engine = Engine(model, EngineConfig(block_size=config.block_size,
                                         pool_tokens=config.pool_tokens))
     engine.warm_up()
@@ -134,7 +135,7 @@ def run_local(config: RunConfig, console: Console | None = None,
     out.mkdir(parents=True, exist_ok=True)
     engine, source = build(config)
     recorder = recorder if recorder is not None else RunRecorder()
-    observer = RuntimeObserver.for_engine(engine)
+    observer = RuntimeObserver.create(engine.config.block_size)
     started = time.perf_counter()
     if config.clock == "virtual":
         cost = _cost_model(config, engine, console)
@@ -163,9 +164,7 @@ def _cost_model(config: RunConfig, engine: Engine, console: Console) -> StepCost
 
 
 def _run_virtual(config, engine, source, recorder, observer, cost, console) -> OverheadMeter:
-    driver = VirtualDriver(engine, cost, _fan(recorder.on_result, observer.on_result),
-                           _fan(recorder.on_step, observer.on_step))
-    driver.beat.on_late_tokens = observer.on_late_tokens
+    driver = VirtualDriver(engine, cost, Listeners.of(recorder, observer))
     workload = config.workload()
     schedule(workload, config.profile(), driver.beat, driver.clock, source)
     end_s = workload.end_s + 2 * config.frame_period_s
@@ -180,11 +179,9 @@ def _run_virtual(config, engine, source, recorder, observer, cost, console) -> O
 
 
 async def _run_wall(config, engine, source, recorder, observer, console) -> OverheadMeter:
-    driver = WallDriver(engine, _fan(recorder.on_result, observer.on_result),
-                        _fan(recorder.on_step, observer.on_step))
-    driver.beat.on_late_tokens = observer.on_late_tokens
+    driver = WallDriver(engine, Listeners.of(recorder, observer))
     workload = config.workload()
-    schedule(workload, config.profile(), driver.beat, driver.clock, source)
+    schedule(workload, config.profile(), driver.beat, driver.timer, source)
     end_s = workload.end_s + 2 * config.frame_period_s
     try:
         with Live(console=console, refresh_per_second=4) as live:
@@ -194,13 +191,6 @@ async def _run_wall(config, engine, source, recorder, observer, console) -> Over
     finally:
         driver.close()
     return driver.overhead
-
-
-def _fan(*callbacks):
-    def call(arg):
-        for callback in callbacks:
-            callback(arg)
-    return call
 
 
 def _progress(recorder: RunRecorder, observer, t_s: float, end_s: float) -> Table:

@@ -7,7 +7,6 @@ import math
 
 from prometheus_client import CollectorRegistry
 
-from metronome.engine.engine import Engine
 from metronome.observe.forecast import SaturationForecaster
 from metronome.observe.metrics import Metrics
 from metronome.observe.stall_detector import StallDetector
@@ -32,12 +31,13 @@ class RuntimeObserver:
         self.eta_s = math.inf
 
     @classmethod
-    def for_engine(cls, engine: Engine, registry: CollectorRegistry | None = None,
-                   forecast_window_s: float = 10.0):
-        """Defaults: the forecast's fill rate looks back 10 s, so it reads "never" within
+    def create(cls, block_size_tokens: int, registry: CollectorRegistry | None = None,
+               forecast_window_s: float = 10.0) -> RuntimeObserver:
+        """For a pool of `block_size_tokens` blocks (`EnginePort.pool_stats().block_size`).
+        Defaults: the forecast's fill rate looks back 10 s, so it reads "never" within
         ~10 s of a bounded session reaching steady state, and still sees any session
         growing by a block (16 tokens) per 10 s: far slower than any real-time stream."""
-        forecaster = SaturationForecaster(engine.config.block_size, window_s=forecast_window_s)
+        forecaster = SaturationForecaster(block_size_tokens, window_s=forecast_window_s)
         return cls(Metrics(registry), StallDetector(), forecaster)
 
     def on_result(self, result: FrameResult) -> None:

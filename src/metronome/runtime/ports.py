@@ -1,13 +1,34 @@
-"""The narrow interfaces between the beat (runtime core) and what drives it.
+"""The seams of the runtime: the engine it drives, the timer it asks for deadlines, the
+listeners it reports to, and what one engine step looks like to them.
 
-The core never touches the engine or a clock directly: it sends commands through an
-`EnginePort` and asks a `Scheduler` for deadline callbacks. The wall-clock driver backs
-them with an engine thread and the event loop; the virtual driver with direct calls and
-an event heap. Same core, two clocks.
+`EnginePort` is the one interface an engine implements. The native `metronome.engine.Engine`
+does; a second engine (vLLM, say) needs nothing else to run under the beat, the admission
+controller, the observer and the server:
+
+    new_session_id()           issue an id (thread-safe: the wall driver reserves ids on the
+                               event loop and opens the session later on the engine thread)
+    prepare_input(ids, emb)    validate input, raise `SessionError` with the reason (pure,
+                               any thread); the result is submitted as is, never re-checked
+    open_session(spec, id)     open under an issued id; raise `SessionError` for a policy
+                               the engine does not allow
+    submit_prepared(id, input, max_new_tokens)
+                               queue input and a generation budget
+    cancel_generation(id)      drop the rest of the budget (queued input is still processed)
+    close(id)                  end the session; every one of its blocks goes back at once
+    has_work / step()          one batched step over every session with work -> StepResult
+                               (per session: ok | stalled_kv | context_full, tokens, counts);
+                               running out of KV is a status in the result, never an error
+    pool_stats()               the block pool now (blocks used, free, pinned, block size)
+    resident_tokens_by_session()
+                               live KV tokens of every open session (the forecast's input)
+
+Threading: a driver calls every method but the first two from one thread, never two at
+once (the wall driver: its engine thread; the virtual driver: its only thread).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,26 +36,44 @@ from typing import Protocol
 import torch
 
 from metronome.engine.session import SessionSpec
-from metronome.engine.types import PoolStats, StepResult
+from metronome.engine.types import PoolStats, PreparedInput, StepResult
+from metronome.runtime.frame import FrameResult
 
 
-class EnginePort(Protocol):
-    def validate(self, token_ids: list[int] | None, embeddings: torch.Tensor | None) -> None:
-        """Raise ValueError for input the engine would refuse (pure: any thread)."""
+class EngineCommands(Protocol):
+    """What the beat asks of an engine: the session commands of `EnginePort`. A driver
+    hands the beat either the engine itself or a proxy that applies each command later on
+    the engine's thread."""
 
-    def open(self, session_id: int, spec: SessionSpec) -> None: ...
+    def new_session_id(self) -> int: ...
 
-    def submit(
-        self, session_id: int, token_ids: list[int] | None, embeddings: torch.Tensor | None,
-        max_new_tokens: int,
-    ) -> None: ...
+    def prepare_input(self, token_ids: list[int] | None,
+                      embeddings: torch.Tensor | None) -> PreparedInput: ...
 
-    def cancel(self, session_id: int) -> None: ...
+    def open_session(self, spec: SessionSpec, session_id: int | None = None) -> int: ...
+
+    def submit_prepared(self, session_id: int, prepared: PreparedInput,
+                        max_new_tokens: int = 0) -> None: ...
+
+    def cancel_generation(self, session_id: int) -> None: ...
 
     def close(self, session_id: int) -> None: ...
 
 
-class Scheduler(Protocol):
+class EnginePort(EngineCommands, Protocol):
+    """The one seam an engine implements (see the module docstring)."""
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def step(self) -> StepResult: ...
+
+    def pool_stats(self) -> PoolStats: ...
+
+    def resident_tokens_by_session(self) -> dict[int, int]: ...
+
+
+class Timer(Protocol):
     def call_at(self, at_s: float, callback: Callable[[float], None]) -> None:
         """Run callback(now_s) at time at_s (or as soon after as possible)."""
 
@@ -54,6 +93,36 @@ class StepReport:
         return self.finished_s - self.started_s
 
 
+def _ignore(_value) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Listeners:
+    """Everything the runtime reports, given once, when a driver is built: each frame's
+    result, each step, and tokens that arrived after their frame had been answered."""
+
+    on_result: Callable[[FrameResult], None] = _ignore
+    on_step: Callable[[StepReport], None] = _ignore
+    on_late_tokens: Callable[[int], None] = _ignore
+
+    @classmethod
+    def of(cls, *listeners: object) -> Listeners:
+        """Fan out to objects with any of `on_result`, `on_step`, `on_late_tokens` (a
+        recorder, the observer, ...), called in the order given."""
+        def fan(name: str):
+            callbacks = [getattr(x, name) for x in listeners if hasattr(x, name)]
+            if len(callbacks) == 1:
+                return callbacks[0]
+
+            def call(value) -> None:
+                for callback in callbacks:
+                    callback(value)
+            return call if callbacks else _ignore
+
+        return cls(fan("on_result"), fan("on_step"), fan("on_late_tokens"))
+
+
 @dataclass
 class OverheadMeter:
     """The runtime's own cost next to the engine's: report building, the beat's attribution,
@@ -63,6 +132,12 @@ class OverheadMeter:
     engine_s: float = 0.0
     runtime_s: float = 0.0
     steps: int = 0
+
+    def timed(self, fn: Callable[[], object]) -> None:
+        """Run fn, counting its time as the runtime's."""
+        started = time.perf_counter()
+        fn()
+        self.runtime_s += time.perf_counter() - started
 
     def summary(self) -> dict:
         share = self.runtime_s / self.engine_s if self.engine_s else None

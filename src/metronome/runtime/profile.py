@@ -6,12 +6,14 @@ import enum
 from dataclasses import dataclass
 
 from metronome.engine.sampling import SamplingParams
-from metronome.kv.residency import ResidencyPolicy
+from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
 
 
-class GenerationMode(enum.StrEnum):
-    TURN = "turn"  # reply only when a frame asks (end of the user's turn)
-    FREE = "free"  # generate every frame, the duplex way (Moshi, MiniCPM-o)
+class SessionMode(enum.StrEnum):
+    """When a session generates: the server's `session.metronome.mode` and the runtime's."""
+
+    DUPLEX = "duplex"  # every frame gets output, no turns (Moshi, MiniCPM-o)
+    TURN = "turn"  # input is prefilled as it arrives; output only when a frame asks for it
 
 
 @dataclass(frozen=True)
@@ -19,8 +21,8 @@ class SessionProfile:
     frame_period_s: float = 1.0
     deadline_fraction: float = 1.0  # deadline = fraction x period after the frame arrives
     max_output_tokens_per_frame: int = 4
-    mode: GenerationMode = GenerationMode.FREE
-    policy: ResidencyPolicy = ResidencyPolicy.sinks_window(4, 512)
+    mode: SessionMode = SessionMode.DUPLEX
+    policy: ResidencyPolicy = ResidencyPolicy.parse(DEFAULT_POLICY_SPEC)
     sampling: SamplingParams = SamplingParams()
     max_session_tokens: int | None = None
 
@@ -30,13 +32,14 @@ class SessionProfile:
         if not 0 < self.deadline_fraction <= 10:
             raise ValueError(f"deadline_fraction must be in (0, 10], got {self.deadline_fraction}")
         if self.max_output_tokens_per_frame < 0:
-            raise ValueError("max_output_tokens_per_frame must be >= 0")
+            raise ValueError(f"max_output_tokens_per_frame must be >= 0, got "
+                             f"{self.max_output_tokens_per_frame}")
 
     @property
     def deadline_s(self) -> float:
         return self.frame_period_s * self.deadline_fraction
 
     def output_tokens_for(self, respond: bool) -> int:
-        if self.mode is GenerationMode.FREE or respond:
+        if self.mode is SessionMode.DUPLEX or respond:
             return self.max_output_tokens_per_frame
         return 0

@@ -2,54 +2,56 @@
 
 The engine really runs every step (real tokens, real KV pool); only time is virtual:
 each step takes what the `StepCostModel` says. Runs much faster than real time and gives
-the same answer every run, for tests and experiments. The beat is the same code as on the
-wall clock.
+the same answer every run, for tests and experiments. The beat, the step report and the
+idle rule are the same code as on the wall clock (`runtime.driver`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections.abc import Callable
 
-import torch
-
-from metronome.engine.engine import Engine
 from metronome.engine.session import SessionSpec
-from metronome.runtime.beat import Beat
+from metronome.engine.types import PreparedInput
 from metronome.runtime.cost_model import StepCostModel
-from metronome.runtime.frame import FrameResult
-from metronome.runtime.ports import OverheadMeter, StepReport
+from metronome.runtime.driver import Driver, EngineCommandsBase
+from metronome.runtime.ports import EnginePort, Listeners, StepReport
 
 
-class DirectEnginePort:
-    """Engine commands applied at once (the virtual driver owns the only thread)."""
+class DirectCommands(EngineCommandsBase):
+    """`EngineCommands` applied at once (the virtual driver owns the only thread); each
+    command tells the driver, for the idle rule."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: EnginePort, on_command: Callable[[], None]) -> None:
+        super().__init__(engine)
+        self.on_command = on_command
 
-    def validate(self, token_ids, embeddings) -> None:
-        self.engine.check_input(token_ids, embeddings)
+    def open_session(self, spec: SessionSpec, session_id: int | None = None) -> int:
+        self.on_command()
+        return self.engine.open_session(spec, session_id)
 
-    def open(self, session_id: int, spec: SessionSpec) -> None:
-        self.engine.open_session(spec, session_id=session_id)
+    def submit_prepared(self, session_id: int, prepared: PreparedInput,
+                        max_new_tokens: int = 0) -> None:
+        self.on_command()
+        self.engine.submit_prepared(session_id, prepared, max_new_tokens)
 
-    def submit(self, session_id, token_ids, embeddings: torch.Tensor | None, max_new_tokens):
-        self.engine.submit(session_id, token_ids, embeddings, max_new_tokens)
-
-    def cancel(self, session_id: int) -> None:
+    def cancel_generation(self, session_id: int) -> None:
+        self.on_command()
         self.engine.cancel_generation(session_id)
 
     def close(self, session_id: int) -> None:
+        self.on_command()
         self.engine.close(session_id)
 
 
 class EventHeap:
+    """The virtual clock: a `Timer` whose callbacks run in time order, ties in call order."""
+
     def __init__(self) -> None:
         self.now_s = 0.0
         self._heap: list[tuple[float, int, Callable[[float], None]]] = []
-        self._seq = itertools.count()  # ties run in scheduling order
+        self._seq = itertools.count()
 
     def call_at(self, at_s: float, callback: Callable[[float], None]) -> None:
         heapq.heappush(self._heap, (max(at_s, self.now_s), next(self._seq), callback))
@@ -63,59 +65,36 @@ class EventHeap:
         callback(at_s)
 
 
-class VirtualDriver:
-    def __init__(
-        self,
-        engine: Engine,
-        cost_model: StepCostModel,
-        on_result: Callable[[FrameResult], None],
-        on_step: Callable[[StepReport], None] | None = None,
-    ) -> None:
-        self.engine = engine
+class VirtualDriver(Driver):
+    def __init__(self, engine: EnginePort, cost_model: StepCostModel,
+                 listeners: Listeners) -> None:
         self.cost_model = cost_model
         self.clock = EventHeap()
-        self.beat = Beat(DirectEnginePort(engine), self.clock, on_result, on_step)
-        self._busy = False
-        # After a step in which no session could work (all stalled on KV), nothing can
-        # change until some event happens (a close, a new frame): wait for one.
-        self._idle_until_event = False
-        self.overhead = OverheadMeter()
+        super().__init__(engine, DirectCommands(engine, self.on_command), self.clock,
+                         listeners)
+        self._busy = False  # a step has started and its end is on the clock
 
     @property
     def now_s(self) -> float:
         return self.clock.now_s
 
     def run_until(self, until_s: float) -> None:
-        """Advance virtual time to `until_s`, stepping the engine whenever it has work."""
+        """Advance virtual time to `until_s`, stepping the engine whenever it may."""
         while True:
-            if not self._busy and not self._idle_until_event and self.engine.has_work:
+            if not self._busy and self.should_step:
                 self._start_step()
             next_s = self.clock.next_time_s()
             if next_s is None or next_s > until_s:
                 break
             self.clock.run_next()
-            self._idle_until_event = self._idle_until_event and self._busy
         self.clock.now_s = max(self.clock.now_s, until_s)
 
     def _start_step(self) -> None:
         started_s = self.clock.now_s
-        t0 = time.perf_counter()
-        result = self.engine.step()
-        t1 = time.perf_counter()
-        finished_s = started_s + self.cost_model.step_s(result)
-        report = StepReport(
-            result, started_s, finished_s, self.engine.pool_stats(),
-            {sid: self.engine.resident_tokens(sid) for sid in self.engine.sessions},
-        )
-        self.overhead.engine_s += t1 - t0
-        self.overhead.runtime_s += time.perf_counter() - t1
-        self.overhead.steps += 1
+        report = self.run_step(started_s, lambda result: started_s + self.cost_model.step_s(result))
         self._busy = True
-        self.clock.call_at(finished_s, lambda _t: self._finish_step(report))
+        self.clock.call_at(report.finished_s, lambda _t: self._finish_step(report))
 
     def _finish_step(self, report: StepReport) -> None:
         self._busy = False
-        self._idle_until_event = report.result.num_input_tokens == 0
-        t0 = time.perf_counter()
-        self.beat.on_step(report)
-        self.overhead.runtime_s += time.perf_counter() - t0
+        self.deliver(report)

@@ -1,6 +1,6 @@
 """A local workload: N sessions arriving over a ramp, each streaming frames on its period.
 
-Everything is scheduled through the driver's scheduler (`call_at`), so the same workload
+Everything is put on the driver's timer (`call_at`), so the same workload
 runs on the virtual clock and on the wall clock.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from metronome.runtime.beat import Beat
 from metronome.runtime.frame import Frame
-from metronome.runtime.ports import Scheduler
-from metronome.runtime.profile import GenerationMode, SessionProfile
+from metronome.runtime.ports import Timer
+from metronome.runtime.profile import SessionMode, SessionProfile
 
 # (session_id, frame_index) -> (token_ids, embeddings); one of the two is None
 FrameSource = Callable[[int, int], tuple[list[int] | None, object]]
@@ -30,9 +30,10 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.num_sessions < 1 or self.session_duration_s <= 0:
-            raise ValueError("a workload needs >= 1 session and a positive duration")
+            raise ValueError(f"a workload needs >= 1 session and a positive duration, got "
+                             f"{self.num_sessions} sessions of {self.session_duration_s} s")
         if not 0 <= self.duration_jitter < 1:
-            raise ValueError("duration_jitter must be in [0, 1)")
+            raise ValueError(f"duration_jitter must be in [0, 1), got {self.duration_jitter}")
 
     def plan(self) -> list[tuple[float, float]]:
         """(open_at_s, duration_s) per session, from the seed."""
@@ -53,26 +54,26 @@ class Workload:
 Gate = Callable[[float], object]
 
 
-def schedule(workload: Workload, profile: SessionProfile, beat: Beat, scheduler: Scheduler,
+def schedule(workload: Workload, profile: SessionProfile, beat: Beat, timer: Timer,
              source: FrameSource, gate: Gate | None = None) -> None:
-    """Put every session's open, frames and close on the scheduler."""
+    """Put every session's open, frames and close on the timer."""
     for open_at_s, duration_s in workload.plan():
-        scheduler.call_at(open_at_s, lambda now, d=duration_s: _start(
-            workload, profile, beat, scheduler, source, gate, now, d))
+        timer.call_at(open_at_s, lambda now, d=duration_s: _start(
+            workload, profile, beat, timer, source, gate, now, d))
 
 
-def _start(workload, profile, beat, scheduler, source, gate, now_s: float, duration_s: float):
+def _start(workload, profile, beat, timer, source, gate, now_s: float, duration_s: float):
     if gate is not None and not gate(now_s).admitted:
         return
-    session_id = beat.open_session(profile)
+    session_id = beat.open_session(profile, now_s)
     num_frames = max(1, int(duration_s / profile.frame_period_s))
     for index in range(num_frames):
         # frame i is complete at the server one period after it started
         at_s = now_s + (index + 1) * profile.frame_period_s
-        scheduler.call_at(at_s, lambda t, i=index: _frame(workload, profile, beat, source,
-                                                          session_id, i, t))
+        timer.call_at(at_s, lambda t, i=index: _frame(workload, profile, beat, source,
+                                                      session_id, i, t))
     end_s = now_s + (num_frames + 1) * profile.frame_period_s
-    scheduler.call_at(end_s, lambda t: beat.close_session(session_id, t))
+    timer.call_at(end_s, lambda t: beat.close_session(session_id, t))
 
 
 def _frame(workload, profile, beat, source, session_id: int, index: int, now_s: float) -> None:
@@ -80,5 +81,5 @@ def _frame(workload, profile, beat, source, session_id: int, index: int, now_s: 
         return
     token_ids, embeddings = source(session_id, index)
     turn_ends = (index + 1) % workload.respond_every_frames == 0
-    respond = profile.mode is GenerationMode.FREE or turn_ends
+    respond = profile.mode is SessionMode.DUPLEX or turn_ends
     beat.submit_frame(Frame(session_id, index, now_s, token_ids, embeddings, respond), now_s)

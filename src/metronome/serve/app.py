@@ -1,7 +1,7 @@
 """The FastAPI app: `GET /healthz`, `GET /metrics`, `GET /v1/sessions`, `WS /v1/realtime`.
 
 The lifespan builds the serving state inside the running loop (the wall driver needs it):
-model (loaded from the config unless injected), engine, `ServerRuntime`. With an API key
+model (loaded from the config unless injected), engine, `ServerState`. With an API key
 configured, every route but `/healthz` needs `Authorization: Bearer <key>`.
 """
 
@@ -21,7 +21,7 @@ from metronome.serve import protocol as p
 from metronome.serve.auth import bearer_matches
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
-from metronome.serve.runtime import ServerRuntime
+from metronome.serve.state import ServerState
 
 
 class Unauthorized(Exception):
@@ -44,13 +44,13 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
         # and the engine thread for long enough to make frames late.
         gc.collect()
         gc.freeze()
-        runtime = ServerRuntime(config, engine, tok, registry or CollectorRegistry(),
-                                model_name=served.config.name)
-        app.state.runtime = runtime
+        state = ServerState(config, engine, tok, registry or CollectorRegistry(),
+                            model_name=served.config.name)
+        app.state.serving = state
         try:
             yield
         finally:
-            runtime.close()
+            state.close()
 
     app = FastAPI(title="metronome", lifespan=lifespan)
     app.add_exception_handler(Unauthorized, _unauthorized)
@@ -60,9 +60,9 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
 
 def _load(config: ServerConfig):
 
-    from metronome.model.weights import DTYPES, load_model, load_tokenizer
+    from metronome.model.weights import load_model, load_tokenizer, resolve_dtype
 
-    dtype = DTYPES[config.dtype]
+    dtype = resolve_dtype(config.dtype)
     return load_model(config.model, dtype), load_tokenizer(config.model)
 
 
@@ -76,20 +76,20 @@ def _routes(app: FastAPI, config: ServerConfig) -> None:
     # async handlers: they read loop-owned state, so they must run on the loop thread
     @app.get("/healthz")
     async def healthz(request: Request) -> dict:
-        return request.app.state.runtime.health()
+        return request.app.state.serving.health()
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics(request: Request) -> Response:
-        return Response(request.app.state.runtime.metrics.render(),
+        return Response(request.app.state.serving.metrics.render(),
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/sessions", dependencies=guarded)
     async def sessions(request: Request) -> dict:
-        return request.app.state.runtime.session_list()
+        return request.app.state.serving.session_list()
 
     @app.websocket("/v1/realtime")
     async def realtime(websocket: WebSocket) -> None:
-        await Connection(websocket, websocket.app.state.runtime).serve()
+        await Connection(websocket, websocket.app.state.serving).serve()
 
 
 async def _unauthorized(request: Request, exc: Unauthorized) -> JSONResponse:

@@ -1,10 +1,12 @@
 """One session's audio input: PCM16 bytes in any chunking -> frames of `frame_period_s`.
 
-Owns the bytes of the frame being filled and the session's streaming encoder. A frame is
-cut the moment its last byte arrives, so frames carry `frame_period_s` of audio each and
-the encoder's carry-over (audio of a token period not yet complete) flows into the next
-frame. `flush()` (a commit) ends the stream's current frame early, padding the last token
-period with silence.
+Two halves on two threads. `cut` and `cut_rest` run on the event loop and only move bytes:
+a frame is cut the moment its last byte arrives, so frames carry `frame_period_s` of audio
+each. `encode` runs on the server's audio encoder thread (log-mel + projection, the costly
+part) and owns the session's streaming encoder, whose carry-over (audio of a token period
+not yet complete) flows into the next frame. Frames are encoded in the order they were cut.
+A final cut (a commit) ends the stream's current frame early, padding the last token period
+with silence.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from metronome.audio.frontend import AudioFrontEnd, StreamingAudioEncoder
 from metronome.audio.pcm import PCM16_BYTES_PER_SAMPLE
 
 
-@dataclass
-class AudioFrame:
-    embeddings: torch.Tensor  # (num_tokens, hidden)
+@dataclass(frozen=True)
+class PcmCut:
+    """The bytes of one frame, cut on the loop, not yet encoded."""
+
+    pcm: bytes
     audio_end_ms: float  # input stream position of the frame's last byte
+    final: bool = False  # a commit: pad the last token period with silence
 
 
 class AudioFramer:
@@ -29,8 +34,8 @@ class AudioFramer:
         self.sample_rate_hz = fmt.sample_rate_hz
         self.frame_bytes = fmt.frame_bytes(frame_period_s)
         self._samples_per_token = fmt.samples_per_token
-        self._encoder = StreamingAudioEncoder(frontend)
-        self._pending = bytearray()  # the frame being filled: < frame_bytes
+        self._encoder = StreamingAudioEncoder(frontend)  # the encoder thread's only
+        self._pending = bytearray()  # the frame being filled: < frame_bytes (the loop's)
         self.received_bytes = 0
 
     @property
@@ -41,31 +46,35 @@ class AudioFramer:
     def bytes_per_s(self) -> int:
         return self.sample_rate_hz * PCM16_BYTES_PER_SAMPLE
 
-    def append(self, pcm: bytes) -> list[AudioFrame]:
-        """Whole PCM16 samples in; every frame completed by them out."""
+    # ---- on the loop ---------------------------------------------------------------------
+    def cut(self, pcm: bytes) -> list[PcmCut]:
+        """Whole PCM16 samples in; every frame completed by them out (as bytes)."""
         assert len(pcm) % PCM16_BYTES_PER_SAMPLE == 0, len(pcm)
         self._pending += pcm
         self.received_bytes += len(pcm)
-        frames = []
+        cuts = []
         while len(self._pending) >= self.frame_bytes:
             chunk = bytes(self._pending[: self.frame_bytes])
             del self._pending[: self.frame_bytes]
             end_bytes = self.received_bytes - len(self._pending)
-            frames.append(AudioFrame(self._encoder.push(chunk), self._ms(end_bytes)))
-        return frames
+            cuts.append(PcmCut(chunk, self._ms(end_bytes)))
+        return cuts
 
-    def flush(self) -> AudioFrame | None:
-        """The partial frame (padded with silence to a whole token), or None if empty."""
+    def cut_rest(self) -> PcmCut:
+        """The partial frame (a commit): encoded padded to a whole token."""
         chunk = bytes(self._pending)
         self._pending.clear()
-        embeddings = self._encoder.push(chunk)
+        return PcmCut(chunk, self._ms(self.received_bytes), final=True)
+
+    # ---- on the encoder thread -------------------------------------------------------------
+    def encode(self, cut: PcmCut) -> torch.Tensor:
+        """(num_tokens, hidden) embeddings of a cut; may be empty (a final cut of nothing)."""
+        embeddings = self._encoder.push(cut.pcm)
         carry = self._encoder.pending_samples
-        if carry:
+        if cut.final and carry:
             silence = torch.zeros(self._samples_per_token - carry)
             embeddings = torch.cat([embeddings, self._encoder.push(silence)])
-        if embeddings.shape[0] == 0:
-            return None
-        return AudioFrame(embeddings, self._ms(self.received_bytes))
+        return embeddings
 
     def _ms(self, num_bytes: int) -> float:
         return num_bytes * 1000 / self.bytes_per_s

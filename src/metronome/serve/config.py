@@ -6,65 +6,73 @@ Lower layers take plain values derived here: a `SessionProfile` per session mode
 
 from __future__ import annotations
 
-import enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from metronome.audio.frontend import AudioFormat
-from metronome.engine.engine import EngineConfig
-from metronome.kv.residency import ResidencyPolicy
-from metronome.runtime.profile import GenerationMode, SessionProfile
-
-
-class SessionMode(enum.StrEnum):
-    DUPLEX = "duplex"  # every complete frame of audio gets a response (Moshi, MiniCPM-o)
-    TURN = "turn"  # audio is prefilled as it arrives; replies come on `response.create`
+from metronome.engine.engine import DEFAULT_POOL_TOKENS, EngineConfig, check_policy_limits
+from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
+from metronome.runtime.profile import SessionMode, SessionProfile
 
 
 class ServerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    model: str = "bundled"  # 'bundled', a Hugging Face directory, or preset:NAME[:LAYERS]
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    policy: str = "sinks_window:4:512"  # every session's residency policy (the KV bound)
-    pool_tokens: int = Field(65536, ge=16)
-    block_size: int = Field(16, ge=1)
+    # Every field is also a `metronome serve` option (--pool-tokens for pool_tokens, ...): the
+    # CLI is generated from these defaults and descriptions, so they live here only.
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    model: str = Field("bundled", description="'bundled', a Hugging Face directory, or "
+                       "preset:NAME[:LAYERS]")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto (bfloat16 where the CPU has native bf16, else float32) | "
+        "float32 | bfloat16")
+    policy: str = Field(DEFAULT_POLICY_SPEC, description="every session's KV bound: "
+                        "unbounded | window:W | sinks_window:S:W, optionally @rolling")
+    pool_tokens: int = Field(DEFAULT_POOL_TOKENS, ge=16, description="KV pool size in tokens")
+    block_size: int = Field(16, ge=1, description="KV block size in tokens")
     # Session timing. 1 s frames: the Qwen-Omni / MiniCPM-o chunk size; 0.08 s is Moshi's.
-    frame_period_s: float = Field(1.0, ge=0.01, le=60)
-    deadline_fraction: float = Field(1.0, gt=0, le=10)
-    output_tokens_per_frame: int = Field(4, ge=1)  # duplex: tokens generated per frame
-    response_tokens: int = Field(16, ge=1)  # turn: tokens of one reply (stops early at EOS)
-    mode: SessionMode = SessionMode.DUPLEX  # a session may choose with `session.update`
-    sample_rates_hz: tuple[int, ...] = (16000, 24000, 48000)  # accepted `audio/pcm` rates
-    default_sample_rate_hz: int = 24000  # the OpenAI Realtime default
-    token_rate_hz: float = Field(12.5, gt=0)  # audio tokens per second (Moshi: 12.5)
-    # Admission at connect: aimd (cap starts at admission_cap) | static (fixed) | off.
-    admission: Literal["aimd", "static", "off"] = "aimd"
-    admission_cap: int = Field(4, ge=1)
-    admission_interval_s: float = Field(2.0, gt=0)
-    api_key: SecretStr | None = None  # when set, everything but /healthz needs the bearer key
+    frame_period_s: float = Field(1.0, ge=0.01, le=60,
+                                  description="audio is cut into frames of this length")
+    deadline_fraction: float = Field(1.0, gt=0, le=10,
+                                     description="deadline = fraction x frame period")
+    output_tokens_per_frame: int = Field(4, ge=1, description="duplex: tokens per frame")
+    response_tokens: int = Field(16, ge=1, description="turn: tokens of one reply (stops "
+                                 "early at EOS)")
+    mode: SessionMode = Field(SessionMode.DUPLEX, description="default session mode: duplex "
+                              "| turn (a session may choose with session.update)")
+    sample_rates_hz: tuple[int, ...] = Field((16000, 24000, 48000),
+                                             description="accepted audio/pcm rates")
+    default_sample_rate_hz: int = Field(24000, description="input rate until a session "
+                                        "says otherwise (the OpenAI Realtime default)")
+    token_rate_hz: float = Field(12.5, gt=0, description="audio tokens per second (Moshi: "
+                                 "12.5)")
+    admission: Literal["aimd", "static", "off"] = Field(
+        "aimd", description="admission at connect: aimd (cap starts at --admission-cap) | "
+        "static (fixed cap) | off")
+    admission_cap: int = Field(4, ge=1, description="aimd: initial cap; static: the cap")
+    admission_interval_s: float = Field(2.0, gt=0, description="AIMD control interval")
+    api_key: SecretStr | None = Field(None, description="require this bearer key everywhere "
+                                      "but /healthz (prefer the METRONOME_API_KEY variable)")
     # Limits on what one client may do; each breach is answered with an `error` event.
-    max_message_bytes: int = Field(1 << 20, ge=1024)  # 1 MiB: ~16 s of 24 kHz audio per append
-    max_buffered_audio_s: float = Field(4.0, gt=0)  # unanswered audio; more is refused
-    max_text_chars: int = Field(8192, ge=1)
-    idle_timeout_s: float = Field(60.0, gt=0)
-    max_session_s: float = Field(3600.0, gt=0)  # OpenAI's limit is 60 min as well
-    max_outbox_events: int = Field(4096, ge=16)  # server events a slow reader may leave queued
+    max_message_bytes: int = Field(1 << 20, ge=1024, description="largest client message "
+                                   "(1 MiB: ~16 s of 24 kHz audio per append)")
+    max_buffered_audio_s: float = Field(4.0, gt=0, description="unanswered audio a session "
+                                        "may send; more is refused")
+    max_text_chars: int = Field(8192, ge=1, description="longest text item")
+    idle_timeout_s: float = Field(60.0, gt=0, description="close a session silent this long")
+    max_session_s: float = Field(3600.0, gt=0, description="close a session this old "
+                                 "(OpenAI's limit is 60 min as well)")
+    max_outbox_events: int = Field(4096, ge=16, description="server events a slow reader "
+                                   "may leave queued before it is closed")
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
-        policy, engine = ResidencyPolicy.parse(self.policy), self.engine_config()
-        if policy.bounded and policy.window_tokens > engine.max_window_tokens:
-            raise ValueError(f"window {policy.window_tokens} exceeds the engine's limit "
-                             f"{engine.max_window_tokens}")
-        if policy.sink_tokens > engine.max_sink_tokens:
-            raise ValueError(f"sinks {policy.sink_tokens} exceed the engine's limit "
-                             f"{engine.max_sink_tokens}")
+        check_policy_limits(ResidencyPolicy.parse(self.policy), self.engine_config())
         if self.default_sample_rate_hz not in self.sample_rates_hz:
-            raise ValueError("default_sample_rate_hz must be one of sample_rates_hz")
+            raise ValueError(f"default_sample_rate_hz ({self.default_sample_rate_hz}) must be "
+                             f"one of sample_rates_hz {self.sample_rates_hz}")
         token_period_s = 1 / self.token_rate_hz
         if self.frame_period_s < token_period_s - 1e-9:
             raise ValueError(
@@ -72,7 +80,8 @@ class ServerConfig(BaseModel):
                 f"({token_period_s:g} s at {self.token_rate_hz} Hz)"
             )
         if self.max_buffered_audio_s < 2 * self.frame_period_s:
-            raise ValueError("max_buffered_audio_s must be at least two frame periods")
+            raise ValueError(f"max_buffered_audio_s ({self.max_buffered_audio_s}) must be at "
+                             f"least two frame periods (2 x {self.frame_period_s} s)")
         for rate_hz in self.sample_rates_hz:
             self.audio_format(rate_hz).frame_bytes(self.frame_period_s)
         return self
@@ -88,7 +97,7 @@ class ServerConfig(BaseModel):
             max_output_tokens_per_frame=(
                 self.output_tokens_per_frame if duplex else self.response_tokens
             ),
-            mode=GenerationMode.FREE if duplex else GenerationMode.TURN,
+            mode=mode,
             policy=ResidencyPolicy.parse(self.policy),
         )
 

@@ -28,8 +28,8 @@ from metronome.serve import protocol as p
 from metronome.serve.auth import bearer_matches
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
-from metronome.serve.runtime import ServerRuntime
 from metronome.serve.session import RealtimeSession
+from metronome.serve.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +54,18 @@ class Ending:
 
 
 class Connection:
-    def __init__(self, websocket: WebSocket, runtime: ServerRuntime) -> None:
+    def __init__(self, websocket: WebSocket, state: ServerState) -> None:
         self.ws = websocket
-        self.runtime = runtime
-        self.config = runtime.config
+        self.state = state
+        self.config = state.config
         self.outbox: asyncio.Queue[str] = asyncio.Queue()
         self._ending: asyncio.Future[Ending] = asyncio.get_running_loop().create_future()
 
     async def serve(self) -> None:
         if not await self._authorized() or not await self._admitted():
             return
-        session = RealtimeSession(self.runtime, self._emit, self._on_failure)
-        self.runtime.add(session)  # before any await: admission counts it from now on
+        session = RealtimeSession(self.state, self._emit, self._on_failure)
+        self.state.add(session)  # before any await: admission counts it from now on
         ending = Ending("error", CloseCode.INTERNAL_ERROR, "internal error")
         writer = None
         try:
@@ -77,7 +77,7 @@ class Connection:
             log.exception("session %s failed", session.id)
         finally:
             self._end(ending)  # first: events of a gone client are dropped, not queued
-            self.runtime.remove(session, ending.outcome)  # blocks back before any await
+            self.state.remove(session, ending.outcome)  # blocks back before any await
             await self._finish(ending, writer)
 
     # ---- before the upgrade ---------------------------------------------------------------
@@ -91,7 +91,7 @@ class Connection:
         return False
 
     async def _admitted(self) -> bool:
-        decision = self.runtime.admit()
+        decision = self.state.admit()
         if decision.admitted:
             return True
         retry_after_s = max(1, math.ceil(decision.retry_after_s))

@@ -43,9 +43,12 @@ def uvicorn_config(app, config: ServerConfig, log_level: str = "info") -> uvicor
 
 
 def serve_forever(config: ServerConfig, log_level: str = "info") -> None:
+    from metronome.model.weights import resolve_dtype
+
     base = f"{config.host}:{config.port}"
+    dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
     print(
-        f"metronome: serving {config.model} ({config.dtype}, KV {config.policy}) on "
+        f"metronome: serving {config.model} ({dtype}, KV {config.policy}) on "
         f"ws://{base}/v1/realtime  (health: http://{base}/healthz, metrics: /metrics)\n"
         f"           try it: metronome load --url ws://{base}/v1/realtime --sessions 2 "
         "--duration-s 10   (Ctrl-C stops the server)",
@@ -80,8 +83,12 @@ class ServerThread:
         self._thread.start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server on 127.0.0.1:{self.port} did not start: its "
+                                   "thread ended (the startup error is logged above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server on 127.0.0.1:{self.port} did not start "
+                                   f"within {STARTUP_TIMEOUT_S:g} s")
             time.sleep(0.02)
         return self
 

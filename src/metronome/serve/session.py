@@ -1,9 +1,12 @@
 """One Realtime session: client events in, frames to the beat, frame results out as events.
 
-Owns the session's settings (mode, input rate), its audio framer, the frames it has in the
-beat and the responses they belong to. No socket here: events come in through `handle`
-(already parsed), go out through `emit`, and `ClientError` means "answer with an error,
-the session is unchanged". The host (`serve.runtime`) provides the beat and the clock.
+Owns the session's settings (mode, input rate), its audio framer and what each of its
+frames belongs to (a `FrameOrigin`, carried by the frame through the beat and handed back
+with its result). The runtime's session record (`runtime.record`) holds the frames
+themselves. No socket here: events come in through `handle` (already parsed), go out
+through `emit`, and `ClientError` means "answer with an error, the session is unchanged".
+The host (`serve.state`) provides the beat, the clock and the audio encoder thread: audio
+is cut into frames on the loop and encoded there, off the loop.
 
 Responses: a frame whose profile asks for output is one response
 (`response.created` at submit, then `response.output_text.delta`, `metronome.frame`,
@@ -15,8 +18,10 @@ Mode and input rate are fixed once input has started: the engine session's profi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -25,14 +30,16 @@ import torch
 
 from metronome.audio.frontend import AudioFrontEnd
 from metronome.audio.pcm import PCM16_BYTES_PER_SAMPLE
-from metronome.runtime.frame import Frame, FrameResult, FrameStatus
-from metronome.runtime.profile import SessionProfile
+from metronome.runtime.frame import Frame, FrameResult, FrameStatus, count_input_tokens
+from metronome.runtime.profile import SessionMode, SessionProfile
+from metronome.runtime.record import SessionRecord
 from metronome.serve import protocol as p
-from metronome.serve.audio_input import AudioFrame, AudioFramer
-from metronome.serve.config import ServerConfig, SessionMode
+from metronome.serve.audio_input import AudioFramer, PcmCut
+from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.text import ChatText
 
+log = logging.getLogger(__name__)
 FrameKind = Literal["audio", "text", "response"]
 
 
@@ -43,17 +50,37 @@ class SessionHost(Protocol):
 
     def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
 
-    def open_engine_session(self, session: RealtimeSession, profile: SessionProfile) -> int: ...
+    def encode(self, work: Callable[[], Input]) -> asyncio.Future[Input]:
+        """Run `work` on the audio encoder thread, in call order."""
 
-    def close_engine_session(self, engine_session_id: int) -> None: ...
+    def open_session(self, profile: SessionProfile, public_id: str,
+                     on_result: Callable[[FrameResult], None]) -> int: ...
+
+    def record(self, engine_session_id: int) -> SessionRecord: ...
+
+    def close_session(self, engine_session_id: int) -> None: ...
 
     def submit(self, frame: Frame) -> None: ...
 
     def now_s(self) -> float: ...
 
 
+@dataclass(frozen=True)
+class Input:
+    """One frame's input, made on the encoder thread: token ids or embeddings."""
+
+    token_ids: list[int] | None = None
+    embeddings: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return count_input_tokens(self.token_ids, self.embeddings)
+
+
 @dataclass
-class _FrameOrigin:
+class FrameOrigin:
+    """What a frame belongs to, for the events its result becomes."""
+
     kind: FrameKind
     num_input_tokens: int
     response_id: str | None  # None: no output asked for (turn-mode prefill)
@@ -80,15 +107,13 @@ class RealtimeSession:
         self.sample_rate_hz = config.default_sample_rate_hz
         self.profile = config.profile(self.mode)
         self.opened_at_s = host.now_s()
-        self.engine_session_id = host.open_engine_session(self, self.profile)
+        self.engine_session_id = self._open_engine_session()
         self.framer = AudioFramer(host.frontend(self.sample_rate_hz), config.frame_period_s)
         self.decoder = host.chat.decoder() if host.chat else None
         self.started = False  # input has reached the engine: mode and rate are fixed
-        self.ended_reason = ""  # the engine ended the session (context full)
-        self.frames_submitted = 0
-        self.frames_answered = 0
-        self.last_frame_status: str | None = None
-        self._in_flight: dict[int, _FrameOrigin] = {}
+        self.closed = False
+        self.frames_created = 0  # frame indexes, in the order frames reach the beat
+        self.frames_encoding = 0  # queued on the encoder thread, not yet in the beat
         self._appended_since_commit_bytes = 0
         self._last_item_id: str | None = None
         self._client_response_id: str | None = None
@@ -98,8 +123,17 @@ class RealtimeSession:
         self.emit(p.SessionCreated(session=self._describe()))
 
     def close(self) -> None:
-        """Answer what is owed (`cancelled`) and give the engine session's blocks back now."""
-        self.host.close_engine_session(self.engine_session_id)
+        """Answer what is owed (`cancelled`) and give the engine session's blocks back now;
+        audio still being encoded is dropped when it comes back."""
+        self.closed = True
+        self.host.close_session(self.engine_session_id)
+
+    def _open_engine_session(self) -> int:
+        return self.host.open_session(self.profile, self.id, self._on_result_guarded)
+
+    @property
+    def record(self) -> SessionRecord:
+        return self.host.record(self.engine_session_id)
 
     # ---- client events -----------------------------------------------------------------
     def handle(self, event: p.ClientEvent) -> None:
@@ -138,9 +172,9 @@ class RealtimeSession:
                               "mode and input format are fixed once input has started",
                               "session")
         if mode is not self.mode:  # nothing submitted yet: a fresh engine session is free
-            self.host.close_engine_session(self.engine_session_id)
+            self.host.close_session(self.engine_session_id)
             self.profile = self.host.config.profile(mode)
-            self.engine_session_id = self.host.open_engine_session(self, self.profile)
+            self.engine_session_id = self._open_engine_session()
         self.mode, self.sample_rate_hz = mode, rate_hz
         self.framer = AudioFramer(self.host.frontend(rate_hz), self.host.config.frame_period_s)
 
@@ -156,26 +190,30 @@ class RealtimeSession:
                 "was dropped", "audio",
             )
         self._appended_since_commit_bytes += len(pcm)
-        for frame in framer.append(pcm):
-            self._submit_audio(frame)
+        for cut in framer.cut(pcm):
+            self._encode_then_submit(cut)
+
+    @property
+    def unanswered_frames(self) -> int:
+        """Frames not answered yet: being encoded, or in the beat."""
+        return self.frames_encoding + self.record.unanswered_frames
 
     def _unanswered_s(self) -> float:
         """Input the beat has not answered yet, counting every frame as one period."""
-        return len(self._in_flight) * self.host.config.frame_period_s
+        return self.unanswered_frames * self.host.config.frame_period_s
 
     def _check_room_for_a_frame(self) -> None:
         limit_s = self.host.config.max_buffered_audio_s
         if self._unanswered_s() + self.host.config.frame_period_s > limit_s:
-            raise ClientError(ErrorCode.TOO_MANY_PENDING, f"{len(self._in_flight)} frames are "
-                              f"still unanswered (limit {limit_s:g} s of frames); retry later")
+            raise ClientError(ErrorCode.TOO_MANY_PENDING, f"{self.unanswered_frames} frames "
+                              f"are still unanswered (limit {limit_s:g} s of frames); retry "
+                              "later")
 
     def _commit(self) -> None:
         if not self._appended_since_commit_bytes:
             raise ClientError(ErrorCode.COMMIT_EMPTY, "no audio appended since the last commit")
         self._appended_since_commit_bytes = 0
-        frame = self.framer.flush()
-        if frame is not None:
-            self._submit_audio(frame)
+        self._encode_then_submit(self.framer.cut_rest())
         item = p.ItemOut(id=p.new_id("item"), role="user",
                          content=[p.ContentOut(type="input_audio")])
         self.emit(p.InputAudioBufferCommitted(item_id=item.id,
@@ -191,7 +229,8 @@ class RealtimeSession:
         self._check_room_for_a_frame()
         self._add_item(p.ItemOut(id=item.id or p.new_id("item"), role=item.role,
                                  content=[p.ContentOut(type="input_text", text=text)]))
-        self._submit("text", token_ids=chat.item_ids(item.role, text))
+        token_ids = chat.item_ids(item.role, text)
+        self._queue_frame("text", lambda: Input(token_ids=token_ids))
 
     def _create_response(self) -> None:
         chat = self._chat()
@@ -199,8 +238,11 @@ class RealtimeSession:
             raise ClientError(ErrorCode.ACTIVE_RESPONSE,
                               f"response {self._client_response_id} is still in progress")
         self._check_room_for_a_frame()
-        self._client_response_id = self._submit("response", token_ids=chat.response_prefix_ids,
-                                                respond=True)
+        response_id = self._new_response()
+        self._client_response_id = response_id
+        token_ids = chat.response_prefix_ids
+        self._queue_frame("response", lambda: Input(token_ids=token_ids), respond=True,
+                          response_id=response_id)
 
     def _chat(self) -> ChatText:
         if self.host.chat is None:
@@ -213,35 +255,61 @@ class RealtimeSession:
         self._last_item_id = item.id
 
     # ---- frames ------------------------------------------------------------------------
-    def _submit_audio(self, frame: AudioFrame) -> None:
-        self._submit("audio", embeddings=frame.embeddings, audio_end_ms=frame.audio_end_ms,
-                     respond=self.mode is SessionMode.DUPLEX)
+    def _encode_then_submit(self, cut: PcmCut) -> None:
+        framer = self.framer
+        self._queue_frame("audio", lambda: Input(embeddings=framer.encode(cut)),
+                          respond=self.mode is SessionMode.DUPLEX, audio_end_ms=cut.audio_end_ms)
 
-    def _submit(self, kind: FrameKind, token_ids: list[int] | None = None,
-                embeddings: torch.Tensor | None = None, respond: bool = False,
-                audio_end_ms: float | None = None) -> str | None:
-        """Hand one frame to the beat; returns its response id (None: no output asked)."""
+    def _queue_frame(self, kind: FrameKind, make_input: Callable[[], Input],
+                     respond: bool = False, audio_end_ms: float | None = None,
+                     response_id: str | None = None) -> None:
+        """Every frame passes the encoder thread's queue (audio to be encoded there, text as
+        it is), so frames reach the beat in the order the client sent them and no encoding
+        runs on the loop. A frame arrives now (audio: when its last byte did), so encoding
+        time counts in its latency."""
         self.started = True
-        index = self.frames_submitted
-        self.frames_submitted += 1
-        frame = Frame(self.engine_session_id, index, self.host.now_s(), token_ids, embeddings,
-                      respond)
-        response_id = None
-        if self.profile.output_tokens_for(respond) > 0:
-            response_id = p.new_id("resp")
-            self.emit(p.ResponseCreated(response=p.ResponseOut(id=response_id,
-                                                               status="in_progress")))
-        self._in_flight[index] = _FrameOrigin(kind, frame.num_input_tokens, response_id,
-                                              response_id and p.new_id("item"), audio_end_ms)
-        self.host.submit(frame)  # may answer at once (a rejected frame): origin is in place
+        self.frames_encoding += 1
+        arrival_s = self.host.now_s()
+        self.host.encode(make_input).add_done_callback(lambda done: self._on_input_ready(
+            done, kind, respond, audio_end_ms, response_id, arrival_s))
+
+    def _on_input_ready(self, done: asyncio.Future, kind: FrameKind, respond: bool,
+                        audio_end_ms: float | None, response_id: str | None,
+                        arrival_s: float) -> None:
+        self.frames_encoding -= 1
+        if self.closed or done.cancelled():
+            return  # the session ended while its input was on the encoder thread
+        if done.exception() is not None:
+            log.error("session %s: preparing a frame failed", self.id,
+                      exc_info=done.exception())
+            self.on_failure()
+            return
+        frame_input: Input = done.result()
+        if frame_input.num_tokens == 0 and kind == "audio":
+            return  # a commit with less than a token of audio left: no frame
+        if response_id is None and self.profile.output_tokens_for(respond) > 0:
+            response_id = self._new_response()
+        origin = FrameOrigin(kind, frame_input.num_tokens, response_id,
+                             response_id and p.new_id("item"), audio_end_ms)
+        index = self.frames_created
+        self.frames_created += 1
+        self.host.submit(Frame(self.engine_session_id, index, arrival_s, frame_input.token_ids,
+                               frame_input.embeddings, respond, origin))  # may answer at once
+
+    def _new_response(self) -> str:
+        response_id = p.new_id("resp")
+        self.emit(p.ResponseCreated(response=p.ResponseOut(id=response_id, status="in_progress")))
         return response_id
 
+    def _on_result_guarded(self, result: FrameResult) -> None:
+        try:
+            self.on_result(result)
+        except Exception:  # one session's failure must not stop the beat for the others
+            log.exception("session %s failed on a frame result", self.id)
+            self.on_failure()
+
     def on_result(self, result: FrameResult) -> None:
-        origin = self._in_flight.pop(result.index)
-        self.frames_answered += 1
-        self.last_frame_status = result.status.value
-        if result.status is FrameStatus.CONTEXT_FULL:
-            self.ended_reason = result.reason
+        origin: FrameOrigin = result.origin
         text = self._text_of(result.token_ids, flush=origin.kind == "response")
         if origin.response_id is not None and text:
             self.emit(p.ResponseOutputTextDelta(response_id=origin.response_id,
@@ -276,14 +344,18 @@ class RealtimeSession:
 
     def summary(self, now_s: float, resident_kv_tokens: int | None) -> dict:
         """What `GET /v1/sessions` shows of this session."""
+        record = self.record
+        last = record.last_status
         return {
-            "id": self.id, "status": "ended" if self.ended_reason else "active",
-            "ended_reason": self.ended_reason or None, "mode": self.mode.value,
+            "id": self.id, "status": "ended" if record.ended_reason else "active",
+            "ended_reason": record.ended_reason or None, "mode": self.mode.value,
             "sample_rate_hz": self.sample_rate_hz, "age_s": round(now_s - self.opened_at_s, 3),
             "engine_session_id": self.engine_session_id,
-            "resident_kv_tokens": resident_kv_tokens, "frames_submitted": self.frames_submitted,
-            "frames_answered": self.frames_answered, "last_frame_status": self.last_frame_status,
-            "unanswered_frames": len(self._in_flight),
+            "resident_kv_tokens": resident_kv_tokens,
+            "frames_submitted": record.frames_submitted,
+            "frames_answered": record.frames_answered,
+            "last_frame_status": None if last is None else last.value,
+            "unanswered_frames": self.unanswered_frames,
         }
 
 
@@ -299,7 +371,7 @@ def _decode_pcm16(audio_b64: str) -> bytes:
     return pcm
 
 
-def _frame_out(result: FrameResult, origin: _FrameOrigin) -> p.FrameOut:
+def _frame_out(result: FrameResult, origin: FrameOrigin) -> p.FrameOut:
     return p.FrameOut(
         index=result.index, kind=origin.kind, status=result.status.value, reason=result.reason,
         num_input_tokens=origin.num_input_tokens, num_tokens=len(result.token_ids),
@@ -309,7 +381,7 @@ def _frame_out(result: FrameResult, origin: _FrameOrigin) -> p.FrameOut:
     )
 
 
-def _response_out(result: FrameResult, origin: _FrameOrigin, text: str) -> p.ResponseOut:
+def _response_out(result: FrameResult, origin: FrameOrigin, text: str) -> p.ResponseOut:
     status, reason = _RESPONSE_STATUS.get(result.status, ("failed", None))
     error = None
     if status == "failed":

@@ -1,63 +1,81 @@
 """The server's shared serving state: one per process, created inside the running loop.
 
 Owns the wall driver (engine thread + beat), observability (metrics on an injected
-registry, stall detector, forecast), the admission controller, and the routing of frame
-results to sessions. Every method runs on the event loop thread, except `_probe`, which
-runs on the engine thread and hands its reading back to the loop.
+registry, stall detector, forecast), the admission controller, the audio encoder thread
+and the admitted sessions. Every method runs on the event loop thread; `_probe` hands a
+function to the engine thread, which sends its reading back to the loop.
+
+It knows sessions only as `AdmittedSession` (close, describe): the Realtime session
+(`serve.session`) depends on this state through its `SessionHost` protocol, not the other
+way round.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from metronome.admission.controller import AdmissionController, Decision
+from metronome.admission.controller import AdmissionController, CapSample, Decision
 from metronome.admission.limits import make_limit
 from metronome.audio.frontend import AudioFrontEnd
 from metronome.engine.engine import Engine
 from metronome.engine.types import PoolStats
 from metronome.runtime.frame import Frame, FrameResult
 from metronome.runtime.observer import RuntimeObserver
-from metronome.runtime.ports import StepReport
+from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
+from metronome.runtime.record import SessionRecord
 from metronome.runtime.wall import WallDriver
 from metronome.serve.config import ServerConfig
-from metronome.serve.session import RealtimeSession
 from metronome.serve.text import ChatText
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-class ServerRuntime:
+class AdmittedSession(Protocol):
+    id: str
+
+    def close(self) -> None: ...
+
+    def summary(self, now_s: float, resident_kv_tokens: int | None) -> dict: ...
+
+
+class ServerState:
     def __init__(self, config: ServerConfig, engine: Engine, tokenizer,
                  registry: CollectorRegistry, model_name: str) -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
         self.chat = ChatText(tokenizer) if tokenizer is not None else None
-        self.observer = RuntimeObserver.for_engine(engine, registry)
+        self.observer = RuntimeObserver.create(engine.pool_stats().block_size, registry)
         self.metrics = self.observer.metrics
-        self.sessions: dict[str, RealtimeSession] = {}  # admitted, by public id
-        self._by_engine_id: dict[int, RealtimeSession] = {}
+        self.sessions: dict[str, AdmittedSession] = {}  # admitted, by public id
         self._frontends: dict[int, AudioFrontEnd] = {}
+        # One thread encodes every session's audio (log-mel + projection): off the loop, so
+        # one session's audio never delays another's deadline timers, and in submission
+        # order, so each session's stateful encoder sees its audio in sequence.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-audio")
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         self.resident_tokens: dict[int, int] = {}  # engine session id -> live KV tokens
-        self.driver = WallDriver(engine, self._on_result, self._on_step)  # engine thread on
-        self.driver.beat.on_late_tokens = self.observer.on_late_tokens
         limit = make_limit(config.admission, config.admission_cap)
         self.controller = AdmissionController(
             limit, lambda: len(self.sessions), config.admission_interval_s,
             on_update=self._on_admission_update,
         )
+        self.driver = WallDriver(engine, Listeners.of(self.observer, self.controller, self))
         self.metrics.set_admission_cap(limit.cap)
-        for rate_hz in config.sample_rates_hz:  # now, not on the loop when a session comes
-            frontend = self.frontend(rate_hz)
-            # first STFT/projection calls set up kernels: pay that now, not in a frame
+        for rate_hz in config.sample_rates_hz:  # first STFT/projection calls set up kernels:
+            frontend = self.frontend(rate_hz)  # pay that at startup, not in a first frame
             frontend.encode(torch.zeros(2 * frontend.fmt.samples_per_token))
-        self.controller.start(self.driver.clock, self.driver.now_s())
+        self.controller.start(self.driver.timer, self.driver.now_s())
 
     # ---- admission and session lifecycle ---------------------------------------------------
     def admit(self) -> Decision:
@@ -68,10 +86,10 @@ class ServerRuntime:
             self.metrics.session_closed(label)
         return decision
 
-    def add(self, session: RealtimeSession) -> None:
+    def add(self, session: AdmittedSession) -> None:
         self.sessions[session.id] = session
 
-    def remove(self, session: RealtimeSession, outcome: str) -> None:
+    def remove(self, session: AdmittedSession, outcome: str) -> None:
         """Close the session's engine side at once (its blocks go back) and forget it."""
         if self.sessions.pop(session.id, None) is None:
             return
@@ -85,14 +103,20 @@ class ServerRuntime:
                 self.engine.model.embed_tokens, self.config.audio_format(sample_rate_hz))
         return self._frontends[sample_rate_hz]
 
-    def open_engine_session(self, session: RealtimeSession, profile: SessionProfile) -> int:
-        engine_session_id = self.driver.beat.open_session(profile)
-        self._by_engine_id[engine_session_id] = session
-        return engine_session_id
+    def encode(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Run audio-encoding `work` on the encoder thread; its future resolves on the loop,
+        futures in the order of the calls."""
+        return self.driver.loop.run_in_executor(self._encoder, work)
 
-    def close_engine_session(self, engine_session_id: int) -> None:
+    def open_session(self, profile: SessionProfile, public_id: str,
+                     on_result: Callable[[FrameResult], None]) -> int:
+        return self.driver.beat.open_session(profile, self.now_s(), public_id, on_result)
+
+    def record(self, engine_session_id: int) -> SessionRecord:
+        return self.driver.beat.sessions[engine_session_id]
+
+    def close_session(self, engine_session_id: int) -> None:
         self.driver.beat.close_session(engine_session_id, self.now_s())
-        del self._by_engine_id[engine_session_id]  # after: `cancelled` answers still route
         self._probe()
 
     def submit(self, frame: Frame) -> None:
@@ -101,32 +125,19 @@ class ServerRuntime:
     def now_s(self) -> float:
         return self.driver.now_s()
 
-    # ---- runtime callbacks ------------------------------------------------------------------
-    def _on_result(self, result: FrameResult) -> None:
-        self.observer.on_result(result)
-        self.controller.observe(result)
-        session = self._by_engine_id.get(result.session_id)
-        if session is None:
-            return
-        try:
-            session.on_result(result)
-        except Exception:  # one session's failure must not stop the beat for the others
-            log.exception("session %s failed on a frame result", session.id)
-            session.on_failure()
-
-    def _on_admission_update(self, sample) -> None:
-        self.metrics.set_admission_cap(sample.cap)
-        self.metrics.set_admission_signal(sample.p95_latency_fraction)
-
-    def _on_step(self, report: StepReport) -> None:
-        self.observer.on_step(report)
+    # ---- runtime listener -------------------------------------------------------------------
+    def on_step(self, report) -> None:
         self.pool = report.pool
         self.resident_tokens = report.resident_tokens
+
+    def _on_admission_update(self, sample: CapSample) -> None:
+        self.metrics.set_admission_cap(sample.cap)
+        self.metrics.set_admission_signal(sample.percentile / 100, sample.latency_fraction)
 
     def _probe(self) -> None:
         """Read the pool on the engine thread after the commands queued so far (a close),
         so metrics show returned blocks at once, with no engine step to report them."""
-        engine, loop = self.engine, self.driver.clock.loop
+        engine, loop = self.engine, self.driver.loop
 
         def read() -> None:
             pool, num_sessions = engine.pool_stats(), len(engine.sessions)
@@ -143,7 +154,7 @@ class ServerRuntime:
     # ---- views ---------------------------------------------------------------------------
     def health(self) -> dict:
         summary = self.observer.health_summary()
-        engine_error = self.driver.worker.error
+        engine_error = self.driver.error
         return {
             "status": "critical" if engine_error else summary["state"],
             "engine_error": engine_error, "stall_detector": summary,
@@ -155,10 +166,14 @@ class ServerRuntime:
 
     def session_list(self) -> dict:
         now_s = self.now_s()
-        return {"object": "list", "data": [
-            s.summary(now_s, self.resident_tokens.get(s.engine_session_id))
-            for s in self.sessions.values()
-        ], "kv_pool": vars(self.pool)}
+        records = {r.public_id: r for r in self.driver.beat.sessions.values()}
+        data = []
+        for session in self.sessions.values():
+            record = records.get(session.id)
+            resident = None if record is None else self.resident_tokens.get(record.session_id)
+            data.append(session.summary(now_s, resident))
+        return {"object": "list", "data": data, "kv_pool": vars(self.pool)}
 
     def close(self) -> None:
         self.driver.close()
+        self._encoder.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,51 @@
+"""The one record the runtime keeps of a session: its ids, its profile, its frames (waiting
+and in flight, with the origin each submitter gave them) and what was answered.
+
+The beat owns and mutates these; everyone else reads them (`Beat.sessions`): the server for
+a session's unanswered frames and `GET /v1/sessions`, experiments for who is open.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from metronome.engine.types import PreparedInput
+from metronome.runtime.frame import Frame, FrameResult, FrameStatus
+from metronome.runtime.profile import SessionProfile
+
+
+@dataclass
+class InFlight:
+    """The frame the engine is working on for this session (one at a time)."""
+
+    frame: Frame
+    deadline_at_s: float
+    max_tokens: int
+    input_left: int  # of the frame's own input, not yet consumed by a step
+    token_ids: list[int] = field(default_factory=list)
+    start_s: float | None = None
+
+
+@dataclass
+class SessionRecord:
+    session_id: int  # the engine's id (issued by the engine: one allocator)
+    profile: SessionProfile
+    opened_at_s: float
+    public_id: str | None = None  # the server's id (`sess_...`); None in local runs
+    # The session's own consumer of its results (the server's Realtime session), called after
+    # the driver's listeners; None: only the listeners hear of them.
+    on_result: Callable[[FrameResult], None] | None = None
+    waiting: deque[tuple[Frame, PreparedInput]] = field(default_factory=deque)
+    in_flight: InFlight | None = None
+    backlog_tokens: int = 0  # input of already-answered frames still queued in the engine
+    last_answered: FrameResult | None = None  # receives tokens that arrive after the answer
+    ended_reason: str = ""  # the engine ended the session (context full)
+    frames_submitted: int = 0
+    frames_answered: int = 0
+    last_status: FrameStatus | None = None
+
+    @property
+    def unanswered_frames(self) -> int:
+        return len(self.waiting) + (self.in_flight is not None)
