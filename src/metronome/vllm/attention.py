@@ -1,0 +1,191 @@
+"""The bound on the worker side: exact sinks+window attention for vLLM's CPU backend.
+
+vLLM's CPU kernel (`ops.cpu_attention_with_kv_cache`) knows causal masking and a plain
+sliding window, not "S sinks + a window with a freed gap between". So, per step:
+
+* every sequence in the batch is no longer than S + W: every query sees every earlier
+  key, which is plain causal attention -> the stock kernel, untouched;
+* otherwise, per request: gather the keys any of its queries can see (the S sinks and the
+  window of its first query onwards; never a freed block) straight out of the paged cache,
+  and run SDPA with the mask `j <= p and (j < S or p - j < W)` at absolute positions p.
+
+The kernel stores each (block, head) as one region of 2 * block_size * head_size cells in
+an ISA-specific order (for "vec", keys transposed: dim-major). Rather than hard-code that
+order, `cell_offsets` learns it once from the kernel's own cache writer, so the gather
+reads exactly what the kernel would.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from vllm import _custom_ops as ops
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
+
+from metronome.vllm.config import SinksWindow, bound_from_vllm_config
+
+_DIGIT = 16  # probe digits 1..16 (keys) and 17..32 (values): exact in fp32, bf16 and fp16
+
+
+@functools.cache
+def cell_offsets(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """(2, block_size, head_size) int64: where the cache writer puts key (0) / value (1)
+    element [slot, dim] inside a (block, head) region of 2 * block_size * head_size cells."""
+    cache = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = cache.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    region = cache.view(-1)  # (2 * block_size * head_size,) cells
+    slot = torch.arange(block_size)[:, None].expand(block_size, head_size)
+    dim = torch.arange(head_size)[None, :].expand(block_size, head_size)
+    decoded = {"kind": None, "slot": torch.zeros_like(region, dtype=torch.int64),
+               "dim": torch.zeros_like(region, dtype=torch.int64)}
+    for name, target in (("slot", slot), ("dim", dim)):
+        place = 1
+        while place <= int(target.max()):
+            digit = (target // place) % _DIGIT
+            cache.zero_()
+            ops.cpu_attn_reshape_and_cache(
+                (digit + 1).to(dtype)[:, None, :], (digit + 1 + _DIGIT).to(dtype)[:, None, :],
+                key_cache, value_cache, torch.arange(block_size), isa,
+                k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+            )
+            read = region.float().round().long()
+            if int(read.min()) < 1:
+                raise RuntimeError(f"CPU KV layout for isa={isa!r} leaves cells unwritten")
+            decoded["kind"] = (read > _DIGIT).long()
+            decoded[name] += ((read - 1) % _DIGIT) * place
+            place *= _DIGIT
+    offsets = torch.full((2, block_size, head_size), -1, dtype=torch.int64)
+    offsets[decoded["kind"], decoded["slot"], decoded["dim"]] = torch.arange(region.numel())
+    if int(offsets.min()) < 0:
+        raise RuntimeError(f"CPU KV layout for isa={isa!r} is not a permutation of cells")
+    return offsets
+
+
+def visible_key_positions(seq_len: int, num_queries: int, bound: SinksWindow) -> torch.Tensor:
+    """Keys any of the last `num_queries` positions of a `seq_len` sequence may see."""
+    first_query = seq_len - num_queries
+    sinks = torch.arange(min(bound.sink_tokens, seq_len))
+    window = torch.arange(max(bound.sink_tokens, first_query - bound.window_tokens + 1), seq_len)
+    return torch.cat((sinks, window))
+
+
+def visibility_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, bound: SinksWindow
+) -> torch.Tensor:
+    """(queries, keys) bool: j <= p and (j < S or p - j < W)."""
+    p, j = query_positions[:, None], key_positions[None, :]
+    return (j <= p) & ((j < bound.sink_tokens) | (p - j < bound.window_tokens))
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """One step's reads, the same for every layer: the cache cells of every key any query
+    of the batch sees (requests concatenated), and each request's slices and mask."""
+
+    blocks: torch.Tensor  # (n, 1, 1) physical block of each gathered key
+    key_cells: torch.Tensor  # (n, 1, head_size) cells of its key inside a (block, head) region
+    value_cells: torch.Tensor  # (n, 1, head_size)
+    # per request with queries: (query start, query end, key start, key end, (q, k) mask)
+    requests: list[tuple[int, int, int, int, torch.Tensor]]
+
+    @classmethod
+    def build(
+        cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+        bound: SinksWindow, offsets: torch.Tensor,
+    ) -> GatherPlan:
+        block_size = offsets.shape[1]
+        starts = query_start_loc.tolist()
+        keys, blocks, requests, num_keys = [], [], [], 0
+        for r, seq_len in enumerate(seq_lens.tolist()):
+            start, end = starts[r], starts[r + 1]
+            if end == start:
+                continue
+            keys_at = visible_key_positions(seq_len, end - start, bound)
+            mask = visibility_mask(torch.arange(seq_len - (end - start), seq_len), keys_at, bound)
+            keys.append(keys_at)
+            blocks.append(block_table[r, keys_at // block_size].long())
+            requests.append((start, end, num_keys, num_keys + len(keys_at), mask))
+            num_keys += len(keys_at)
+        slots = torch.cat(keys) % block_size
+        return cls(torch.cat(blocks)[:, None, None], offsets[0, slots][:, None, :],
+                   offsets[1, slots][:, None, :], requests)
+
+
+def sinks_window_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: GatherPlan, scale: float,
+    output: torch.Tensor,
+) -> None:
+    """output[t] = attention of query[t] (tokens, heads, head_size) over its visible keys."""
+    num_blocks, num_kv_heads, _, _ = kv_cache.shape
+    regions = kv_cache.view(num_blocks, num_kv_heads, -1)  # a view: the cache is contiguous
+    heads = torch.arange(num_kv_heads)[None, :, None]
+    k = regions[plan.blocks, heads, plan.key_cells].transpose(0, 1)  # (kvh, n, hd)
+    v = regions[plan.blocks, heads, plan.value_cells].transpose(0, 1)
+    for start, end, key_start, key_end, mask in plan.requests:
+        out = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None],  # (1, H, q, hd)
+            k[None, :, key_start:key_end], v[None, :, key_start:key_end],  # (1, kvh, n, hd)
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
+        output[start:end] = out[0].transpose(0, 1)  # (q, H, hd)
+
+
+class SinksWindowCPUImpl(CPUAttentionBackendImpl):
+    """CPU attention that honours the engine's sinks+window bound (stock when unset)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        bound = bound_from_vllm_config(get_current_vllm_config())
+        self.bound = bound if self.attn_type == AttentionType.DECODER else None
+        if self.bound is None:
+            return
+        unsupported = {
+            "ALiBi": self.alibi_slopes is not None,
+            "logit soft-capping": bool(self.logits_soft_cap),
+            "learned attention sinks": self.sinks is not None,
+            "a model sliding window": self.sliding_window != -1,
+            f"kv_cache_dtype={self.kv_cache_dtype}": self.kv_cache_dtype != "auto",
+        }
+        found = [name for name, present in unsupported.items() if present]
+        if found:
+            raise ValueError(f"the sinks+window bound does not support {', '.join(found)}")
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if (
+            self.bound is None
+            or attn_metadata is None
+            or attn_metadata.max_seq_len <= self.bound.full_attention_tokens
+            or output_scale is not None
+            or output_block_scale is not None
+        ):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        plan = self._plan(layer.isa, kv_cache, attn_metadata)
+        sinks_window_attention(query, kv_cache, plan, self.scale, output)
+        return output
+
+    def _plan(self, isa: str, kv_cache: torch.Tensor, md: CPUAttentionMetadata) -> GatherPlan:
+        # One metadata object serves every layer of a step: build the plan once, keep it there.
+        key = (isa, kv_cache.shape[2], self.head_size, kv_cache.dtype, self.bound)
+        plans = md.__dict__.setdefault("_metronome_gather_plans", {})
+        if key not in plans:
+            offsets = cell_offsets(isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
+            plans[key] = GatherPlan.build(md.query_start_loc, md.seq_lens, md.block_table,
+                                          self.bound, offsets)
+        return plans[key]

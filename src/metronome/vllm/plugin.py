@@ -1,0 +1,69 @@
+"""The vLLM entry point (`vllm.general_plugins`): wires the bound into every process.
+
+vLLM calls `register()` in the front-end, the engine-core and every worker process
+(`vllm.plugins.load_general_plugins`). It does three idempotent things:
+
+1. scheduler side: map `SinksWindowSpec` to `SinksWindowManager` in vLLM's KV-cache spec
+   registry (the engine core receives the spec from the workers and looks its manager up);
+2. worker side: full-attention layers report `SinksWindowSpec` when the engine has a bound
+   (`metronome.vllm.config`), and refuse attention backends that would ignore its mask;
+3. worker side, CPU: the CPU backend's attention becomes `SinksWindowCPUImpl`.
+
+Nothing changes for an engine started without `metronome_residency` in `hf_overrides`.
+"""
+
+from __future__ import annotations
+
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from metronome.vllm.config import HF_OVERRIDE_KEY, bound_from_vllm_config
+from metronome.vllm.spec import SinksWindowSpec, register_spec
+
+SUPPORTED_BACKENDS = ("CPU_ATTN",)
+_UNSUPPORTED_WHY = (
+    "FLASH_ATTN (FA2/FA3) and FLASHINFER take only a plain sliding window and would "
+    "silently attend the freed gap; TRITON_ATTN, FLEX_ATTENTION and FA4 carry R-SWA's "
+    "mask (rswa_prefix_lens), which this plugin does not yet feed with S"
+)
+_stock_get_kv_cache_spec = Attention.get_kv_cache_spec
+
+
+def bounded_kv_cache_spec(layer: Attention, vllm_config):
+    """`Attention.get_kv_cache_spec`, bounded when the engine asks for it."""
+    spec = _stock_get_kv_cache_spec(layer, vllm_config)
+    bound = bound_from_vllm_config(vllm_config)
+    if bound is None or spec is None:
+        return spec
+    if type(spec) is not FullAttentionSpec:
+        raise ValueError(
+            f"{HF_OVERRIDE_KEY}: layer {layer.layer_name} has a {type(spec).__name__}; "
+            "the sinks+window bound applies to full-attention layers only"
+        )
+    backend = layer.attn_backend.get_name()
+    if backend not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"{HF_OVERRIDE_KEY}: attention backend {backend} is not supported "
+            f"(supported: {', '.join(SUPPORTED_BACKENDS)}). {_UNSUPPORTED_WHY}."
+        )
+    register_spec()
+    return SinksWindowSpec.from_full_attention(
+        spec, bound.sink_tokens, bound.window_tokens, vllm_config.max_in_flight_tokens
+    )
+
+
+def _patch_cpu_backend() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from metronome.vllm.attention import SinksWindowCPUImpl
+
+    CPUAttentionBackend.get_impl_cls = staticmethod(lambda: SinksWindowCPUImpl)
+
+
+def register() -> None:
+    from vllm.platforms import current_platform
+
+    register_spec()
+    Attention.get_kv_cache_spec = bounded_kv_cache_spec
+    if current_platform.is_cpu():
+        _patch_cpu_backend()
