@@ -108,9 +108,11 @@ def run_config(model, cost, config: Config) -> dict:
     ks = config.session_tokens_per_frame()
     vocab = model.config.vocab_size
 
+    ordinals: dict[int, int] = {}  # engine id -> the session's place in the workload
+
     def source(sid: int, index: int):
-        k = ks[sid % len(ks)]
-        return [(sid * 131 + index * 17 + j) % (vocab - 1) + 1 for j in range(k)], None
+        n = ordinals.setdefault(sid, len(ordinals))
+        return [(n * 131 + index * 17 + j) % (vocab - 1) + 1 for j in range(ks[n % len(ks)])], None
 
     session_s = 2 * config.nominal_t_sat_s + config.arrival_spread_s + 30
     workload = Workload(config.sessions, session_s, arrival_spread_s=config.arrival_spread_s,
