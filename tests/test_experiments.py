@@ -54,3 +54,11 @@ def test_unknown_experiment_is_a_clear_error():
     done = subprocess.run([str(metronome), "experiment", "nope"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "unknown experiment" in done.stderr
+
+
+def test_a_missing_step_cost_file_is_a_clear_error(tmp_path):
+    metronome = Path(sys.executable).parent / "metronome"
+    missing = tmp_path / "nope.json"
+    done = subprocess.run([str(metronome), "experiment", "cliff", "--step-cost", str(missing)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no such file" in done.stderr and "step-cost" in done.stderr

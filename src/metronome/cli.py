@@ -7,6 +7,7 @@ import enum
 import inspect
 import json
 import typing
+from pathlib import Path
 
 import typer
 from pydantic import BaseModel, SecretStr
@@ -29,6 +30,10 @@ def experiment(
     out: str = typer.Option("out/experiments", help="folder for summary.json, plots, report.md"),
     scale: str = typer.Option("smoke", help="smoke (minutes, CI) | full (docs/results/paper.md)"),
     seed: int = typer.Option(0, help="base seed; every run derives its own from it"),
+    step_cost: str = typer.Option(None, help="virtual-clock step cost model (JSON written by "
+                                  "`metronome bench engine`, e.g. docs/results/"
+                                  "engine_step_cost.json); default: the packaged one",
+                                  show_default=False),
 ) -> None:
     """Reproduce one of the paper's results (or all): writes summary.json, PNG plots and
     report.md into --out (one sub-folder each for `all`)."""
@@ -43,7 +48,9 @@ def experiment(
     except ValueError:
         raise typer.BadParameter(f"choose smoke or full, got {scale!r}",
                                  param_hint="--scale") from None
-    done = run_experiments(names, out, chosen, seed)
+    if step_cost is not None and not Path(step_cost).is_file():
+        raise typer.BadParameter(f"no such file: {step_cost}", param_hint="--step-cost")
+    done = run_experiments(names, out, chosen, seed, None if step_cost is None else Path(step_cost))
     typer.echo(json.dumps({n: {"out": str(folder), "elapsed_s": summary["elapsed_s"]}
                            for n, (folder, summary) in done.items()}, indent=2))
 

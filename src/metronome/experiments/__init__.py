@@ -17,12 +17,13 @@ def module(name: str):
     return importlib.import_module(f"metronome.experiments.{name}")
 
 
-def run_experiments(names: list[str], out: Path, scale: Scale,
-                    seed: int = 0) -> dict[str, tuple[Path, dict]]:
+def run_experiments(names: list[str], out: Path, scale: Scale, seed: int = 0,
+                    step_cost: Path | None = None) -> dict[str, tuple[Path, dict]]:
     """Run each named experiment into `out/<name>` (or `out` for a single one); by name,
     the folder it wrote and its summary."""
     done = {}
     for name in names:
         folder = Path(out) / name if len(names) > 1 else Path(out)
-        done[name] = folder, module(name).run(ExperimentContext(folder, scale, seed))
+        context = ExperimentContext(folder, scale, seed, step_cost=step_cost)
+        done[name] = folder, module(name).run(context)
     return done

@@ -46,7 +46,7 @@ def memory_n_star(scenario: Scenario, duration_s: float, n_max: int, advance) ->
 
 
 def run(ctx: ExperimentContext) -> dict:
-    cost, cost_source = cost_model()
+    cost, cost_source = cost_model(ctx.step_cost)
     ctx.log(f"admission: offline N* sweep and AIMD runs (step cost from {cost_source})")
     with ctx.progress("admission: sweep + AIMD runs", 1) as advance:
         v = virtual_runs(cost, smoke=not ctx.full)

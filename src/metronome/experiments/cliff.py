@@ -187,7 +187,7 @@ def wall_check(ctx: ExperimentContext, wl: CliffWorkload, policy: str, seed: int
 def run(ctx: ExperimentContext) -> dict:
     wl = CliffWorkload()
     num_runs = 20 if ctx.full else 3
-    cost, cost_source = cost_model()
+    cost, cost_source = cost_model(ctx.step_cost)
     model = random_model(TINY_LLAMA, torch.float32, seed=ctx.seed)
     policies = ("unbounded", wl.bounded_policy)
     seeds = [ctx.seed + k for k in range(num_runs)]

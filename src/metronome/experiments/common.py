@@ -40,6 +40,7 @@ class ExperimentContext:
     console: Console = field(default_factory=lambda: Console(stderr=True))
     started_s: float = field(default_factory=time.perf_counter)
     plots: list[str] = field(default_factory=list)
+    step_cost: Path | None = None  # virtual-clock calibration file; None: the packaged one
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)

@@ -150,7 +150,7 @@ def run_config(model, cost, config: Config) -> dict:
 
 def run(ctx: ExperimentContext) -> dict:
     configs = grid(ctx.full, ctx.seed)
-    cost, cost_source = cost_model()
+    cost, cost_source = cost_model(ctx.step_cost)
     model = random_model(TINY_LLAMA, torch.float32, seed=ctx.seed)
     ctx.log(f"predict: {len(configs)} random configurations, each run to its first stall")
     rows = []
