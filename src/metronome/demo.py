@@ -1,4 +1,5 @@
-"""The main job for now: a short local run of the engine on the bundled model.
+"""`metronome demo`: a short local run of the engine on the bundled model (the main job is
+`metronome serve`).
 
 A few sessions stream text frames (each frame: a line of input, then a short reply);
 all due work is batched into shared engine steps, and the KV pool is shown after each
