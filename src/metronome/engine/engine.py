@@ -76,6 +76,34 @@ def check_policy_limits(policy: ResidencyPolicy, config: EngineConfig) -> None:
                          f"{config.max_sink_tokens}")
 
 
+def blocks_per_session(policy: ResidencyPolicy, config: EngineConfig) -> int | None:
+    """Most blocks one session under `policy` holds at once in an engine of `config`: its
+    bound, plus the blocks of one full chunk written before the step slides the window
+    (None: unbounded, no bound)."""
+    return policy.max_blocks(config.block_size, config.max_chunk_tokens)
+
+
+def memory_ceiling(policy: ResidencyPolicy, config: EngineConfig, num_blocks: int) -> int | None:
+    """How many sessions under `policy` a pool of `num_blocks` holds at their peak, all at
+    once: beyond it a bounded session can stall on KV (None: unbounded, no ceiling)."""
+    per_session = blocks_per_session(policy, config)
+    return None if per_session is None else num_blocks // per_session
+
+
+def check_pool_fits(policy: ResidencyPolicy, config: EngineConfig, num_blocks: int) -> None:
+    """Refuse a pool too small for one session under `policy`, with the numbers."""
+    per_session = blocks_per_session(policy, config)
+    if per_session is None or per_session <= num_blocks:
+        return
+    block = config.block_size
+    steady = policy.max_blocks(block)
+    raise ValueError(
+        f"a KV pool of {num_blocks} blocks of {block} tokens ({num_blocks * block} tokens) "
+        f"cannot hold one {policy} session: it needs {per_session} blocks ({steady} for its "
+        f"sinks and window, {per_session - steady} more while a {config.max_chunk_tokens}-"
+        f"token chunk is written), so a pool of at least {per_session * block} tokens")
+
+
 class SessionError(ValueError):
     """A request about one session that cannot be honoured (unknown id, ended, bad input)."""
 

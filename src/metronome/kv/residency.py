@@ -118,6 +118,22 @@ class ResidencyPolicy:
     def num_sink_blocks(self, block_size: int) -> int:
         return -(-self.sink_tokens // block_size)
 
+    def max_blocks(self, block_size: int, chunk_tokens: int = 1) -> int | None:
+        """Most physical blocks a session under this bound holds at once (None: unbounded):
+        its sink blocks plus the window's blocks while a chunk of `chunk_tokens` is written
+        (a step allocates the chunk's blocks before it slides the window). With
+        `chunk_tokens=1` this is the steady-state bound, e.g. 34 blocks of 16 for
+        `sinks_window:4:512`; a 64-token chunk adds up to 4 more."""
+        if self.window_tokens is None:
+            return None
+        # Past the first window, window blocks no longer overlap the sink blocks and the
+        # count repeats with the block period: one period of positions covers every case.
+        first = (self.sink_tokens + self.window_tokens + chunk_tokens + block_size) * 2
+        window = max((n + chunk_tokens - 1) // block_size
+                     - self.window_start(n, block_size) // block_size + 1
+                     for n in range(first, first + block_size))
+        return self.num_sink_blocks(block_size) + window
+
     def max_resident_tokens(self, block_size: int) -> int | None:
         """Most keys any query can see: S + W + block_size - 1 (None when unbounded)."""
         if self.window_tokens is None:

@@ -11,7 +11,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from metronome.audio.frontend import AudioFormat
-from metronome.engine.engine import DEFAULT_POOL_TOKENS, EngineConfig, check_policy_limits
+from metronome.engine.engine import (
+    DEFAULT_POOL_TOKENS,
+    EngineConfig,
+    check_policy_limits,
+    check_pool_fits,
+)
 from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
 
@@ -69,7 +74,9 @@ class ServerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
-        check_policy_limits(ResidencyPolicy.parse(self.policy), self.engine_config())
+        policy, engine = ResidencyPolicy.parse(self.policy), self.engine_config()
+        check_policy_limits(policy, engine)
+        check_pool_fits(policy, engine, self.pool_tokens // self.block_size)
         if self.default_sample_rate_hz not in self.sample_rates_hz:
             raise ValueError(f"default_sample_rate_hz ({self.default_sample_rate_hz}) must be "
                              f"one of sample_rates_hz {self.sample_rates_hz}")
