@@ -4,6 +4,17 @@ Owns the interval's samples, the decision for each new session, and the counters
 sessions are never evicted to make room: a cut of the cap only refuses newcomers until
 enough sessions have left. Time comes from the caller (`now_s`) and interval ticks from the
 runtime's scheduler, so it runs the same on the virtual and the wall clock.
+
+Two guards beside the limit:
+* the memory ceiling (`memory_ceiling`): how many sessions of the server's bound the KV pool
+  holds at their peak. It is a fact of memory, not of load, so it binds whatever the limit
+  says (refusal reason `kv_memory`).
+* frames judged by the work they asked for: a frame whose own session queued more input
+  than one engine step processes for a session (`self_paced_tokens`: its input plus the
+  session's backlog ahead of it) is late because of its own size, not because the server is
+  loaded. Such frames are counted (`CapSample.self_paced`) but are no signal, so one client
+  flooding its own session cannot cut the cap and close the server to everyone else; what
+  its flood does to other sessions' frames still shows in theirs.
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ class CapSample:
     frames: int
     misses: int
     stalled: int
+    self_paced: int = 0  # frames left out of the signal: late by their own session's input
+    memory_ceiling: int | None = None
 
 
 @dataclass
@@ -42,11 +55,14 @@ class AdmissionController:
     active_sessions: Callable[[], int]
     interval_s: float = 2.0  # ~2 frames per session at 1 s frames: a p95 over enough samples
     on_update: Callable[[CapSample], None] | None = None
+    memory_ceiling: int | None = None  # sessions the KV pool holds at their peak; None: any
+    self_paced_tokens: int | None = None  # None: every frame is a signal
     history: list[CapSample] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)  # admitted / refused:<reason>
     _fractions: list[float] = field(default_factory=list)
     _misses: int = 0
     _stalled: int = 0
+    _self_paced: int = 0
 
     def start(self, timer: Timer, at_s: float = 0.0) -> None:
         """Tick every interval on the runtime's timer, from `at_s` on."""
@@ -56,17 +72,37 @@ class AdmissionController:
 
         timer.call_at(at_s + self.interval_s, tick)
 
+    @property
+    def effective_cap(self) -> int:
+        """Sessions admitted now: the limit's cap, within the memory ceiling."""
+        ceiling = self.memory_ceiling
+        return self.limit.cap if ceiling is None else min(self.limit.cap, ceiling)
+
     def try_admit(self, now_s: float) -> Decision:
-        if self.active_sessions() < self.limit.cap:
-            self.counts["admitted"] += 1
-            return Decision(True)
-        self.counts["refused:at_capacity"] += 1
-        return Decision(False, "at_capacity", retry_after_s=self.interval_s)
+        active = self.active_sessions()
+        if self.memory_ceiling is not None and active >= self.memory_ceiling:
+            return self._refuse("kv_memory")
+        if active >= self.limit.cap:
+            return self._refuse("at_capacity")
+        self.counts["admitted"] += 1
+        return Decision(True)
+
+    def _refuse(self, reason: str) -> Decision:
+        self.counts[f"refused:{reason}"] += 1
+        return Decision(False, reason, retry_after_s=self.interval_s)
+
+    def self_paced(self, result: FrameResult) -> bool:
+        """Was the frame slow by its own session's input (see the module docstring)?"""
+        limit = self.self_paced_tokens
+        return limit is not None and result.own_work_tokens > limit
 
     def on_result(self, result: FrameResult) -> None:
         """Feed every frame result (a runtime listener); frames that never reach the engine
         are no signal."""
         if result.status in (FrameStatus.REJECTED, FrameStatus.CANCELLED):
+            return
+        if result.status is not FrameStatus.STALLED_KV and self.self_paced(result):
+            self._self_paced += 1
             return
         self._fractions.append(result.latency_fraction)
         self._misses += not result.deadline_met
@@ -78,9 +114,10 @@ class AdmissionController:
         q = self.limit.percentile
         cap = self.limit.update(sample)
         record = CapSample(now_s, cap, sample.active_sessions, sample.percentile(q), q,
-                           sample.num_frames, sample.deadline_misses, sample.stalled_frames)
+                           sample.num_frames, sample.deadline_misses, sample.stalled_frames,
+                           self._self_paced, self.memory_ceiling)
         self.history.append(record)
         if self.on_update is not None:
             self.on_update(record)
-        self._fractions, self._misses, self._stalled = [], 0, 0
+        self._fractions, self._misses, self._stalled, self._self_paced = [], 0, 0, 0
         return cap

@@ -84,10 +84,24 @@ class Beat:
         if prepared.num_tokens == 0:
             self._answer_unstarted(record, frame, FrameStatus.REJECTED, now_s, "empty frame")
             return
+        over = self._queue_overflow(record, prepared.num_tokens)
+        if over:  # refused before it is accepted: nothing accepted is ever dropped
+            self._answer_unstarted(record, frame, FrameStatus.REJECTED, now_s, over)
+            return
         deadline_at_s = frame.arrival_s + record.profile.deadline_s
         self.timer.call_at(deadline_at_s, lambda t: self._on_deadline(frame, t))
         record.waiting.append((frame, prepared))
         self._advance(record)
+
+    @staticmethod
+    def _queue_overflow(record: SessionRecord, num_tokens: int) -> str:
+        """Why a frame of `num_tokens` would overflow the session's queued input ("" if not)."""
+        limit = record.profile.max_queued_input_tokens
+        queued = record.queued_input_tokens
+        if limit is None or queued + num_tokens <= limit:
+            return ""
+        return (f"input queue full: {queued} tokens of this session's input are not yet "
+                f"processed and this frame adds {num_tokens}; the limit is {limit}")
 
     def _advance(self, record: SessionRecord) -> None:
         """Put the next waiting frame in flight if none is."""
@@ -96,7 +110,8 @@ class Beat:
         frame, prepared = record.waiting.popleft()
         max_tokens = record.profile.output_tokens_for(frame.respond)
         record.in_flight = InFlight(frame, frame.arrival_s + record.profile.deadline_s,
-                                    max_tokens, prepared.num_tokens)
+                                    max_tokens, prepared.num_tokens,
+                                    queued_ahead_tokens=record.backlog_tokens)
         self.engine.submit_prepared(record.session_id, prepared, max_tokens)
 
     def _on_deadline(self, frame: Frame, now_s: float) -> None:
@@ -176,7 +191,8 @@ class Beat:
         result = FrameResult(
             frame.session_id, frame.index, status, flight.token_ids, frame.arrival_s,
             flight.start_s, now_s, flight.deadline_at_s, flight.max_tokens > 0, reason,
-            origin=frame.origin,
+            origin=frame.origin, input_tokens=frame.num_input_tokens,
+            queued_ahead_tokens=flight.queued_ahead_tokens,
         )
         record.last_answered = result
         self._deliver(record, result)
@@ -187,7 +203,9 @@ class Beat:
         expects = record.profile.output_tokens_for(frame.respond) > 0
         self._deliver(record, FrameResult(frame.session_id, frame.index, status, [],
                                           frame.arrival_s, None, now_s, deadline_at_s,
-                                          expects, reason, origin=frame.origin))
+                                          expects, reason, origin=frame.origin,
+                                          input_tokens=frame.num_input_tokens,
+                                          queued_ahead_tokens=record.queued_input_tokens))
 
     def _deliver(self, record: SessionRecord, result: FrameResult) -> None:
         record.frames_answered += 1

@@ -57,6 +57,15 @@ class FrameResult:
     reason: str = ""
     late_token_ids: list[int] = field(default_factory=list)  # produced after it went out
     origin: object = None  # the frame's `origin`, handed back
+    # The work the frame asked of its session: its own input, and its session's earlier
+    # input still queued ahead of it when it went to the engine (answered frames' backlog).
+    input_tokens: int = 0
+    queued_ahead_tokens: int = 0
+
+    @property
+    def own_work_tokens(self) -> int:
+        """Input the engine had to process for this session before this frame was done."""
+        return self.input_tokens + self.queued_ahead_tokens
 
     @property
     def deadline_met(self) -> bool:

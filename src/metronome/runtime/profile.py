@@ -25,6 +25,9 @@ class SessionProfile:
     policy: ResidencyPolicy = ResidencyPolicy.parse(DEFAULT_POLICY_SPEC)
     sampling: SamplingParams = SamplingParams()
     max_session_tokens: int | None = None
+    # Input accepted but not yet processed (the backlog of answered frames included) that
+    # the session may have queued; a frame that would exceed it is rejected (None: no bound).
+    max_queued_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.frame_period_s <= 60:
@@ -34,6 +37,9 @@ class SessionProfile:
         if self.max_output_tokens_per_frame < 0:
             raise ValueError(f"max_output_tokens_per_frame must be >= 0, got "
                              f"{self.max_output_tokens_per_frame}")
+        if self.max_queued_input_tokens is not None and self.max_queued_input_tokens < 1:
+            raise ValueError(f"max_queued_input_tokens must be >= 1, got "
+                             f"{self.max_queued_input_tokens}")
 
     @property
     def deadline_s(self) -> float:

@@ -24,6 +24,7 @@ class InFlight:
     deadline_at_s: float
     max_tokens: int
     input_left: int  # of the frame's own input, not yet consumed by a step
+    queued_ahead_tokens: int = 0  # the session's backlog when this frame went in flight
     token_ids: list[int] = field(default_factory=list)
     start_s: float | None = None
 
@@ -49,3 +50,12 @@ class SessionRecord:
     @property
     def unanswered_frames(self) -> int:
         return len(self.waiting) + (self.in_flight is not None)
+
+    @property
+    def queued_input_tokens(self) -> int:
+        """Input accepted but not yet processed: the backlog of answered frames, the rest of
+        the in-flight frame's input and the waiting frames' (what the session's bound on
+        queued input counts)."""
+        waiting = sum(prepared.num_tokens for _, prepared in self.waiting)
+        flight = 0 if self.in_flight is None else self.in_flight.input_left
+        return self.backlog_tokens + flight + waiting

@@ -66,6 +66,9 @@ class ServerConfig(BaseModel):
     max_buffered_audio_s: float = Field(4.0, gt=0, description="unanswered audio a session "
                                         "may send; more is refused")
     max_text_chars: int = Field(8192, ge=1, description="longest text item")
+    max_queued_input_tokens: int = Field(
+        4096, ge=64, description="input tokens a session may have accepted but not yet "
+        "processed, late frames' leftover input included; more is refused")
     idle_timeout_s: float = Field(60.0, gt=0, description="close a session silent this long")
     max_session_s: float = Field(3600.0, gt=0, description="close a session this old "
                                  "(OpenAI's limit is 60 min as well)")
@@ -106,6 +109,7 @@ class ServerConfig(BaseModel):
             ),
             mode=mode,
             policy=ResidencyPolicy.parse(self.policy),
+            max_queued_input_tokens=self.max_queued_input_tokens,
         )
 
     def engine_config(self) -> EngineConfig:
