@@ -164,3 +164,25 @@ def test_late_frames_keep_their_tokens_and_the_next_frame_starts_clean(tiny_mode
         assert len(r.token_ids) + len(r.late_token_ids) <= 4
     assert any(r.late_token_ids for r in frames) and sum(late_counts) == sum(
         len(r.late_token_ids) for r in frames)
+
+
+def test_an_engine_stalled_everywhere_steps_again_only_after_a_command(tiny_model):
+    """The idle rule (runtime.driver): after a step in which nobody processed input, the
+    driver waits for the next engine command instead of re-stepping every step time."""
+    engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=2 * BLOCK))
+    recorder = RunRecorder()
+    driver = VirtualDriver(engine, StepCostModel(0.01, 0.0, 0.0), Listeners.of(recorder))
+    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=0,
+                             policy=ResidencyPolicy.unbounded())
+    hog, starved = (driver.beat.open_session(profile) for _ in range(2))
+    driver.beat.submit_frame(Frame(hog, 0, 0.0, list(range(1, 2 * BLOCK + 1))), 0.0)
+    driver.run_until(0.5)  # the hog holds the whole pool
+    driver.beat.submit_frame(Frame(starved, 0, 0.5, [1, 2, 3]), 0.5)
+    driver.run_until(5.0)  # 4.5 s of a stalled engine: 0.01 s steps would be 450 of them
+    stalled_steps = [s for s in recorder.steps if s.finished_s > 0.5]
+    assert 1 <= len(stalled_steps) <= 3, len(stalled_steps)
+    assert [r.status for r in recorder.results if r.session_id == starved] == [
+        FrameStatus.STALLED_KV]
+    driver.beat.close_session(hog, 5.0)  # a command: the starved session's input runs now
+    driver.run_until(6.0)
+    assert engine.resident_tokens(starved) == 3
