@@ -66,8 +66,9 @@ async def _wall_run(duration_s: float, arrival_every_s: float) -> dict:
 
 def run(out_md: str, out_json: str, smoke: bool, wall: bool = True) -> dict:
     started = time.time()
-    cost, _ = StepCostModel.load(PACKAGED_STEP_COST)
-    results = {"cost_model": vars(cost), "virtual": virtual_runs(cost, smoke)}
+    cost, calibration = StepCostModel.load(PACKAGED_STEP_COST)
+    results = {"cost_model": vars(cost), "cost_model_source": calibration.describe(),
+               "virtual": virtual_runs(cost, smoke)}
     if wall:
         log("wall clock: SmolLM2, AIMD, arrivals faster than capacity")
         results["wall"] = asyncio.run(_wall_run(40.0 if smoke else 150.0, 0.5))
@@ -105,7 +106,7 @@ def render(r: dict, figures: str, smoke: bool) -> str:
         f"{r['elapsed_s']:.0f} s. Written by the command; do not edit by hand.", "",
         "## Virtual clock", "",
         "Engine steps are real steps of our engine (tiny random Llama); step time comes from "
-        "the cost model fitted from `docs/results/engine.json` (SmolLM2 bf16 on this CPU): "
+        f"the packaged step cost model ({r['cost_model_source']}): "
         f"`step_s = {cost['fixed_s']:.4f} + {cost['per_token_s']:.5f} x tokens + "
         f"{cost['per_context_token_s']:.2e} x context tokens`. Sessions: 1 s frames, 12 input "
         "+ 4 output tokens, deadline 1 s, ~30 s long (jitter 30 %), arriving every 0.25 s "
