@@ -19,6 +19,7 @@ from metronome.engine.engine import (
 )
 from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
+from metronome.serve.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 
 
 class ServerConfig(BaseModel):
@@ -73,7 +74,35 @@ class ServerConfig(BaseModel):
     max_session_s: float = Field(3600.0, gt=0, description="close a session this old "
                                  "(OpenAI's limit is 60 min as well)")
     max_outbox_events: int = Field(4096, ge=16, description="server events a slow reader "
-                                   "may leave queued before it is closed")
+                                   "may leave queued before it is closed 1008")
+    max_outbox_bytes: int = Field(1 << 20, ge=1 << 16, description="bytes of server events "
+                                  "a slow reader may leave queued before it is closed 1008")
+    # The cost of one message is bounded before it is parsed (serve.bounded_json).
+    max_message_values: int = Field(DEFAULT_MAX_VALUES, ge=64, description="JSON values one "
+                                    "message may hold (each object member and array item; 64 "
+                                    "text parts take ~200); more is refused unparsed")
+    max_message_depth: int = Field(DEFAULT_MAX_DEPTH, ge=5, description="deepest JSON nesting "
+                                   "of a message (session.update's audio format is 5 deep)")
+    # Per connection, token buckets; 100 ms appends of 48 kHz audio are 10 msg/s, ~130 kB/s.
+    rate_limit_messages_per_s: float = Field(100.0, gt=0, description="client messages per "
+                                             "second per connection; over it they are dropped "
+                                             "(one error), a further burst over it closes 1008")
+    rate_limit_burst_messages: int = Field(200, ge=1, description="messages a connection may "
+                                           "send at once above the rate")
+    rate_limit_bytes_per_s: int = Field(512 << 10, ge=1024, description="client bytes per "
+                                        "second per connection, as for messages")
+    rate_limit_burst_bytes: int = Field(2 << 20, ge=1024, description="bytes a connection may "
+                                        "send at once above the rate (at least "
+                                        "max_message_bytes)")
+    # The transport, before any handler runs (serve.guard).
+    request_timeout_s: float = Field(10.0, gt=0, description="an HTTP request (line, headers, "
+                                     "body) must arrive within this long of its first byte, "
+                                     "a new connection's first one within this long of the "
+                                     "connect; slower ones are dropped (slowloris)")
+    max_header_bytes: int = Field(16 << 10, ge=1024, description="largest HTTP request line "
+                                  "plus headers; larger ones are answered 431")
+    max_connections: int = Field(512, ge=2, description="open TCP connections, WebSockets "
+                                 "included; one more is answered 503 at once and closed")
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
@@ -94,6 +123,9 @@ class ServerConfig(BaseModel):
                              f"least two frame periods (2 x {self.frame_period_s} s)")
         for rate_hz in self.sample_rates_hz:
             self.audio_format(rate_hz).frame_bytes(self.frame_period_s)
+        if self.rate_limit_burst_bytes < self.max_message_bytes:
+            raise ValueError(f"rate_limit_burst_bytes ({self.rate_limit_burst_bytes}) must be "
+                             f"at least max_message_bytes ({self.max_message_bytes})")
         return self
 
     def audio_format(self, sample_rate_hz: int) -> AudioFormat:
