@@ -1,0 +1,134 @@
+"""The plugin in a real vLLM engine (front-end, engine-core and worker processes) on SmolLM2.
+
+One bounded engine (S = 4, W = 128, a 1,024-token KV pool, max_model_len 8,192) and one
+stock engine, each started once (~40 s) and shut down before the next. The long session
+is a 3,000-token Hamlet prompt + 2,000 greedy tokens: 5,000 tokens in a pool of 1,024.
+
+Reference: our own engine at float32 with `sinks_window:4:128` at block size 1, where its
+block-aligned window start is token-exact: the same rule as the plugin (vLLM's sliding
+window convention, p - j < W). It is teacher-forced over the plugin's tokens: its greedy
+choice at every position equals the plugin's token iff free-running greedy decoding of the
+reference would have produced the same sequence.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_cache_spec_registry",
+                    reason="vLLM is not installed here: `make test-vllm` runs these in .venv-vllm")
+
+import torch  # noqa: E402
+
+from metronome.corpus import play_text  # noqa: E402
+from metronome.engine.engine import Engine, EngineConfig  # noqa: E402
+from metronome.engine.session import SessionSpec  # noqa: E402
+from metronome.kv.residency import ResidencyPolicy  # noqa: E402
+from metronome.model.weights import bundled_model_dir, load_model, load_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+BOUND = "sinks_window:4:128"
+BLOCK = 32
+PROMPT_TOKENS, NEW_TOKENS = 3000, 2000
+POOL_BYTES = 45 << 20  # 32 blocks of 32 tokens at 46,080 B/token (SmolLM2 fp32): 1,024 tokens
+SHORT_PROMPT, SHORT_NEW = 40, 80  # 120 tokens: inside S + W, the bound changes nothing
+
+
+def start_engine(bounded: bool):
+    from vllm import LLM
+
+    # 2-core machine: let the worker use both cores (vLLM reserves one by default)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    extra = (dict(hf_overrides={"metronome_residency": BOUND}, max_model_len=8192,
+                  kv_cache_memory_bytes=POOL_BYTES) if bounded else
+             dict(max_model_len=4096, kv_cache_memory_bytes=4 * POOL_BYTES + (8 << 20)))
+    return LLM(model=str(bundled_model_dir()), dtype="float32", block_size=BLOCK,
+               enable_prefix_caching=False, max_num_seqs=2, max_num_batched_tokens=256,
+               enforce_eager=True, seed=0, **extra)
+
+
+def greedy(llm, prompt_ids: list[int], new_tokens: int):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)
+    completion = out[0].outputs[0]
+    logprobs = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids,
+                                                    strict=True)]
+    return list(completion.token_ids), logprobs, completion.finish_reason
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    ids = load_tokenizer().encode(play_text("hamlet")).ids
+    return {"long": ids[:PROMPT_TOKENS], "short": ids[:SHORT_PROMPT]}
+
+
+@pytest.fixture(scope="module")
+def bounded(prompts):
+    llm = start_engine(bounded=True)
+    pool_tokens = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks * BLOCK
+    runs = {"long": greedy(llm, prompts["long"], NEW_TOKENS),
+            "short": greedy(llm, prompts["short"], SHORT_NEW)}
+    llm.llm_engine.engine_core.shutdown()
+    return pool_tokens, runs
+
+
+@pytest.fixture(scope="module")
+def stock(prompts):
+    llm = start_engine(bounded=False)
+    runs = {"long": greedy(llm, prompts["long"], 4), "short": greedy(llm, prompts["short"],
+                                                                     SHORT_NEW)}
+    llm.llm_engine.engine_core.shutdown()
+    return runs
+
+
+def reference_logprobs(token_ids: list[int]) -> torch.Tensor:
+    """(len - 1, vocab) log-probabilities of the next token after every prefix, teacher-forced
+    through our engine with the same rule (block size 1: token-exact window)."""
+    engine = Engine(load_model("bundled", torch.float32),
+                    EngineConfig(block_size=1, pool_tokens=1024, max_chunk_tokens=256,
+                                 max_step_tokens=256))
+    sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.parse(BOUND),
+                                          return_logits=True, stop_token_ids=()))
+    engine.submit(sid, token_ids[:-1], max_new_tokens=0)
+    rows = []
+    while engine.has_work:
+        rows += [torch.log_softmax(s.logits, dim=-1) for s in engine.step().sessions]
+    return torch.cat(rows)
+
+
+def test_session_five_times_the_pool_runs_to_the_end(bounded):
+    pool_tokens, runs = bounded
+    tokens, _, finish_reason = runs["long"]
+    assert pool_tokens == 1024
+    assert PROMPT_TOKENS + len(tokens) == 5000 > pool_tokens
+    assert finish_reason == "length"
+
+
+def test_long_session_is_token_exact_against_the_reference(bounded, prompts):
+    _, runs = bounded
+    tokens, logprobs, _ = runs["long"]
+    ref = reference_logprobs(prompts["long"] + tokens)[PROMPT_TOKENS - 1:]  # (2000, vocab)
+    assert ref.argmax(dim=-1).tolist() == tokens
+    ref_chosen = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert (ref_chosen - torch.tensor(logprobs)).abs().max() < 1e-3
+
+
+def test_the_bound_matters_stock_attends_everything(bounded, stock):
+    bounded_logprobs, stock_logprobs = bounded[1]["long"][1], stock["long"][1]
+    assert abs(bounded_logprobs[0] - stock_logprobs[0]) > 1e-2
+
+
+def test_window_covering_the_session_equals_stock(bounded, stock):
+    tokens, logprobs, _ = bounded[1]["short"]
+    stock_tokens, stock_logprobs, _ = stock["short"]
+    assert SHORT_PROMPT + SHORT_NEW <= 128  # W >= session length
+    assert tokens == stock_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, stock_logprobs, strict=True)) < 1e-5
