@@ -41,6 +41,7 @@ def test_every_metric_is_exposed_and_parses():
         "metronome_goodput_ratio", "metronome_good_frames", "metronome_late_tokens",
         "metronome_kv_pool_blocks", "metronome_kv_pool_saturation_eta_seconds",
         "metronome_sessions_active", "metronome_sessions", "metronome_admission_cap",
+        "metronome_admission_memory_ceiling",
         "metronome_engine_step_seconds", "metronome_step_batch_frames",
         "metronome_health_state", "metronome_admission_latency_fraction",
         "metronome_admission_decisions",
@@ -48,6 +49,9 @@ def test_every_metric_is_exposed_and_parses():
     assert value(metrics, "metronome_frames_total", status="context_full") == 0.0
     assert value(metrics, "metronome_kv_pool_saturation_eta_seconds") == math.inf
     assert math.isnan(value(metrics, "metronome_goodput_ratio"))
+    assert value(metrics, "metronome_admission_memory_ceiling") == math.inf
+    metrics.set_memory_ceiling(3)
+    assert value(metrics, "metronome_admission_memory_ceiling") == 3
 
 
 def test_frame_counters_histograms_and_goodput_are_exact():

@@ -33,6 +33,7 @@ KV_POOL_SATURATION_ETA_SECONDS = "metronome_kv_pool_saturation_eta_seconds"
 SESSIONS_ACTIVE = "metronome_sessions_active"
 SESSIONS_TOTAL = "metronome_sessions_total"
 ADMISSION_CAP = "metronome_admission_cap"
+ADMISSION_MEMORY_CEILING = "metronome_admission_memory_ceiling"
 ADMISSION_SIGNAL = "metronome_admission_latency_fraction"
 ADMISSION_DECISIONS_TOTAL = "metronome_admission_decisions_total"
 ENGINE_STEP_SECONDS = "metronome_engine_step_seconds"
@@ -83,7 +84,7 @@ class Metrics:
                                     registry=reg)
         goodput = Gauge(GOODPUT_RATIO, "Good share of the last frames (see module doc).",
                         registry=reg)
-        goodput.set_function(self._goodput_ratio)
+        goodput.set_function(self.goodput_ratio)
 
     def _declare_state_metrics(self) -> None:
         reg = self.registry
@@ -100,6 +101,11 @@ class Metrics:
                                  registry=reg)
         self._admission_cap = Gauge(ADMISSION_CAP, "Sessions the controller admits now.",
                                     registry=reg)
+        self._memory_ceiling = Gauge(
+            ADMISSION_MEMORY_CEILING, "Sessions of the server's bound the KV pool holds at "
+            "their peak: admission never goes past it (+Inf: no ceiling, unbounded KV).",
+            registry=reg)
+        self._memory_ceiling.set(float("inf"))
         self._step_seconds = Histogram(ENGINE_STEP_SECONDS, "Wall time of one engine step.",
                                        buckets=LATENCY_BUCKETS_S, registry=reg)
         self._batch_frames = Histogram(STEP_BATCH_FRAMES, "Frames served by one engine step.",
@@ -133,7 +139,8 @@ class Metrics:
         self._good_window.append(good)
         self._num_good_in_window += good
 
-    def _goodput_ratio(self) -> float:
+    def goodput_ratio(self) -> float:
+        """Good share of the last `goodput_window_frames` frames (NaN before any)."""
         if not self._good_window:
             return float("nan")
         return self._num_good_in_window / len(self._good_window)
@@ -167,6 +174,9 @@ class Metrics:
 
     def set_admission_cap(self, cap_sessions: int) -> None:
         self._admission_cap.set(cap_sessions)
+
+    def set_memory_ceiling(self, max_sessions: int | None) -> None:
+        self._memory_ceiling.set(float("inf") if max_sessions is None else max_sessions)
 
     def set_health(self, state: Health) -> None:
         self._health.set(int(state))

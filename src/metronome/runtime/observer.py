@@ -1,5 +1,7 @@
 """Wires the runtime's events into observability: Prometheus metrics, the silent-stall
-detector and the saturation forecast. Subscribes to frame results and step reports."""
+detector, the deadline (overload) monitor and the saturation forecast. Subscribes to frame
+results and step reports; `health_summary(now_s)` is the one verdict: the worse of the KV
+stall and the overload verdicts, each with its reason."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import math
 
 from prometheus_client import CollectorRegistry
 
+from metronome.observe.deadline_monitor import DeadlineMonitor
 from metronome.observe.forecast import SaturationForecaster
 from metronome.observe.metrics import Metrics
-from metronome.observe.stall_detector import StallDetector
+from metronome.observe.stall_detector import Health, StallDetector
 from metronome.runtime.frame import FrameResult
 from metronome.runtime.ports import StepReport
 
@@ -21,9 +24,11 @@ class RuntimeObserver:
         detector: StallDetector,
         forecaster: SaturationForecaster,
         forecast_interval_s: float = 1.0,
+        deadlines: DeadlineMonitor | None = None,
     ) -> None:
         self.metrics = metrics
         self.detector = detector
+        self.deadlines = deadlines if deadlines is not None else DeadlineMonitor()
         self.forecaster = forecaster
         self.forecast_interval_s = forecast_interval_s
         self._next_forecast_s = -math.inf
@@ -32,21 +37,39 @@ class RuntimeObserver:
 
     @classmethod
     def create(cls, block_size_tokens: int, registry: CollectorRegistry | None = None,
-               forecast_window_s: float = 10.0) -> RuntimeObserver:
+               forecast_window_s: float = 10.0, health_window_s: float | None = None,
+               self_paced_tokens: int | None = None) -> RuntimeObserver:
         """For a pool of `block_size_tokens` blocks (`EnginePort.pool_stats().block_size`).
         Defaults: the forecast's fill rate looks back 10 s, so it reads "never" within
         ~10 s of a bounded session reaching steady state, and still sees any session
-        growing by a block (16 tokens) per 10 s: far slower than any real-time stream."""
+        growing by a block (16 tokens) per 10 s: far slower than any real-time stream.
+        `health_window_s` (the server: its control interval) makes the health verdicts
+        cover only that many seconds, from as few as one frame, so stalls, overload and
+        recovery show within it; None: the last 200 frames, from 20 on (local runs)."""
         forecaster = SaturationForecaster(block_size_tokens, window_s=forecast_window_s)
-        return cls(Metrics(registry), StallDetector(), forecaster)
+        if health_window_s is None:
+            detector, deadlines = StallDetector(), DeadlineMonitor(
+                self_paced_tokens=self_paced_tokens)
+        else:
+            timed = {"window_frames": 1 << 16, "min_frames": 1, "window_s": health_window_s}
+            detector = StallDetector(**timed)
+            deadlines = DeadlineMonitor(**timed, self_paced_tokens=self_paced_tokens)
+        return cls(Metrics(registry), detector, forecaster, deadlines=deadlines)
 
     def on_result(self, result: FrameResult) -> None:
         num_tokens = len(result.token_ids)
-        self.metrics.observe_frame(result.status.value, result.latency_s, num_tokens,
-                                   result.good)
-        self.detector.observe(result.status.value, num_tokens, result.expects_output,
-                              result.deadline_met)
-        self.metrics.set_health(self.detector.state)
+        status = result.status.value
+        self.metrics.observe_frame(status, result.latency_s, num_tokens, result.good)
+        self.detector.observe(status, num_tokens, result.expects_output, result.deadline_met,
+                              result.finish_s, result.session_id)
+        self.deadlines.observe(status, result.deadline_met, result.own_work_tokens,
+                               result.finish_s, result.session_id)
+        self.metrics.set_health(self.state)
+
+    @property
+    def state(self) -> Health:
+        """The health verdict: the worse of KV stalls and deadline misses."""
+        return max(self.detector.state, self.deadlines.state)
 
     def on_late_tokens(self, num_tokens: int) -> None:
         self.metrics.observe_late_tokens(num_tokens)
@@ -64,7 +87,7 @@ class RuntimeObserver:
         self.metrics.set_saturation_eta(self.eta_s)
 
     def health_line(self) -> str:
-        return self.detector.state.name.lower()
+        return self.state.name.lower()
 
     def pool_line(self) -> str:
         pool = self.last_pool
@@ -73,12 +96,35 @@ class RuntimeObserver:
         eta = "never" if math.isinf(self.eta_s) else f"{self.eta_s:.0f}s"
         return f"{pool.used_blocks}/{pool.num_blocks} used, full in {eta}"
 
-    def health_summary(self) -> dict:
+    def advance(self, now_s: float) -> Health:
+        """The verdicts as of `now_s` (old frames leave the time windows); updates the
+        health gauge, so an idle server's gauge recovers too."""
+        self.detector.advance(now_s)
+        self.deadlines.advance(now_s)
+        self.metrics.set_health(self.state)
+        return self.state
+
+    def health_summary(self, now_s: float | None = None) -> dict:
+        """The verdict (`state`, `reason`: the worse one's) and both verdicts in full."""
+        if now_s is not None:
+            self.advance(now_s)
+        detector, deadlines = self.detector, self.deadlines
+        worst = detector if detector.state >= deadlines.state else deadlines
         forecast = self.forecaster.forecast
         return {
-            "state": self.detector.state.name.lower(),
-            "reason": self.detector.reason,
-            "stalled_fraction": self.detector.stalled_fraction,
+            "state": self.state.name.lower(),
+            "reason": worst.reason,
+            "kv_stall": {"state": detector.state.name.lower(), "reason": detector.reason,
+                         "stalled_fraction": detector.stalled_fraction},
+            "overload": {"state": deadlines.state.name.lower(), "reason": deadlines.reason,
+                         "missed_fraction": deadlines.missed_fraction,
+                         "self_paced_frames": deadlines.num_self_paced},
+            "stalled_fraction": detector.stalled_fraction,
+            "goodput_ratio": _finite_or_none(self.metrics.goodput_ratio()),
             "saturation_predicted_at_s": self.forecaster.predicted_saturation_time_s,
             "forecast": None if forecast is None else vars(forecast),
         }
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None

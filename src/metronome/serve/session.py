@@ -22,6 +22,7 @@ import asyncio
 import base64
 import binascii
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -114,6 +115,7 @@ class RealtimeSession:
         self.closed = False
         self.frames_created = 0  # frame indexes, in the order frames reach the beat
         self.frames_encoding = 0  # queued on the encoder thread, not yet in the beat
+        self.tokens_encoding = 0  # their input tokens (audio: one frame's worth each)
         self._appended_since_commit_bytes = 0
         self._last_item_id: str | None = None
         self._client_response_id: str | None = None
@@ -189,6 +191,8 @@ class RealtimeSession:
                 f"unanswered (limit {self.host.config.max_buffered_audio_s} s); this chunk "
                 "was dropped", "audio",
             )
+        self._check_input_room(self._audio_tokens(framer.pending_bytes + len(pcm)),
+                               "audio", ErrorCode.BUFFER_OVERFLOW, "audio")
         self._appended_since_commit_bytes += len(pcm)
         for cut in framer.cut(pcm):
             self._encode_then_submit(cut)
@@ -201,6 +205,29 @@ class RealtimeSession:
     def _unanswered_s(self) -> float:
         """Input the beat has not answered yet, counting every frame as one period."""
         return self.unanswered_frames * self.host.config.frame_period_s
+
+    @property
+    def queued_input_tokens(self) -> int:
+        """Input accepted but not processed yet: on the encoder thread, or queued in the
+        beat and the engine (late frames' leftover input included)."""
+        return self.tokens_encoding + self.record.queued_input_tokens
+
+    def _audio_tokens(self, num_bytes: int) -> int:
+        return math.ceil(num_bytes / self.framer.bytes_per_s * self.host.config.token_rate_hz)
+
+    def _check_input_room(self, num_tokens: int, what: str, code: ErrorCode,
+                          param: str | None = None) -> None:
+        """Refuse input that would leave more of this session's input unprocessed than the
+        server allows (`max_queued_input_tokens`); nothing is accepted, so nothing is lost."""
+        limit = self.host.config.max_queued_input_tokens
+        queued = self.queued_input_tokens
+        if queued + num_tokens <= limit:
+            return
+        advice = (f"it alone exceeds the limit: send it in parts of at most {limit} tokens"
+                  if num_tokens > limit else "retry once the engine has caught up")
+        raise ClientError(code, f"{what} of {num_tokens} tokens refused: {queued} tokens of "
+                          f"this session's input are not processed yet (limit {limit}); "
+                          f"{advice}", param)
 
     def _check_room_for_a_frame(self) -> None:
         limit_s = self.host.config.max_buffered_audio_s
@@ -227,10 +254,12 @@ class RealtimeSession:
             raise ClientError(ErrorCode.TEXT_TOO_LONG, f"text has {len(text)} characters; "
                               f"the limit is {self.host.config.max_text_chars}", "item.content")
         self._check_room_for_a_frame()
+        token_ids = chat.item_ids(item.role, text)
+        self._check_input_room(len(token_ids), "text item", ErrorCode.TOO_MANY_PENDING,
+                               "item.content")
         self._add_item(p.ItemOut(id=item.id or p.new_id("item"), role=item.role,
                                  content=[p.ContentOut(type="input_text", text=text)]))
-        token_ids = chat.item_ids(item.role, text)
-        self._queue_frame("text", lambda: Input(token_ids=token_ids))
+        self._queue_frame("text", lambda: Input(token_ids=token_ids), len(token_ids))
 
     def _create_response(self) -> None:
         chat = self._chat()
@@ -238,11 +267,12 @@ class RealtimeSession:
             raise ClientError(ErrorCode.ACTIVE_RESPONSE,
                               f"response {self._client_response_id} is still in progress")
         self._check_room_for_a_frame()
+        token_ids = chat.response_prefix_ids
+        self._check_input_room(len(token_ids), "response", ErrorCode.TOO_MANY_PENDING)
         response_id = self._new_response()
         self._client_response_id = response_id
-        token_ids = chat.response_prefix_ids
-        self._queue_frame("response", lambda: Input(token_ids=token_ids), respond=True,
-                          response_id=response_id)
+        self._queue_frame("response", lambda: Input(token_ids=token_ids), len(token_ids),
+                          respond=True, response_id=response_id)
 
     def _chat(self) -> ChatText:
         if self.host.chat is None:
@@ -258,9 +288,10 @@ class RealtimeSession:
     def _encode_then_submit(self, cut: PcmCut) -> None:
         framer = self.framer
         self._queue_frame("audio", lambda: Input(embeddings=framer.encode(cut)),
+                          self._audio_tokens(len(cut.pcm)),
                           respond=self.mode is SessionMode.DUPLEX, audio_end_ms=cut.audio_end_ms)
 
-    def _queue_frame(self, kind: FrameKind, make_input: Callable[[], Input],
+    def _queue_frame(self, kind: FrameKind, make_input: Callable[[], Input], num_tokens: int,
                      respond: bool = False, audio_end_ms: float | None = None,
                      response_id: str | None = None) -> None:
         """Every frame passes the encoder thread's queue (audio to be encoded there, text as
@@ -269,14 +300,16 @@ class RealtimeSession:
         time counts in its latency."""
         self.started = True
         self.frames_encoding += 1
+        self.tokens_encoding += num_tokens
         arrival_s = self.host.now_s()
         self.host.encode(make_input).add_done_callback(lambda done: self._on_input_ready(
-            done, kind, respond, audio_end_ms, response_id, arrival_s))
+            done, kind, respond, audio_end_ms, response_id, arrival_s, num_tokens))
 
     def _on_input_ready(self, done: asyncio.Future, kind: FrameKind, respond: bool,
                         audio_end_ms: float | None, response_id: str | None,
-                        arrival_s: float) -> None:
+                        arrival_s: float, num_tokens: int) -> None:
         self.frames_encoding -= 1
+        self.tokens_encoding -= num_tokens
         if self.closed or done.cancelled():
             return  # the session ended while its input was on the encoder thread
         if done.exception() is not None:
@@ -356,6 +389,7 @@ class RealtimeSession:
             "frames_answered": record.frames_answered,
             "last_frame_status": None if last is None else last.value,
             "unanswered_frames": self.unanswered_frames,
+            "queued_input_tokens": self.queued_input_tokens,
         }
 
 

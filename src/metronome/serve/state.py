@@ -25,8 +25,9 @@ from prometheus_client import CollectorRegistry
 from metronome.admission.controller import AdmissionController, CapSample, Decision
 from metronome.admission.limits import make_limit
 from metronome.audio.frontend import AudioFrontEnd
-from metronome.engine.engine import Engine
+from metronome.engine.engine import Engine, memory_ceiling
 from metronome.engine.types import PoolStats
+from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.frame import Frame, FrameResult
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.ports import Listeners
@@ -55,7 +56,12 @@ class ServerState:
         self.engine = engine
         self.model_name = model_name
         self.chat = ChatText(tokenizer) if tokenizer is not None else None
-        self.observer = RuntimeObserver.create(engine.pool_stats().block_size, registry)
+        # Health covers one control interval, and frames slow by their own session's input
+        # (more than one step's chunk of it) are no sign of load: the controller's rules.
+        self_paced_tokens = engine.config.max_chunk_tokens
+        self.observer = RuntimeObserver.create(
+            engine.pool_stats().block_size, registry,
+            health_window_s=config.admission_interval_s, self_paced_tokens=self_paced_tokens)
         self.metrics = self.observer.metrics
         self.sessions: dict[str, AdmittedSession] = {}  # admitted, by public id
         self._frontends: dict[int, AudioFrontEnd] = {}
@@ -69,9 +75,13 @@ class ServerState:
         self.controller = AdmissionController(
             limit, lambda: len(self.sessions), config.admission_interval_s,
             on_update=self._on_admission_update,
+            memory_ceiling=memory_ceiling(ResidencyPolicy.parse(config.policy), engine.config,
+                                          engine.pool_stats().num_blocks),
+            self_paced_tokens=self_paced_tokens,
         )
         self.driver = WallDriver(engine, Listeners.of(self.observer, self.controller, self))
         self.metrics.set_admission_cap(limit.cap)
+        self.metrics.set_memory_ceiling(self.controller.memory_ceiling)
         for rate_hz in config.sample_rates_hz:  # first STFT/projection calls set up kernels:
             frontend = self.frontend(rate_hz)  # pay that at startup, not in a first frame
             frontend.encode(torch.zeros(2 * frontend.fmt.samples_per_token))
@@ -133,6 +143,7 @@ class ServerState:
     def _on_admission_update(self, sample: CapSample) -> None:
         self.metrics.set_admission_cap(sample.cap)
         self.metrics.set_admission_signal(sample.percentile / 100, sample.latency_fraction)
+        self.observer.advance(sample.at_s)  # the health gauge recovers on an idle server too
 
     def _probe(self) -> None:
         """Read the pool on the engine thread after the commands queued so far (a close),
@@ -153,14 +164,25 @@ class ServerState:
 
     # ---- views ---------------------------------------------------------------------------
     def health(self) -> dict:
-        summary = self.observer.health_summary()
+        """The server's verdict as of now (`status`: ok | degraded | critical) with its
+        reason, then the evidence: the KV-stall and overload verdicts over the last control
+        interval, admission (cap, memory ceiling) and the pool."""
+        summary = self.observer.health_summary(self.now_s())
         engine_error = self.driver.error
+        controller = self.controller
         return {
             "status": "critical" if engine_error else summary["state"],
-            "engine_error": engine_error, "stall_detector": summary,
+            "reason": f"engine step failed: {engine_error}" if engine_error else (
+                summary["reason"]),
+            "engine_error": engine_error,
+            "stall_detector": summary["kv_stall"] | {
+                "saturation_predicted_at_s": summary["saturation_predicted_at_s"],
+                "forecast": summary["forecast"]},
+            "overload": summary["overload"], "goodput_ratio": summary["goodput_ratio"],
             "sessions": len(self.sessions), "admission": {
-                "kind": self.config.admission, "cap": self.controller.limit.cap,
-                "counts": dict(self.controller.counts)},
+                "kind": self.config.admission, "cap": controller.limit.cap,
+                "memory_ceiling": controller.memory_ceiling,
+                "effective_cap": controller.effective_cap, "counts": dict(controller.counts)},
             "kv_pool": vars(self.pool) | {"block_size_tokens": self.config.block_size},
         }
 

@@ -1,0 +1,44 @@
+"""The server's limits on one session, end to end (real uvicorn, the bundled SmolLM2): a text
+item over the session's queued-input bound is refused with the numbers before anything is
+accepted, and health and metrics report the memory ceiling beside the admission cap."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from metronome.model.weights import load_tokenizer
+from metronome.serve.config import ServerConfig
+from metronome.serve.server import ServerThread
+from tests.test_serve_app import metric, recv, recv_until
+
+pytestmark = pytest.mark.model
+
+
+def item(text: str) -> str:
+    return json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
+
+
+def test_text_over_the_queued_input_bound_is_refused_and_health_shows_the_ceiling(smollm2):
+    config = ServerConfig(pool_tokens=2048, admission="aimd", max_queued_input_tokens=64,
+                          mode="turn")
+    with ServerThread(config, smollm2, load_tokenizer()) as server:
+        with connect(server.ws_url) as ws:
+            recv(ws)
+            ws.send(item("the quick brown fox jumps over the lazy dog " * 20))
+            error = recv(ws)["error"]
+            assert error["code"] == "too_many_pending_frames"
+            assert error["message"].startswith("text item of ")
+            assert "(limit 64); it alone exceeds the limit" in error["message"]
+            ws.send(item("Hello"))  # nothing was accepted: a small item still fits
+            assert recv_until(ws, "metronome.frame")[-1]["frame"]["status"] == "ok"
+        health = httpx.get(server.url + "/healthz").json()
+    # 128 blocks; a sinks_window:4:512 session peaks at 38 (34 + a 64-token chunk)
+    assert health["admission"]["memory_ceiling"] == 3
+    assert health["admission"]["effective_cap"] == 3  # AIMD starts at 4
+    assert health["status"] == "ok" and health["overload"]["state"] == "ok"
+    assert metric(server, "metronome_admission_memory_ceiling") == 3
