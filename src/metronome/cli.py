@@ -109,6 +109,75 @@ def run(
         "health", "runtime_overhead")}, indent=2, default=str))
 
 
+@app.command()
+def plan(
+    model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
+    dtype: str = typer.Option("bfloat16", help="KV and weights dtype on the target"),
+    pool_tokens: int = typer.Option(None, min=1, help="KV budget in tokens", show_default=False),
+    pool_bytes: str = typer.Option(None, help="KV budget in bytes (e.g. 12GiB)",
+                                   show_default=False),
+    gpu_memory: str = typer.Option(None, help="KV budget from a GPU's memory (e.g. 80GB): "
+                                   "x --utilization - weights - --reserve", show_default=False),
+    utilization: float = typer.Option(0.9, help="share of --gpu-memory the engine may use"),
+    weights_bytes: str = typer.Option(None, help="weights (default: counted from the shapes)",
+                                      show_default=False),
+    reserve: str = typer.Option("0", help="--gpu-memory kept for activations (e.g. 4GB)"),
+    policy: str = typer.Option(DEFAULT_POLICY_SPEC, help=POLICY_HELP),
+    block_size: int = typer.Option(16, min=1, help="KV block size in tokens"),
+    frame_period_s: float = typer.Option(1.0, help="one frame per period"),
+    deadline_fraction: float = typer.Option(1.0, help="deadline = fraction x period"),
+    tokens_in: int = typer.Option(12, min=0, help="input tokens per frame"),
+    tokens_out: int = typer.Option(4, min=0, help="output tokens per frame"),
+    session_s: float = typer.Option(3600.0, help="session length"),
+    step_cost: str = typer.Option(None, help="step cost model JSON (default: the packaged "
+                                  "calibration)", show_default=False),
+    fixed_s: float = typer.Option(None, help="step cost: fixed s per step", show_default=False),
+    per_token_s: float = typer.Option(None, help="step cost: s per input token",
+                                      show_default=False),
+    per_context_token_s: float = typer.Option(None, help="step cost: s per attended key",
+                                              show_default=False),
+    target_fraction: float = typer.Option(0.8, help="p95 latency target, x deadline (AIMD's)"),
+    prior_occupancy: float = typer.Option(0.0, help="rho0: share of the pool held at start"),
+    sessions: int = typer.Option(None, min=1, help="N for t_sat (default: the capacity)",
+                                 show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="print JSON for machines"),
+) -> None:
+    """Capacity plan: memory ceiling, deadline ceiling N*, which binds, t_sat, AIMD caps."""
+    from metronome.plan import PlanRequest, make_plan
+    from metronome.plan.report import print_plan
+
+    try:
+        inputs = PlanRequest(
+            model=model, dtype=dtype, block_size=block_size, pool_tokens=pool_tokens,
+            pool_bytes=pool_bytes, gpu_memory=gpu_memory, utilization=utilization,
+            weights_bytes=weights_bytes, reserve_bytes=reserve, policy=policy,
+            frame_period_s=frame_period_s, deadline_fraction=deadline_fraction,
+            input_tokens=tokens_in, output_tokens=tokens_out, session_s=session_s,
+            step_cost=step_cost, fixed_s=fixed_s, per_token_s=per_token_s,
+            per_context_token_s=per_context_token_s, target_fraction=target_fraction,
+            prior_fraction=prior_occupancy, sessions=sessions,
+        ).inputs()
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    result = make_plan(inputs)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        print_plan(result)
+
+
+@app.command()
+def monitoring(
+    out: str = typer.Option("deploy", help="folder for prometheus/ and grafana/"),
+    target: str = typer.Option("127.0.0.1:8000", help="the server to scrape (host:port)"),
+) -> None:
+    """Write the Prometheus alert rules, a Prometheus config and the Grafana dashboard."""
+    from metronome.observe.monitoring import write_monitoring
+
+    for path in write_monitoring(out, target):
+        typer.echo(str(path))
+
+
 @bench_app.command("engine")
 def bench_engine(
     out: str = typer.Option("docs/results/engine.md", help="markdown report to write"),
@@ -145,6 +214,24 @@ def bench_admission(
     from metronome.bench.admission_bench import run as run_bench
 
     run_bench(out_md=out, out_json=json_out, smoke=smoke, wall=wall)
+
+
+@bench_app.command("plan")
+def bench_plan(
+    out: str = typer.Option("docs/results/plan.md", help="markdown report to write"),
+    json_out: str = typer.Option("docs/results/plan.json", help="raw results to write"),
+    smoke: bool = typer.Option(False, help="two profiles, small pools, for CI"),
+    admission_summary: str = typer.Option(None, help="summary.json of `metronome experiment "
+                                          "admission`: also compare its swept N*",
+                                          show_default=False),
+) -> None:
+    """`metronome plan`'s predictions (N*, memory ceiling, t_sat) vs virtual-clock runs."""
+    from metronome.bench.plan_bench import run as run_bench
+
+    if admission_summary is not None and not Path(admission_summary).is_file():
+        raise typer.BadParameter(f"no such file: {admission_summary}",
+                                 param_hint="--admission-summary")
+    run_bench(out_md=out, out_json=json_out, smoke=smoke, admission_summary=admission_summary)
 
 
 # ---- serve: every ServerConfig field is an option ---------------------------------------------
