@@ -234,6 +234,28 @@ def bench_plan(
     run_bench(out_md=out, out_json=json_out, smoke=smoke, admission_summary=admission_summary)
 
 
+@bench_app.command("soak")
+def bench_soak(
+    duration_s: float = typer.Option(1800.0, min=1.0, help="how long clients churn (a few "
+                                     "seconds: the smoke size)"),
+    sessions: int = typer.Option(3, min=1, help="good clients at once (plus one bad client)"),
+    model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
+    pool_tokens: int = typer.Option(8192, min=16, help="the server's KV pool in tokens"),
+    sample_s: float = typer.Option(5.0, min=0.1, help="seconds between samples"),
+    out: str = typer.Option("docs/results/soak.md", help="markdown report (+ .png beside it)"),
+    json_out: str = typer.Option("docs/results/soak.json", help="samples and verdict"),
+) -> None:
+    """`metronome serve` in a subprocess under churning sessions (some bad): do its RSS,
+    open fds and KV blocks stay flat? Prints the verdict."""
+    from metronome.bench.soak_bench import SoakConfig
+    from metronome.bench.soak_bench import run as run_bench
+
+    result = run_bench(SoakConfig(duration_s=duration_s, sessions=sessions, model=model,
+                                  pool_tokens=pool_tokens, sample_s=sample_s, out_md=out,
+                                  out_json=json_out))
+    typer.echo(json.dumps(result["verdict"], indent=2))
+
+
 # ---- serve: every ServerConfig field is an option ---------------------------------------------
 ENV_VARS = {"api_key": "METRONOME_API_KEY"}
 
