@@ -86,7 +86,9 @@ class ServerConfig(BaseModel):
     # Per connection, token buckets; 100 ms appends of 48 kHz audio are 10 msg/s, ~130 kB/s.
     rate_limit_messages_per_s: float = Field(100.0, gt=0, description="client messages per "
                                              "second per connection; over it they are dropped "
-                                             "(one error), a further burst over it closes 1008")
+                                             "(one error), a further burst over it closes 1008 "
+                                             "(WebSocket pings: a bucket of their own, past it "
+                                             "the transport is dropped)")
     rate_limit_burst_messages: int = Field(200, ge=1, description="messages a connection may "
                                            "send at once above the rate")
     rate_limit_bytes_per_s: int = Field(512 << 10, ge=1024, description="client bytes per "
