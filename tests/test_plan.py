@@ -132,6 +132,15 @@ def test_which_binds():
     assert memory.aimd.min_cap == 23
 
 
+def test_the_servers_admission_ceiling_reserves_a_full_chunk():
+    # `metronome serve` counts 1 + ceil((128 + 64 - 2) / 16) + 1 = 14 blocks per session
+    plan = make_plan(_inputs(10 * 57))
+    assert (plan.memory_ceiling, plan.server_admission_ceiling) == (57, 570 // 14)
+    assert any("admits at most 40" in note for note in plan.notes)
+    assert make_plan(_inputs(570, policy=ResidencyPolicy.unbounded())
+                     ).server_admission_ceiling is None
+
+
 def test_plan_t_sat_and_prior_occupancy():
     plan = make_plan(_inputs(400, policy=ResidencyPolicy.unbounded(), sessions=8,
                              prior_fraction=0.5))

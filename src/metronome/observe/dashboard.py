@@ -61,9 +61,12 @@ def panels() -> list[Panel]:
             for p in (0.5, 0.95, 0.99)), unit="s"),
         Panel("Admission signal: latency / deadline", (
             Query(m.ADMISSION_SIGNAL, "p{{quantile}} {{instance}}"),), unit="percentunit"),
-        Panel("Sessions and admission cap", (
+        Panel("Sessions, admission cap and memory ceiling", (
             Query(m.SESSIONS_ACTIVE, "active {{instance}}"),
-            Query(m.ADMISSION_CAP, "cap {{instance}}"),)),
+            Query(m.ADMISSION_CAP, "cap {{instance}}"),
+            Query(m.ADMISSION_MEMORY_CEILING, "memory ceiling {{instance}}"),),
+              description="Admission never passes the memory ceiling (+Inf: unbounded KV, "
+              "no ceiling: the cap alone cannot see the pool fill)."),
         Panel("Admission decisions", (
             Query(f"sum by (job, instance, decision) (rate({m.ADMISSION_DECISIONS_TOTAL}[{W}]))",
                   "{{decision}} {{instance}}"),), unit="reqps"),

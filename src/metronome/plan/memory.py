@@ -16,7 +16,7 @@ the bound). Unbounded sessions hold `ceil(tokens / b)` blocks and never stop gro
 The pool runs out of *blocks*, not tokens: N sessions growing alike at r tokens/s from block
 boundaries each get floor(F / N) more blocks from F free ones, so the pool is dry at
 
-    t_sat (block level) = floor(F / N) * b / r
+    t_sat (block level) = floor(F / N) * b / r      (from the sessions' first frame)
 
 The paper's first-order, token-level model pours the free room into the sessions as a fluid:
 rho(t) = rho0 + N r t / P, t_sat = (1 - rho0) P / (N r) (P: the pool in tokens); it is later

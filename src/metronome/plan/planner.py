@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from metronome.engine.engine import EngineConfig, memory_ceiling
 from metronome.kv.residency import ResidencyPolicy
 from metronome.plan.budget import KvBudget
 from metronome.plan.deadline import DeadlineModel
@@ -89,7 +90,10 @@ class CapacityPlan:
     steps_per_frame: int
     tokens_per_frame: int
     blocks_per_session: int  # bounded: the peak; unbounded: at the end of the session
-    memory_ceiling: int
+    memory_ceiling: int  # this profile's sessions, at their exact peak
+    # what `metronome serve`'s admission enforces: any profile's peak (a full
+    # max_chunk_tokens chunk) over the whole pool; None: unbounded, it admits into the wall
+    server_admission_ceiling: int | None
     context_tokens: float
     work_per_frame_s: float
     deadline_ceiling: int  # N*, independent phases
@@ -120,6 +124,9 @@ def make_plan(p: PlanInputs) -> CapacityPlan:
     else:
         per_session = ceil_div(session_tokens, budget.block_size)
     memory = sessions_that_fit(free, per_session)
+    engine = EngineConfig(block_size=budget.block_size, max_chunk_tokens=p.max_chunk_tokens,
+                          max_step_tokens=p.max_step_tokens)
+    server = memory_ceiling(p.policy, engine, budget.num_blocks)
     context = mean_visible_context_tokens(p.policy, budget.block_size, session_tokens)
     deadline = DeadlineModel(p.cost, schedule, context, p.frame_period_s, p.deadline_s,
                              p.target_fraction)
@@ -134,7 +141,9 @@ def make_plan(p: PlanInputs) -> CapacityPlan:
         inputs=_inputs_dict(p), kv_bytes_per_token=budget.bytes_per_token,
         num_blocks=budget.num_blocks, free_blocks=free, rate_tokens_per_s=rate,
         steps_per_frame=schedule.num_steps, tokens_per_frame=schedule.tokens_written,
-        blocks_per_session=per_session, memory_ceiling=memory, context_tokens=context,
+        blocks_per_session=per_session, memory_ceiling=memory,
+        server_admission_ceiling=server,
+        context_tokens=context,
         work_per_frame_s=deadline.work_per_frame_s, deadline_ceiling=n_star,
         deadline_ceiling_aligned=n_aligned, binds=binds, capacity=capacity,
         t_sat_sessions=n_sat,
@@ -145,7 +154,7 @@ def make_plan(p: PlanInputs) -> CapacityPlan:
         t_sat_policy_s=sat_policy, cliff_within_session=sat_policy < p.session_s,
         aimd=_aimd_advice(memory, n_star, n_aligned),
         latency_at_capacity_s=deadline.latency_s(max(1, capacity)),
-        notes=_notes(p, n_star, memory),
+        notes=_notes(p, n_star, memory, server),
     )
 
 
@@ -156,8 +165,12 @@ def _aimd_advice(memory: int, n_star: int, n_aligned: int) -> AimdAdvice | None:
     return AimdAdvice(initial_cap=initial, min_cap=max(1, initial // 2), max_cap=memory)
 
 
-def _notes(p: PlanInputs, n_star: int, memory: int) -> list[str]:
+def _notes(p: PlanInputs, n_star: int, memory: int, server: int | None) -> list[str]:
     notes = []
+    if server is not None and server < min(n_star, memory):
+        notes.append(f"`metronome serve` admits at most {server}, below this profile's "
+                     f"capacity {min(n_star, memory)}: its memory ceiling reserves a full "
+                     f"{p.max_chunk_tokens}-token chunk per session")
     if memory < 1:
         notes.append("no session fits the KV pool for its whole length")
     if n_star < 1:

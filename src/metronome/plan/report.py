@@ -30,7 +30,8 @@ def plan_table(plan: CapacityPlan) -> Table:
                           f"tokens per frame, ~{plan.context_tokens:,.1f} keys per step"),
         ("step cost", f"{_cost(i['cost_model'])}  ({i['cost_model_source']})"),
         ("memory ceiling", f"{plan.memory_ceiling:,} sessions "
-                           f"({plan.blocks_per_session} blocks each at their peak)"),
+                           f"({plan.blocks_per_session} blocks each at their peak); "
+                           f"`metronome serve` admits at most {_ceiling(plan)}"),
         ("deadline ceiling N*", f"{plan.deadline_ceiling:,} sessions, independent phases "
                                 f"({plan.deadline_ceiling_aligned:,} if every frame arrives "
                                 f"at once); p95 target {i['target_fraction']:g} x deadline"),
@@ -49,6 +50,12 @@ def plan_table(plan: CapacityPlan) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _ceiling(plan: CapacityPlan) -> str:
+    if plan.server_admission_ceiling is None:
+        return "any number (unbounded: no memory ceiling)"
+    return f"{plan.server_admission_ceiling:,} (any chunk up to max_chunk_tokens)"
 
 
 def _cost(c: dict) -> str:
