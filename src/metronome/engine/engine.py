@@ -19,7 +19,14 @@ import torch
 from metronome.engine.batch_builder import PlannedWork, build_batch
 from metronome.engine.sampling import sample
 from metronome.engine.session import Session, SessionSpec
-from metronome.engine.types import PoolStats, PreparedInput, SessionStep, StepResult, WorkStatus
+from metronome.engine.types import (
+    PoolStats,
+    PreparedInput,
+    Rebound,
+    SessionStep,
+    StepResult,
+    WorkStatus,
+)
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.cache import KVCache, num_blocks_for
 from metronome.kv.residency import ResidencyPolicy
@@ -44,6 +51,9 @@ class EngineConfig:
     allow_unbounded: bool = True
     max_window_tokens: int = 8192
     max_sink_tokens: int = 64
+    # Graceful degradation (opt-in): when the pool cannot supply a session's blocks, switch
+    # unbounded sessions to this bound (largest first) until it can, instead of stalling.
+    pressure_policy: ResidencyPolicy | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_chunk_tokens", "max_step_tokens"):
@@ -55,6 +65,8 @@ class EngineConfig:
         if self.pool_tokens is not None and self.pool_memory_bytes is not None:
             raise ValueError(f"size the KV pool by pool_tokens ({self.pool_tokens}) or by "
                              f"pool_memory_bytes ({self.pool_memory_bytes}), not both")
+        if self.pressure_policy is not None and not self.pressure_policy.bounded:
+            raise ValueError(f"pressure_policy must be a bound, got {self.pressure_policy}")
 
     @property
     def pool_size(self) -> dict[str, int]:
@@ -205,16 +217,19 @@ class Engine:
         return any(s.has_work for s in self.sessions.values())
 
     def step(self) -> StepResult:
-        work, outcomes = self._plan()
+        rebounds: list[Rebound] = []
+        work, outcomes = self._plan(rebounds)
         if work:
             logits = self.model.forward(
                 build_batch(work, self.model.embed, self.model.dtype, self.config.block_size),
                 self.cache,
             )
             outcomes += self._finish(work, logits)
-        return StepResult(sorted(outcomes, key=lambda s: s.session_id))
+        return StepResult(sorted(outcomes, key=lambda s: s.session_id), rebounds)
 
-    def _plan(self) -> tuple[list[PlannedWork], list[SessionStep]]:
+    def _plan(self, rebounds: list[Rebound] | None = None
+              ) -> tuple[list[PlannedWork], list[SessionStep]]:
+        rebounds = [] if rebounds is None else rebounds
         ready = [s for s in self.sessions.values() if s.has_work]
         if ready:
             self._rotation %= len(ready)
@@ -227,6 +242,9 @@ class Engine:
             if len(chunk) == 0:
                 break
             status = self._reserve(session, len(chunk))
+            if status is WorkStatus.STALLED_KV and self._relieve(session, len(chunk), work,
+                                                                 rebounds):
+                status = self._reserve(session, len(chunk))
             if status is not WorkStatus.OK:
                 outcomes.append(SessionStep(session.session_id, status))
                 continue
@@ -246,6 +264,27 @@ class Engine:
         if not session.table.append(num_tokens, self.pool):
             return WorkStatus.STALLED_KV
         return WorkStatus.OK
+
+    def _relieve(self, session: Session, num_tokens: int, planned: list[PlannedWork],
+                 rebounds: list[Rebound]) -> bool:
+        """KV pressure: bound unbounded sessions to `pressure_policy`, the one holding the
+        most blocks first, until the pool has `session`'s blocks. Sessions already planned
+        in this step keep their blocks (their chunk still needs them). True if it now fits."""
+        policy = self.config.pressure_policy
+        if policy is None:
+            return False
+        needed = session.table.blocks_needed(num_tokens)
+        busy = {w.session.session_id for w in planned}
+        candidates = sorted((s for s in self.sessions.values()
+                             if not s.spec.policy.bounded and s.session_id not in busy),
+                            key=lambda s: len(s.table.logical_to_block_id), reverse=True)
+        for candidate in candidates:
+            if self.pool.num_free_blocks >= needed:
+                break
+            freed = candidate.rebound(policy, self.pool)
+            rebounds.append(Rebound(candidate.session_id, policy, freed,
+                                    candidate.table.resident_tokens))
+        return self.pool.num_free_blocks >= needed
 
     def _finish(self, work: list[PlannedWork], logits: torch.Tensor) -> list[SessionStep]:
         outcomes, row = [], 0

@@ -10,11 +10,12 @@ its KV is written before anything that follows it.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from metronome.engine.sampling import SamplingParams
+from metronome.kv.block_pool import BlockPool
 from metronome.kv.block_table import BlockTable
 from metronome.kv.residency import ResidencyPolicy
 
@@ -72,6 +73,15 @@ class Session:
         head = self.pending.popleft()
         if num_tokens < len(head.data):
             self.pending.appendleft(InputChunk(head.data[num_tokens:], head.submitted))
+
+    def rebound(self, policy: ResidencyPolicy, pool: BlockPool) -> int:
+        """Switch to a bounded `policy` from now on; blocks no future query can see under it
+        (the middle, between sinks and window) go back to `pool`. Returns how many. Only
+        between steps of this session: a chunk planned but not yet run still needs them."""
+        assert policy.bounded and not self.spec.policy.bounded, (self.spec.policy, policy)
+        self.spec = replace(self.spec, policy=policy)
+        self.table.policy = policy
+        return self.table.slide(pool)
 
     def end(self) -> None:
         self.ended = True

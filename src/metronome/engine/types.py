@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from metronome.kv.residency import ResidencyPolicy
+
 
 class WorkStatus(enum.StrEnum):
     OK = "ok"  # the session's work for this step was done
@@ -38,9 +40,21 @@ class SessionStep:
     generating: bool = False  # generation budget left after this step
 
 
+@dataclass(frozen=True)
+class Rebound:
+    """An unbounded session switched to the engine's pressure bound during a step, because
+    the pool could not otherwise supply a session's blocks (`EngineConfig.pressure_policy`)."""
+
+    session_id: int
+    policy: ResidencyPolicy
+    freed_blocks: int  # its middle blocks, back in the pool at once
+    resident_tokens: int  # its live KV afterwards
+
+
 @dataclass
 class StepResult:
     sessions: list[SessionStep]
+    rebounds: list[Rebound] = field(default_factory=list)
 
     @property
     def num_input_tokens(self) -> int:

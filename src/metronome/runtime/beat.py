@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from metronome.engine.engine import SessionError
 from metronome.engine.session import SessionSpec
-from metronome.engine.types import SessionStep, WorkStatus
+from metronome.engine.types import Rebound, SessionStep, WorkStatus
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus
 from metronome.runtime.ports import EngineCommands, Listeners, StepReport, Timer
 from metronome.runtime.profile import SessionProfile
@@ -38,14 +38,15 @@ class Beat:
     # ---- sessions ----------------------------------------------------------------------
     def open_session(self, profile: SessionProfile, now_s: float = 0.0,
                      public_id: str | None = None,
-                     on_result: Callable[[FrameResult], None] | None = None) -> int:
+                     on_result: Callable[[FrameResult], None] | None = None,
+                     on_rebound: Callable[[Rebound], None] | None = None) -> int:
         """Open an engine session for `profile`; returns its id (the engine issued it)."""
         session_id = self.engine.new_session_id()
         spec = SessionSpec(policy=profile.policy, sampling=profile.sampling,
                            max_session_tokens=profile.max_session_tokens)
         self.engine.open_session(spec, session_id)
         self.sessions[session_id] = SessionRecord(session_id, profile, now_s, public_id,
-                                                  on_result)
+                                                  on_result, on_rebound)
         return session_id
 
     def close_session(self, session_id: int, now_s: float) -> None:
@@ -127,11 +128,24 @@ class Beat:
 
     # ---- engine steps -------------------------------------------------------------------
     def on_step(self, report: StepReport) -> None:
+        for rebound in report.result.rebounds:
+            self._rebound(rebound)
         for outcome in report.result.sessions:
             record = self.sessions.get(outcome.session_id)
             if record is not None:
                 self._apply(record, outcome, report)
         self.listeners.on_step(report)
+
+    def _rebound(self, rebound: Rebound) -> None:
+        """The engine bound a session under KV pressure: its record and its owner learn of
+        it (the server tells the client); its frames go on as before."""
+        record = self.sessions.get(rebound.session_id)
+        if record is None:
+            return
+        record.bound = rebound.policy
+        self.listeners.on_rebound(rebound)
+        if record.on_rebound is not None:
+            record.on_rebound(rebound)
 
     def _apply(self, record: SessionRecord, outcome: SessionStep, report: StepReport) -> None:
         flight = record.in_flight

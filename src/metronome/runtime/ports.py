@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 
 from metronome.engine.session import SessionSpec
-from metronome.engine.types import PoolStats, PreparedInput, StepResult
+from metronome.engine.types import PoolStats, PreparedInput, Rebound, StepResult
 from metronome.runtime.frame import FrameResult
 
 
@@ -100,16 +100,18 @@ def _ignore(_value) -> None:
 @dataclass(frozen=True)
 class Listeners:
     """Everything the runtime reports, given once, when a driver is built: each frame's
-    result, each step, and tokens that arrived after their frame had been answered."""
+    result, each step, tokens that arrived after their frame had been answered, and sessions
+    the engine bound under KV pressure."""
 
     on_result: Callable[[FrameResult], None] = _ignore
     on_step: Callable[[StepReport], None] = _ignore
     on_late_tokens: Callable[[int], None] = _ignore
+    on_rebound: Callable[[Rebound], None] = _ignore
 
     @classmethod
     def of(cls, *listeners: object) -> Listeners:
-        """Fan out to objects with any of `on_result`, `on_step`, `on_late_tokens` (a
-        recorder, the observer, ...), called in the order given."""
+        """Fan out to objects with any of `on_result`, `on_step`, `on_late_tokens`,
+        `on_rebound` (a recorder, the observer, ...), called in the order given."""
         def fan(name: str):
             callbacks = [getattr(x, name) for x in listeners if hasattr(x, name)]
             if len(callbacks) == 1:
@@ -120,7 +122,7 @@ class Listeners:
                     callback(value)
             return call if callbacks else _ignore
 
-        return cls(fan("on_result"), fan("on_step"), fan("on_late_tokens"))
+        return cls(fan("on_result"), fan("on_step"), fan("on_late_tokens"), fan("on_rebound"))
 
 
 @dataclass

@@ -11,7 +11,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from metronome.engine.types import PreparedInput
+from metronome.engine.types import PreparedInput, Rebound
+from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus
 from metronome.runtime.profile import SessionProfile
 
@@ -38,6 +39,8 @@ class SessionRecord:
     # The session's own consumer of its results (the server's Realtime session), called after
     # the driver's listeners; None: only the listeners hear of them.
     on_result: Callable[[FrameResult], None] | None = None
+    # ... and of the engine bounding it under KV pressure (after the listeners' on_rebound)
+    on_rebound: Callable[[Rebound], None] | None = None
     waiting: deque[tuple[Frame, PreparedInput]] = field(default_factory=deque)
     in_flight: InFlight | None = None
     backlog_tokens: int = 0  # input of already-answered frames still queued in the engine
@@ -46,6 +49,12 @@ class SessionRecord:
     frames_submitted: int = 0
     frames_answered: int = 0
     last_status: FrameStatus | None = None
+    bound: ResidencyPolicy | None = None  # set when the engine bound it under KV pressure
+
+    @property
+    def policy(self) -> ResidencyPolicy:
+        """The session's residency policy now: its profile's, or the pressure bound."""
+        return self.profile.policy if self.bound is None else self.bound
 
     @property
     def unanswered_frames(self) -> int:

@@ -37,6 +37,11 @@ class ServerConfig(BaseModel):
     policy: str = Field(DEFAULT_POLICY_SPEC, description="every session's KV bound: "
                         "unbounded | window:W | sinks_window:S:W, optionally @rolling")
     pool_tokens: int = Field(DEFAULT_POOL_TOKENS, ge=16, description="KV pool size in tokens")
+    degrade_policy: str | None = Field(
+        None, description="opt-in graceful degradation: when the KV pool runs dry, switch "
+        "unbounded sessions (largest first) to this bound, e.g. sinks_window:4:512, freeing "
+        "their middle blocks and telling each client (metronome.session.bounded); off by "
+        "default")
     block_size: int = Field(16, ge=1, description="KV block size in tokens")
     # Session timing. 1 s frames: the Qwen-Omni / MiniCPM-o chunk size; 0.08 s is Moshi's.
     frame_period_s: float = Field(1.0, ge=0.01, le=60,
@@ -111,6 +116,9 @@ class ServerConfig(BaseModel):
         policy, engine = ResidencyPolicy.parse(self.policy), self.engine_config()
         check_policy_limits(policy, engine)
         check_pool_fits(policy, engine, self.pool_tokens // self.block_size)
+        if engine.pressure_policy is not None:
+            check_policy_limits(engine.pressure_policy, engine)
+            check_pool_fits(engine.pressure_policy, engine, self.pool_tokens // self.block_size)
         if self.default_sample_rate_hz not in self.sample_rates_hz:
             raise ValueError(f"default_sample_rate_hz ({self.default_sample_rate_hz}) must be "
                              f"one of sample_rates_hz {self.sample_rates_hz}")
@@ -147,7 +155,10 @@ class ServerConfig(BaseModel):
         )
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(block_size=self.block_size, pool_tokens=self.pool_tokens)
+        pressure = None if self.degrade_policy is None else ResidencyPolicy.parse(
+            self.degrade_policy)
+        return EngineConfig(block_size=self.block_size, pool_tokens=self.pool_tokens,
+                            pressure_policy=pressure)
 
     @property
     def ws_max_message_bytes(self) -> int:
