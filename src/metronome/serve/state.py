@@ -35,6 +35,7 @@ from metronome.runtime.profile import SessionProfile
 from metronome.runtime.record import SessionRecord
 from metronome.runtime.wall import WallDriver
 from metronome.serve.config import ServerConfig
+from metronome.serve.status import StatusBoard
 from metronome.serve.text import ChatText
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class ServerState:
                                           engine.pool_stats().num_blocks),
             self_paced_tokens=self_paced_tokens,
         )
-        self.driver = WallDriver(engine, Listeners.of(self.observer, self.controller, self))
+        self.status_board = StatusBoard()  # the status page's per-session frame strips
+        self.driver = WallDriver(engine, Listeners.of(self.observer, self.controller, self,
+                                                      self.status_board))
         self.metrics.set_admission_cap(limit.cap)
         self.metrics.set_memory_ceiling(self.controller.memory_ceiling)
         for rate_hz in config.sample_rates_hz:  # first STFT/projection calls set up kernels:
