@@ -65,7 +65,7 @@ def stock_kernel(isa, cache_parts, query, qsl, block_table, sliding_window):
 def ours(isa, block_size, cache, query, qsl, block_table, bound):
     offsets = cell_offsets(isa, block_size, HEAD_SIZE, torch.float32)
     plan = GatherPlan.build(qsl, torch.tensor(SEQ_LENS, dtype=torch.int32), block_table,
-                            bound, offsets)
+                            bound, offsets, NUM_KV_HEADS)
     out = torch.full_like(query, float("nan"))
     sinks_window_attention(query, cache, plan, SCALE, out)
     return out

@@ -12,7 +12,9 @@ pytest.importorskip("vllm.v1.kv_cache_spec_registry",
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -35,13 +37,20 @@ def make_spec(sink_tokens=S, window_tokens=W, in_flight=CHUNK, block_size=BLOCK)
     return SinksWindowSpec.from_full_attention(full, sink_tokens, window_tokens, in_flight)
 
 
-def make_manager(num_blocks: int, spec=None) -> KVCacheManager:
+def make_manager(num_blocks: int, caching: bool = False) -> KVCacheManager:
     register_spec()
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec or make_spec())])
+                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], make_spec())])
     return KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=BLOCK,
                           hash_block_size=BLOCK, max_in_flight_tokens=CHUNK,
-                          enable_caching=False)
+                          enable_caching=caching)
+
+
+def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int) -> Request:
+    init_none_hash(sha256)
+    return Request(request_id, list(range(num_prompt_tokens)),
+                   SamplingParams(max_tokens=max_tokens), None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
 def expected_live_blocks(computed: int, new: int) -> list[int]:
@@ -75,15 +84,15 @@ def test_memory_bound_does_not_grow_with_max_model_len():
     assert spec.max_admission_blocks_per_request(CHUNK, max_model_len=40) == 3  # short cap
 
 
-def test_ten_thousand_tokens_pin_sinks_and_stay_bounded():
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_ten_thousand_tokens_pin_sinks_and_stay_bounded(caching):
     num_blocks = 64
-    kv = make_manager(num_blocks)
+    kv = make_manager(num_blocks, caching)
     manager = kv.coordinator.single_type_managers[0]
     assert isinstance(manager, SinksWindowManager)
     bound = make_spec().max_admission_blocks_per_request(CHUNK, 1 << 20)
     prompt, generated = 6000, 4000
-    request = Request("session", list(range(prompt)), SamplingParams(max_tokens=generated),
-                      None)
+    request = make_request("session", prompt, generated)
     sink_ids = None
     peak = 0
     while request.num_computed_tokens < prompt + generated:
@@ -110,7 +119,7 @@ def test_ten_thousand_tokens_pin_sinks_and_stay_bounded():
 
 def test_pool_smaller_than_the_bound_is_capacity_not_a_crash():
     kv = make_manager(num_blocks=6)
-    request = Request("big", list(range(500)), SamplingParams(max_tokens=1), None)
+    request = make_request("big", 500, 1)
     assert kv.allocate_slots(request, CHUNK) is not None  # 4 blocks of the 5 usable
     request.num_computed_tokens += CHUNK
     assert kv.allocate_slots(request, CHUNK) is None  # would need 8: refused, nothing broken

@@ -84,21 +84,22 @@ def visibility_mask(
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """One step's reads, the same for every layer: the cache cells of every key any query
-    of the batch sees (requests concatenated), and each request's slices and mask."""
+    """One step's reads, the same for every layer: for every key any query of the batch
+    sees (requests concatenated), the cache elements of its K and V, and each request's
+    slices and mask."""
 
-    blocks: torch.Tensor  # (n, 1, 1) physical block of each gathered key
-    key_cells: torch.Tensor  # (n, 1, head_size) cells of its key inside a (block, head) region
-    value_cells: torch.Tensor  # (n, 1, head_size)
+    key_index: torch.Tensor  # (kvh, n, hd) int64 into the layer's flattened cache
+    value_index: torch.Tensor  # (kvh, n, hd)
     # per request with queries: (query start, query end, key start, key end, (q, k) mask)
     requests: list[tuple[int, int, int, int, torch.Tensor]]
 
     @classmethod
     def build(
         cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-        bound: SinksWindow, offsets: torch.Tensor,
+        bound: SinksWindow, offsets: torch.Tensor, num_kv_heads: int,
     ) -> GatherPlan:
-        block_size = offsets.shape[1]
+        _, block_size, _ = offsets.shape
+        region_cells = offsets.numel()  # one (block, head) region: 2 * block_size * head_size
         starts = query_start_loc.tolist()
         keys, blocks, requests, num_keys = [], [], [], 0
         for r, seq_len in enumerate(seq_lens.tolist()):
@@ -112,8 +113,9 @@ class GatherPlan:
             requests.append((start, end, num_keys, num_keys + len(keys_at), mask))
             num_keys += len(keys_at)
         slots = torch.cat(keys) % block_size
-        return cls(torch.cat(blocks)[:, None, None], offsets[0, slots][:, None, :],
-                   offsets[1, slots][:, None, :], requests)
+        heads = torch.arange(num_kv_heads)[:, None, None]
+        region = (torch.cat(blocks)[None, :, None] * num_kv_heads + heads) * region_cells
+        return cls(region + offsets[0, slots][None], region + offsets[1, slots][None], requests)
 
 
 def sinks_window_attention(
@@ -121,11 +123,9 @@ def sinks_window_attention(
     output: torch.Tensor,
 ) -> None:
     """output[t] = attention of query[t] (tokens, heads, head_size) over its visible keys."""
-    num_blocks, num_kv_heads, _, _ = kv_cache.shape
-    regions = kv_cache.view(num_blocks, num_kv_heads, -1)  # a view: the cache is contiguous
-    heads = torch.arange(num_kv_heads)[None, :, None]
-    k = regions[plan.blocks, heads, plan.key_cells].transpose(0, 1)  # (kvh, n, hd)
-    v = regions[plan.blocks, heads, plan.value_cells].transpose(0, 1)
+    cells = kv_cache.view(-1)  # a view: the layer's cache is contiguous
+    k = cells.take(plan.key_index)  # (kvh, n, hd)
+    v = cells.take(plan.value_index)
     for start, end, key_start, key_end, mask in plan.requests:
         out = F.scaled_dot_product_attention(
             query[start:end].transpose(0, 1)[None],  # (1, H, q, hd)
@@ -187,5 +187,5 @@ class SinksWindowCPUImpl(CPUAttentionBackendImpl):
         if key not in plans:
             offsets = cell_offsets(isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
             plans[key] = GatherPlan.build(md.query_start_loc, md.seq_lens, md.block_table,
-                                          self.bound, offsets)
+                                          self.bound, offsets, kv_cache.shape[1])
         return plans[key]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from metronome.vllm.config import HF_OVERRIDE_KEY, bound_from_vllm_config
+from metronome.vllm.config import HF_OVERRIDE_KEY, SinksWindow, bound_from_vllm_config
 from metronome.vllm.spec import SinksWindowSpec, register_spec
 
 SUPPORTED_BACKENDS = ("CPU_ATTN",)
@@ -29,26 +29,32 @@ _UNSUPPORTED_WHY = (
 _stock_get_kv_cache_spec = Attention.get_kv_cache_spec
 
 
-def bounded_kv_cache_spec(layer: Attention, vllm_config):
-    """`Attention.get_kv_cache_spec`, bounded when the engine asks for it."""
-    spec = _stock_get_kv_cache_spec(layer, vllm_config)
-    bound = bound_from_vllm_config(vllm_config)
+def bounded_spec(spec, bound: SinksWindow | None, backend: str, layer_name: str,
+                 max_in_flight_tokens: int):
+    """The spec a layer reports: `spec` itself without a bound, else `SinksWindowSpec`."""
     if bound is None or spec is None:
         return spec
     if type(spec) is not FullAttentionSpec:
         raise ValueError(
-            f"{HF_OVERRIDE_KEY}: layer {layer.layer_name} has a {type(spec).__name__}; "
+            f"{HF_OVERRIDE_KEY}: layer {layer_name} has a {type(spec).__name__}; "
             "the sinks+window bound applies to full-attention layers only"
         )
-    backend = layer.attn_backend.get_name()
     if backend not in SUPPORTED_BACKENDS:
         raise ValueError(
             f"{HF_OVERRIDE_KEY}: attention backend {backend} is not supported "
             f"(supported: {', '.join(SUPPORTED_BACKENDS)}). {_UNSUPPORTED_WHY}."
         )
-    register_spec()
     return SinksWindowSpec.from_full_attention(
-        spec, bound.sink_tokens, bound.window_tokens, vllm_config.max_in_flight_tokens
+        spec, bound.sink_tokens, bound.window_tokens, max_in_flight_tokens
+    )
+
+
+def bounded_kv_cache_spec(layer: Attention, vllm_config):
+    """`Attention.get_kv_cache_spec`, bounded when the engine asks for it."""
+    register_spec()
+    return bounded_spec(
+        _stock_get_kv_cache_spec(layer, vllm_config), bound_from_vllm_config(vllm_config),
+        layer.attn_backend.get_name(), layer.layer_name, vllm_config.max_in_flight_tokens,
     )
 
 
