@@ -41,7 +41,7 @@ def test_every_metric_is_exposed_and_parses():
         "metronome_goodput_ratio", "metronome_good_frames", "metronome_late_tokens",
         "metronome_kv_pool_blocks", "metronome_kv_pool_saturation_eta_seconds",
         "metronome_sessions_active", "metronome_sessions", "metronome_admission_cap",
-        "metronome_admission_memory_ceiling",
+        "metronome_admission_memory_ceiling", "metronome_kv_pressure_bounded_sessions",
         "metronome_engine_step_seconds", "metronome_step_batch_frames",
         "metronome_health_state", "metronome_admission_latency_fraction",
         "metronome_admission_decisions",

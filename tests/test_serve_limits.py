@@ -37,8 +37,34 @@ def test_text_over_the_queued_input_bound_is_refused_and_health_shows_the_ceilin
             ws.send(item("Hello"))  # nothing was accepted: a small item still fits
             assert recv_until(ws, "metronome.frame")[-1]["frame"]["status"] == "ok"
         health = httpx.get(server.url + "/healthz").json()
+        assert metric(server, "metronome_admission_memory_ceiling") == 3
     # 128 blocks; a sinks_window:4:512 session peaks at 38 (34 + a 64-token chunk)
     assert health["admission"]["memory_ceiling"] == 3
     assert health["admission"]["effective_cap"] == 3  # AIMD starts at 4
-    assert health["status"] == "ok" and health["overload"]["state"] == "ok"
-    assert metric(server, "metronome_admission_memory_ceiling") == 3
+    assert health["stall_detector"]["state"] == "ok"  # refused input is no KV stall
+
+
+def test_degrade_policy_bounds_a_session_at_the_wall_and_tells_its_client(smollm2):
+    config = ServerConfig(policy="unbounded", degrade_policy="sinks_window:4:64",
+                          pool_tokens=512, admission="off", mode="turn")
+    long_text = "the quick brown fox jumps over the lazy dog " * 30  # ~300 tokens
+    with ServerThread(config, smollm2, load_tokenizer()) as server:
+        with connect(server.ws_url) as first, connect(server.ws_url) as second:
+            first_id = recv(first)["session"]["id"]
+            recv(second)
+            first.send(item(long_text))  # ~19 of the pool's 32 blocks
+            assert recv_until(first, "metronome.frame")[-1]["frame"]["status"] == "ok"
+            second.send(item(long_text))  # the pool runs dry: the larger session is bound
+            assert recv_until(second, "metronome.frame")[-1]["frame"]["status"] == "ok"
+            bounded = recv(first)
+            assert bounded["type"] == "metronome.session.bounded"
+            assert bounded["session_id"] == first_id
+            assert bounded["bound"]["policy"] == "sinks_window:4:64@absolute"
+            assert bounded["bound"]["reason"] == "kv_pressure"
+            assert bounded["bound"]["freed_blocks"] > 0
+            listed = {s["id"]: s for s in httpx.get(server.url + "/v1/sessions").json()["data"]}
+            assert listed[first_id]["policy"] == "sinks_window:4:64@absolute"
+            health = httpx.get(server.url + "/healthz").json()
+            assert health["stall_detector"]["stalled_fraction"] == 0.0  # nobody stalled
+            assert metric(server, "metronome_kv_pressure_bounded_sessions_total") == 1
+    assert health["admission"]["memory_ceiling"] == 32 // 10  # sized by the degrade bound

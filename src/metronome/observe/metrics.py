@@ -30,6 +30,7 @@ GOOD_FRAMES_TOTAL = "metronome_good_frames_total"
 LATE_TOKENS_TOTAL = "metronome_late_tokens_total"
 KV_POOL_BLOCKS = "metronome_kv_pool_blocks"
 KV_POOL_SATURATION_ETA_SECONDS = "metronome_kv_pool_saturation_eta_seconds"
+KV_PRESSURE_BOUNDED_TOTAL = "metronome_kv_pressure_bounded_sessions_total"
 SESSIONS_ACTIVE = "metronome_sessions_active"
 SESSIONS_TOTAL = "metronome_sessions_total"
 ADMISSION_CAP = "metronome_admission_cap"
@@ -97,6 +98,9 @@ class Metrics:
                                      registry=reg)
         self._saturation_eta.set(float("inf"))
         self._sessions_active = Gauge(SESSIONS_ACTIVE, "Open sessions.", registry=reg)
+        self._pressure_bounded = Counter(
+            KV_PRESSURE_BOUNDED_TOTAL, "Unbounded sessions bound to the degrade policy because "
+            "the KV pool ran dry (graceful degradation).", registry=reg)
         self._sessions = Counter(SESSIONS_TOTAL, "Closed sessions by outcome.", ["outcome"],
                                  registry=reg)
         self._admission_cap = Gauge(ADMISSION_CAP, "Sessions the controller admits now.",
@@ -157,6 +161,9 @@ class Metrics:
     def set_saturation_eta(self, eta_s: float) -> None:
         """Seconds until the pool is full; `math.inf` when occupancy is flat or shrinking."""
         self._saturation_eta.set(eta_s)
+
+    def session_bounded(self) -> None:
+        self._pressure_bounded.inc()
 
     def set_sessions_active(self, num_sessions: int) -> None:
         self._sessions_active.set(num_sessions)

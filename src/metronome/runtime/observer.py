@@ -9,6 +9,7 @@ import math
 
 from prometheus_client import CollectorRegistry
 
+from metronome.engine.types import Rebound
 from metronome.observe.deadline_monitor import DeadlineMonitor
 from metronome.observe.forecast import SaturationForecaster
 from metronome.observe.metrics import Metrics
@@ -73,6 +74,9 @@ class RuntimeObserver:
 
     def on_late_tokens(self, num_tokens: int) -> None:
         self.metrics.observe_late_tokens(num_tokens)
+
+    def on_rebound(self, rebound: Rebound) -> None:
+        self.metrics.session_bounded()
 
     def on_step(self, report: StepReport) -> None:
         pool = report.pool

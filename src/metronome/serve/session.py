@@ -31,12 +31,14 @@ import torch
 
 from metronome.audio.frontend import AudioFrontEnd
 from metronome.audio.pcm import PCM16_BYTES_PER_SAMPLE
+from metronome.engine.types import Rebound
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus, count_input_tokens
 from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.runtime.record import SessionRecord
 from metronome.serve import protocol as p
 from metronome.serve.audio_input import AudioFramer, PcmCut
 from metronome.serve.config import ServerConfig
+from metronome.serve.kv_events import BoundOut, MetronomeSessionBounded
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.text import ChatText
 
@@ -55,7 +57,8 @@ class SessionHost(Protocol):
         """Run `work` on the audio encoder thread, in call order."""
 
     def open_session(self, profile: SessionProfile, public_id: str,
-                     on_result: Callable[[FrameResult], None]) -> int: ...
+                     on_result: Callable[[FrameResult], None],
+                     on_rebound: Callable[[Rebound], None]) -> int: ...
 
     def record(self, engine_session_id: int) -> SessionRecord: ...
 
@@ -131,7 +134,14 @@ class RealtimeSession:
         self.host.close_session(self.engine_session_id)
 
     def _open_engine_session(self) -> int:
-        return self.host.open_session(self.profile, self.id, self._on_result_guarded)
+        return self.host.open_session(self.profile, self.id, self._on_result_guarded,
+                                      self._on_rebound)
+
+    def _on_rebound(self, rebound: Rebound) -> None:
+        """The engine bound this session under KV pressure: tell the client."""
+        self.emit(MetronomeSessionBounded(session_id=self.id, bound=BoundOut(
+            policy=str(rebound.policy), freed_blocks=rebound.freed_blocks,
+            resident_kv_tokens=rebound.resident_tokens)))
 
     @property
     def record(self) -> SessionRecord:
@@ -371,9 +381,15 @@ class RealtimeSession:
                 mode=self.mode.value, frame_period_s=profile.frame_period_s,
                 deadline_s=profile.deadline_s,
                 output_tokens_per_frame=profile.max_output_tokens_per_frame,
-                policy=str(profile.policy), token_rate_hz=config.token_rate_hz,
+                policy=str(self._policy()), token_rate_hz=config.token_rate_hz,
             ),
         )
+
+    def _policy(self):
+        """The KV bound in force: the profile's, or the one KV pressure imposed."""
+        if self.closed:
+            return self.profile.policy
+        return self.record.policy
 
     def summary(self, now_s: float, resident_kv_tokens: int | None) -> dict:
         """What `GET /v1/sessions` shows of this session."""
@@ -382,6 +398,7 @@ class RealtimeSession:
         return {
             "id": self.id, "status": "ended" if record.ended_reason else "active",
             "ended_reason": record.ended_reason or None, "mode": self.mode.value,
+            "policy": str(record.policy),
             "sample_rate_hz": self.sample_rate_hz, "age_s": round(now_s - self.opened_at_s, 3),
             "engine_session_id": self.engine_session_id,
             "resident_kv_tokens": resident_kv_tokens,

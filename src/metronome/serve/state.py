@@ -26,7 +26,7 @@ from metronome.admission.controller import AdmissionController, CapSample, Decis
 from metronome.admission.limits import make_limit
 from metronome.audio.frontend import AudioFrontEnd
 from metronome.engine.engine import Engine, memory_ceiling
-from metronome.engine.types import PoolStats
+from metronome.engine.types import PoolStats, Rebound
 from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.frame import Frame, FrameResult
 from metronome.runtime.observer import RuntimeObserver
@@ -76,7 +76,7 @@ class ServerState:
         self.controller = AdmissionController(
             limit, lambda: len(self.sessions), config.admission_interval_s,
             on_update=self._on_admission_update,
-            memory_ceiling=memory_ceiling(ResidencyPolicy.parse(config.policy), engine.config,
+            memory_ceiling=memory_ceiling(_ceiling_policy(config, engine), engine.config,
                                           engine.pool_stats().num_blocks),
             self_paced_tokens=self_paced_tokens,
         )
@@ -122,8 +122,10 @@ class ServerState:
         return self.driver.loop.run_in_executor(self._encoder, work)
 
     def open_session(self, profile: SessionProfile, public_id: str,
-                     on_result: Callable[[FrameResult], None]) -> int:
-        return self.driver.beat.open_session(profile, self.now_s(), public_id, on_result)
+                     on_result: Callable[[FrameResult], None],
+                     on_rebound: Callable[[Rebound], None]) -> int:
+        return self.driver.beat.open_session(profile, self.now_s(), public_id, on_result,
+                                             on_rebound)
 
     def record(self, engine_session_id: int) -> SessionRecord:
         return self.driver.beat.sessions[engine_session_id]
@@ -202,3 +204,12 @@ class ServerState:
     def close(self) -> None:
         self.driver.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
+
+
+def _ceiling_policy(config: ServerConfig, engine: Engine) -> ResidencyPolicy:
+    """The bound that sizes sessions for the memory ceiling: the server's, or, for unbounded
+    sessions under graceful degradation, the bound they are switched to at the wall (so
+    every admitted session fits once bound: none is ever stuck)."""
+    policy = ResidencyPolicy.parse(config.policy)
+    pressure = engine.config.pressure_policy
+    return pressure if not policy.bounded and pressure is not None else policy

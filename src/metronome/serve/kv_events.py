@@ -1,0 +1,29 @@
+"""Server events about a session's KV bound: a `metronome.*` extension beside the events of
+`serve.protocol`, in the same shape (`ServerEvent`: an `event_id`, a `type`).
+
+`metronome.session.bounded`: the server's opt-in graceful degradation (`degrade_policy`)
+switched this unbounded session to a sinks+window bound because the KV pool ran dry. Its
+middle blocks went back to the pool; from now on it attends to its sinks and its window
+only, and it keeps its beat instead of stalling.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from metronome.serve.protocol import ServerEvent
+
+
+class BoundOut(BaseModel):
+    policy: str  # the bound now in force, e.g. sinks_window:4:512@absolute
+    reason: Literal["kv_pressure"] = "kv_pressure"
+    freed_blocks: int  # returned to the pool when it was bound
+    resident_kv_tokens: int  # the session's live KV right after
+
+
+class MetronomeSessionBounded(ServerEvent):
+    type: Literal["metronome.session.bounded"] = "metronome.session.bounded"
+    session_id: str
+    bound: BoundOut
