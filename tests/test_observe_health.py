@@ -105,3 +105,18 @@ def test_overload_shows_within_one_interval_and_recovery_too(tiny_model):
     recovered = next(t for t, h in readings if t > 20.5 and h["state"] == "ok")
     assert recovered - 20.5 <= INTERVAL_S + 0.5
     assert readings[-1][1]["state"] == "ok"
+
+
+def test_the_forecast_forgets_sessions_that_closed_without_waiting_for_a_step():
+    from metronome.engine.types import PoolStats, StepResult
+    from metronome.runtime.ports import StepReport
+
+    observer = RuntimeObserver.create(16)
+    for t in range(6):  # one session growing a block a second in a 100-block pool
+        pool = PoolStats(100, 16, used_blocks=t + 1, free_blocks=99 - t, pinned_blocks=0)
+        observer.on_step(StepReport(StepResult([]), t, t + 0.01, pool, {7: 16 * (t + 1)}))
+    assert observer.eta_s < 200
+    idle = PoolStats(100, 16, used_blocks=0, free_blocks=100, pinned_blocks=0)
+    observer.observe_pool(6.0, idle, {}, force=True)  # the session closed; no more steps
+    assert observer.eta_s == float("inf")
+    assert observer.health_summary(6.0)["forecast"]["num_growing_sessions"] == 0

@@ -9,7 +9,7 @@ import math
 
 from prometheus_client import CollectorRegistry
 
-from metronome.engine.types import Rebound
+from metronome.engine.types import PoolStats, Rebound
 from metronome.observe.deadline_monitor import DeadlineMonitor
 from metronome.observe.forecast import SaturationForecaster
 from metronome.observe.metrics import Metrics
@@ -79,15 +79,21 @@ class RuntimeObserver:
         self.metrics.session_bounded()
 
     def on_step(self, report: StepReport) -> None:
-        pool = report.pool
-        self.last_pool = pool
         self.metrics.observe_step(report.step_s, len(report.result.sessions))
+        self.observe_pool(report.finished_s, report.pool, report.resident_tokens)
+
+    def observe_pool(self, now_s: float, pool: PoolStats, resident_tokens: dict[int, int],
+                     force: bool = False) -> None:
+        """A pool reading: after a step, or a probe after a close (an idle engine takes no
+        steps, so without it the forecast would keep predicting for sessions long gone).
+        `force` re-forecasts now, whatever the cadence."""
+        self.last_pool = pool
         self.metrics.set_pool(pool.used_blocks, pool.free_blocks, pool.pinned_blocks)
-        self.metrics.set_sessions_active(len(report.resident_tokens))
-        if report.finished_s >= self._next_forecast_s:
-            self._next_forecast_s = report.finished_s + self.forecast_interval_s
-            self.forecaster.observe(report.finished_s, pool.free_blocks, report.resident_tokens)
-        self.eta_s = self.forecaster.eta_s(report.finished_s)
+        self.metrics.set_sessions_active(len(resident_tokens))
+        if force or now_s >= self._next_forecast_s:
+            self._next_forecast_s = now_s + self.forecast_interval_s
+            self.forecaster.observe(now_s, pool.free_blocks, resident_tokens)
+        self.eta_s = self.forecaster.eta_s(now_s)
         self.metrics.set_saturation_eta(self.eta_s)
 
     def health_line(self) -> str:

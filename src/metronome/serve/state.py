@@ -156,16 +156,17 @@ class ServerState:
         engine, loop = self.engine, self.driver.loop
 
         def read() -> None:
-            pool, num_sessions = engine.pool_stats(), len(engine.sessions)
+            pool, resident = engine.pool_stats(), engine.resident_tokens_by_session()
             with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
-                loop.call_soon_threadsafe(self._on_probe, pool, num_sessions)
+                loop.call_soon_threadsafe(self._on_probe, pool, resident)
 
         self.driver.call_on_engine(read)
 
-    def _on_probe(self, pool: PoolStats, num_sessions: int) -> None:
+    def _on_probe(self, pool: PoolStats, resident_tokens: dict[int, int]) -> None:
         self.pool = pool
-        self.metrics.set_pool(pool.used_blocks, pool.free_blocks, pool.pinned_blocks)
-        self.metrics.set_sessions_active(num_sessions)
+        self.resident_tokens = resident_tokens
+        # a close changes the forecast's sessions: re-forecast now, steps or not
+        self.observer.observe_pool(self.now_s(), pool, resident_tokens, force=True)
 
     # ---- views ---------------------------------------------------------------------------
     def health(self) -> dict:
