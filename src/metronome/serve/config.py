@@ -92,8 +92,9 @@ class ServerConfig(BaseModel):
     rate_limit_messages_per_s: float = Field(100.0, gt=0, description="client messages per "
                                              "second per connection; over it they are dropped "
                                              "(one error), a further burst over it closes 1008 "
-                                             "(WebSocket pings: a bucket of their own, past it "
-                                             "the transport is dropped)")
+                                             "(WebSocket pings and continuation frames: a "
+                                             "bucket of their own, past it the transport is "
+                                             "dropped)")
     rate_limit_burst_messages: int = Field(200, ge=1, description="messages a connection may "
                                            "send at once above the rate")
     rate_limit_bytes_per_s: int = Field(512 << 10, ge=1024, description="client bytes per "
