@@ -28,7 +28,9 @@ Length: a request still ends at `max_model_len`, which vLLM caps at the model's
 `hf_overrides={"metronome_residency": ..., "max_position_embeddings": 32768}` and
 `max_model_len=32768`. Positions past the trained range are extrapolated RoPE, which the
 model never saw (quality degrades; see docs/results/paper.md). Do not use
-`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1` alone: the RoPE table stays at the old size.
+`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1` alone: the RoPE table keeps max_position_embeddings rows,
+and a position past it makes the native path raise IndexError and the CPU rotary kernel
+segfault (measured: position 9000 on an 8192-row table).
 
 Modules: `config` (the bound, from hf_overrides), `spec` (KV cache spec + manager: what is
 pinned and freed), `attention` (exact CPU attention), `plugin` (the entry point).
