@@ -22,6 +22,7 @@ from metronome.serve.auth import bearer_matches
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
 from metronome.serve.state import ServerState
+from metronome.serve.status import add_status_routes
 
 
 class Unauthorized(Exception):
@@ -90,6 +91,8 @@ def _routes(app: FastAPI, config: ServerConfig) -> None:
     @app.websocket("/v1/realtime")
     async def realtime(websocket: WebSocket) -> None:
         await Connection(websocket, websocket.app.state.serving).serve()
+
+    add_status_routes(app, lambda request: request.app.state.serving.status_board, guarded)
 
 
 async def _unauthorized(request: Request, exc: Unauthorized) -> JSONResponse:

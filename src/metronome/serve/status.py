@@ -85,14 +85,15 @@ def _finite(value: float) -> float | None:
     return None if value != value or value in (float("inf"), float("-inf")) else value
 
 
-def add_status_routes(app: FastAPI, board_of) -> None:
-    """`board_of(request)` gives the running server's StatusBoard."""
+def add_status_routes(app: FastAPI, board_of, data_dependencies=()) -> None:
+    """`board_of(request)` gives the running server's StatusBoard; `data_dependencies` guard
+    the data route (the page itself holds no data)."""
 
     @app.get(STATUS_PAGE_PATH, response_class=HTMLResponse, include_in_schema=False)
     async def status_page() -> str:
         return STATUS_HTML
 
-    @app.get(STATUS_DATA_PATH)
+    @app.get(STATUS_DATA_PATH, dependencies=list(data_dependencies))
     async def status_data(request: Request) -> dict:
         return status_snapshot(request.app.state.serving, board_of(request))
 
