@@ -7,7 +7,6 @@ import pytest
 
 from metronome.runtime.local import RunConfig, run_local
 
-
 SESSIONS = (1, 4, 12)
 
 
