@@ -276,7 +276,8 @@ class Engine:
         needed = session.table.blocks_needed(num_tokens)
         busy = {w.session.session_id for w in planned}
         candidates = sorted((s for s in self.sessions.values()
-                             if not s.spec.policy.bounded and s.session_id not in busy),
+                             if not s.spec.policy.bounded and s.session_id not in busy
+                             and s.table.blocks_freed_by(policy) > 0),  # else: no relief
                             key=lambda s: len(s.table.logical_to_block_id), reverse=True)
         for candidate in candidates:
             if self.pool.num_free_blocks >= needed:

@@ -74,6 +74,12 @@ class BlockTable:
         self._check()
         return len(stale)
 
+    def blocks_freed_by(self, policy: ResidencyPolicy) -> int:
+        """How many of its blocks `slide` would return if this table were under `policy`."""
+        sinks = policy.num_sink_blocks(self.block_size)
+        start_block = policy.window_start(self.num_tokens, self.block_size) // self.block_size
+        return sum(1 for k in self.logical_to_block_id if sinks <= k < start_block)
+
     def release(self, pool: BlockPool) -> None:
         pool.free(self.block_ids)
         self.logical_to_block_id.clear()
