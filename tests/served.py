@@ -3,6 +3,7 @@ client's own Python (and its GIL) never shares the server's CPU time slices."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -56,6 +57,9 @@ def served(config: ServerConfig) -> Iterator[str]:
     program = ("import sys; from metronome.serve.config import ServerConfig; "
                "from metronome.serve.server import serve_forever; "
                "serve_forever(ServerConfig.model_validate_json(sys.argv[1]), 'warning')")
-    command = [sys.executable, "-c", program, config.model_dump_json()]
+    settings = config.model_dump(mode="json")  # which masks the key: pass it as it is
+    if config.api_key is not None:
+        settings["api_key"] = config.api_key.get_secret_value()
+    command = [sys.executable, "-c", program, json.dumps(settings)]
     with server_process(command, port) as url:
         yield url

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from served import served
+from streamer import SpeechStreamer, recv
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -29,66 +29,7 @@ AUDIO_DIR = SPEECH_DIR
 CONFIG = ServerConfig(pool_tokens=4096, admission="off", max_message_bytes=16384,
                       max_text_chars=2000, max_buffered_audio_s=3.0)
 TRANSPORT_CLOSE = 1009  # over the transport cap (4 x 16 KiB): closed before it reaches us
-REPLY_TIMEOUT_S = 3.0  # answers take milliseconds
 MIN_MESSAGES = 1000
-
-
-def recv(ws, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
-    return json.loads(ws.recv(timeout=timeout_s))
-
-
-class SpeechStreamer:
-    """The well-behaved session: speech at real-time pace in 100 ms chunks, from a sender
-    thread, while a receiver thread collects every frame result."""
-
-    CHUNK_S = 0.1
-
-    def __init__(self, url: str) -> None:
-        self.ws = connect(url)
-        recv(self.ws)
-        self.pcm = speech_stream(AUDIO_DIR, 24000, 120.0)
-        self.frames: list[dict] = []
-        self.errors: list[dict] = []
-        self.sent_bytes = 0
-        self._stop = threading.Event()
-        self._sender = threading.Thread(target=self._send, daemon=True)
-        self._receiver = threading.Thread(target=self._receive, daemon=True)
-
-    def start(self) -> None:
-        self._sender.start()
-        self._receiver.start()
-
-    def _send(self) -> None:
-        chunk_bytes = round(24000 * self.CHUNK_S) * 2
-        started = time.monotonic()
-        for k, offset in enumerate(range(0, len(self.pcm), chunk_bytes)):
-            time.sleep(max(0.0, started + (k + 1) * self.CHUNK_S - time.monotonic()))
-            if self._stop.is_set():
-                return
-            chunk = self.pcm[offset: offset + chunk_bytes]
-            self.ws.send(json.dumps({"type": "input_audio_buffer.append",
-                                     "audio": base64.b64encode(chunk).decode()}))
-            self.sent_bytes += len(chunk)
-
-    def _receive(self) -> None:
-        for message in self.ws:
-            event = json.loads(message)
-            if event["type"] == "metronome.frame":
-                self.frames.append(event["frame"])
-            elif event["type"] == "error":
-                self.errors.append(event["error"])
-
-    def stop(self) -> int:
-        """Stop sending, wait for the last results; returns the frames sent."""
-        self._stop.set()
-        self._sender.join()
-        sent_frames = self.sent_bytes // 48000
-        deadline = time.monotonic() + 5
-        while len(self.frames) < sent_frames and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.ws.close()
-        self._receiver.join(timeout=5)
-        return sent_frames
 
 
 @dataclass

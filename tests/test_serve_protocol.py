@@ -62,7 +62,8 @@ def test_valid_events_parse_into_their_types():
 
 def test_error_event_has_openai_shape_and_echoes_the_client_event_id():
     message = '{"type": "nope", "event_id": "evt_7"}'
-    event = p.ErrorEvent.of(error_of(message), p.client_event_id(message))
+    err = error_of(message)
+    event = p.ErrorEvent.of(err, err.event_id)
     wire = json.loads(event.to_json())
     assert wire["type"] == "error" and wire["event_id"].startswith("event_")
     assert wire["error"] == {"type": "invalid_request_error", "code": "unknown_event_type",

@@ -2,7 +2,9 @@
 
 The lifespan builds the serving state inside the running loop (the wall driver needs it):
 model (loaded from the config unless injected), engine, `ServerState`. With an API key
-configured, every route but `/healthz` needs `Authorization: Bearer <key>`.
+configured, every HTTP path but `/healthz` needs it (`serve.auth.KeyGuard`: the docs and the
+OpenAPI schema too), and `/healthz` without it tells only `{"status": ...}`; the WebSocket is
+refused before the upgrade by its connection.
 """
 
 from __future__ import annotations
@@ -11,22 +13,20 @@ import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request, WebSocket
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from metronome.engine.engine import Engine
 from metronome.model.llama import LlamaModel
-from metronome.serve import protocol as p
-from metronome.serve.auth import bearer_matches
+from metronome.serve.auth import KeyGuard, request_has_key
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
 from metronome.serve.state import ServerState
-from metronome.serve.status import add_status_routes
+from metronome.serve.status import STATUS_PAGE_PATH, add_status_routes
 
-
-class Unauthorized(Exception):
-    pass
+OPEN_PATHS = frozenset({"/healthz", STATUS_PAGE_PATH})  # /healthz: its status only without
+# the key; the status page holds no data (it polls /v1/status, which needs the key)
 
 
 def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=None,
@@ -54,8 +54,9 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
             state.close()
 
     app = FastAPI(title="metronome", lifespan=lifespan)
-    app.add_exception_handler(Unauthorized, _unauthorized)
+    app.add_middleware(KeyGuard, api_key=config.api_key, open_paths=OPEN_PATHS)
     _routes(app, config)
+    add_status_routes(app, lambda request: request.app.state.serving.status_board)
     return app
 
 
@@ -68,23 +69,19 @@ def _load(config: ServerConfig):
 
 
 def _routes(app: FastAPI, config: ServerConfig) -> None:
-    async def authorized(request: Request) -> None:
-        if not bearer_matches(request.headers.get("authorization"), config.api_key):
-            raise Unauthorized
-
-    guarded = [Depends(authorized)]
-
     # async handlers: they read loop-owned state, so they must run on the loop thread
     @app.get("/healthz")
     async def healthz(request: Request) -> dict:
-        return request.app.state.serving.health()
+        health = request.app.state.serving.health()
+        return health if request_has_key(request.scope, config.api_key) else {
+            "status": health["status"]}
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.serving.metrics.render(),
                         media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/sessions", dependencies=guarded)
+    @app.get("/v1/sessions")
     async def sessions(request: Request) -> dict:
         return request.app.state.serving.session_list()
 
@@ -92,11 +89,3 @@ def _routes(app: FastAPI, config: ServerConfig) -> None:
     async def realtime(websocket: WebSocket) -> None:
         await Connection(websocket, websocket.app.state.serving).serve()
 
-    add_status_routes(app, lambda request: request.app.state.serving.status_board, guarded)
-
-
-async def _unauthorized(request: Request, exc: Unauthorized) -> JSONResponse:
-    error = p.ErrorDetail(type=p.ErrorType.INVALID_REQUEST, code=p.ErrorCode.INVALID_API_KEY,
-                          message="missing or invalid bearer API key")
-    return JSONResponse({"error": error.model_dump(mode="json")}, status_code=401,
-                        headers={"WWW-Authenticate": "Bearer"})

@@ -22,7 +22,7 @@ import re
 DEFAULT_MAX_VALUES = 512  # a full conversation.item.create (64 text parts) holds ~200
 DEFAULT_MAX_DEPTH = 8  # the deepest event, session.update's audio.input.format, is 5 deep
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_SHOWN_KEY_CHARS = 32  # of a client's key, in an error's param
+_SHOWN_KEY_CHARS = 32  # of each client key in an error's `param`
 
 
 class JsonRefused(ValueError):
@@ -53,13 +53,13 @@ def _check_values(text: str, max_values: int) -> None:
     plain = text.replace("\\\\", "").replace('\\"', "")  # now every quote opens or closes
     num_quotes = plain.count('"')
     if num_quotes > 4 * max_values + 4:
-        raise JsonRefused(f"message holds {num_quotes // 2} strings; at most {max_values} "
-                          "JSON values are read per message")
+        raise JsonRefused(f"message holds {num_quotes // 2} strings (at most {max_values} "
+                          "JSON values are read per message)")
     outside = "".join(plain.split('"')[::2])  # everything outside the strings
     upper_bound = 1 + sum(outside.count(c) for c in ",[{")
     if upper_bound > max_values:
-        raise JsonRefused(f"message holds up to {upper_bound} JSON values; at most "
-                          f"{max_values} are read per message")
+        raise JsonRefused(f"message holds up to {upper_bound} values (at most {max_values} "
+                          "JSON values are read per message)")
 
 
 def _check_depth_and_strings(value: object, max_depth: int) -> None:
@@ -73,7 +73,7 @@ def _check_depth_and_strings(value: object, max_depth: int) -> None:
             continue
         if depth >= max_depth:
             raise JsonRefused(f"message nests deeper than {max_depth} levels",
-                              _param(path) or None)
+                              param_of(path) or None)
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, child in items:
             if isinstance(key, str):
@@ -86,14 +86,14 @@ def _check_string(text: str, path: tuple, is_key: bool = False) -> None:
         return
     found = _SURROGATE.search(text)
     if found is not None:
-        where = f"a key in {_param(path) or 'the event'}" if is_key else (
-            _param(path) or "the message")
+        where = f"a key in {param_of(path) or 'the event'}" if is_key else (
+            param_of(path) or "the message")
         raise JsonRefused(f"{where} holds a lone UTF-16 surrogate ({ascii(found.group())[1:-1]}) "
                           f"at character {found.start()}; strings must be valid Unicode",
-                          _param(path) or None)
+                          param_of(path) or None)
 
 
-def _param(path: tuple) -> str:
-    """A value's path as an error's `param` (`item.content.0.text`), client keys shortened;
-    its keys passed `_check_string`, so it is valid Unicode."""
+def param_of(path: tuple) -> str:
+    """A value's path as an error's `param` (`item.content.0.text`), each key shortened so
+    that a client's megabyte of key is not echoed; keys that reach it are valid Unicode."""
     return ".".join(str(part)[:_SHOWN_KEY_CHARS] for part in path)

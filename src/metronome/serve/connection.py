@@ -1,15 +1,19 @@
 """One WebSocket connection: auth and admission at the upgrade, then the receive loop
 with its limits, the outbox to the client, and the close.
 
-    upgrade ─► bearer key? (no: error, close 1008) ─► admitted? (no: HTTP 503 + Retry-After)
-      ─► session.created ─► receive loop: size ─► JSON ─► typed event ─► session.handle
-                              │  any ClientError ─► `error` event; the session lives on
-                              └─ idle timeout / max duration / slow reader / disconnect ─► close
-    close ─► engine session closed at once (blocks back), owed frames answered `cancelled`,
-             queued events flushed (≤ 1 s), close frame with code and reason.
+    upgrade ─► key? (no: HTTP 401) ─► admitted? (no: HTTP 503 + Retry-After), both before it
+      ─► accept (echoing `realtime`) ─► session.created ─► receive loop:
+           rate limit ─► size ─► bounded JSON ─► typed event ─► session.handle
+              │  any ClientError ─► `error` event; the session lives on
+              └─ idle timeout / max duration / rate limit / slow reader / disconnect ─► end
+    end ─► nothing more is read; engine session closed at once (blocks back), owed frames
+           answered `cancelled`; queued events flushed (≤ 1 s) unless the client does not
+           read; the close frame with code and reason (≤ 1 s) and the client's reply (≤ 1 s),
+           or else the transport is dropped.
 
-Server events go through a bounded outbox drained by a writer task, so frame results,
-delivered from the beat's callbacks, never wait on a socket.
+Server events go through a bounded outbox (events and bytes) drained by a writer task, so
+frame results, delivered from the beat's callbacks, never wait on a socket. A full outbox
+is a client that does not read: it is closed 1008 and nothing more is queued for it.
 """
 
 from __future__ import annotations
@@ -25,21 +29,29 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from metronome.serve import protocol as p
-from metronome.serve.auth import bearer_matches
+from metronome.serve.auth import (
+    chosen_subprotocol,
+    key_matches,
+    offered_keys,
+    unauthorized_response,
+)
 from metronome.serve.config import ServerConfig
+from metronome.serve.guard import ABORT_EXTENSION
+from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
+from metronome.serve.rate_limit import RateLimit, Verdict
 from metronome.serve.session import RealtimeSession
 from metronome.serve.state import ServerState
 
 log = logging.getLogger(__name__)
 
 DENIAL_EXTENSION = "websocket.http.response"
-FLUSH_TIMEOUT_S = 1.0  # queued events, then the close frame, get this long each
+FLUSH_TIMEOUT_S = 1.0  # queued events, the close frame, the closing handshake: this long each
 
 
 class CloseCode(enum.IntEnum):
     NORMAL = 1000
-    POLICY_VIOLATION = 1008  # bad API key, or a client that does not read its events
+    POLICY_VIOLATION = 1008  # bad API key, a client that does not read, over the rate limit
     INTERNAL_ERROR = 1011
     TRY_AGAIN_LATER = 1013  # refused by admission after the upgrade
 
@@ -50,7 +62,12 @@ class Ending:
     code: CloseCode | None = None  # None: the client is gone, nothing to send
     reason: str = ""
     error: ClientError | None = None  # told to the client before the close frame
-    flush: bool = True
+    flush: bool = True  # False: the client does not read; nothing more is queued
+
+    @property
+    def delivers(self) -> bool:
+        """Events emitted from now on still go out, before the close frame."""
+        return self.code is not None and self.flush
 
 
 class Connection:
@@ -58,7 +75,8 @@ class Connection:
         self.ws = websocket
         self.state = state
         self.config = state.config
-        self.outbox: asyncio.Queue[str] = asyncio.Queue()
+        self.outbox = Outbox(self.config.max_outbox_events, self.config.max_outbox_bytes)
+        self.subprotocols: list[str] = websocket.scope.get("subprotocols", [])
         self._ending: asyncio.Future[Ending] = asyncio.get_running_loop().create_future()
 
     async def serve(self) -> None:
@@ -69,7 +87,7 @@ class Connection:
         ending = Ending("error", CloseCode.INTERNAL_ERROR, "internal error")
         writer = None
         try:
-            await self.ws.accept()
+            await self.ws.accept(subprotocol=chosen_subprotocol(self.subprotocols))
             writer = asyncio.create_task(self._write())
             session.start()
             ending = await self._receive_loop(session)
@@ -82,10 +100,14 @@ class Connection:
 
     # ---- before the upgrade ---------------------------------------------------------------
     async def _authorized(self) -> bool:
-        if bearer_matches(self.ws.headers.get("authorization"), self.config.api_key):
+        offered = offered_keys(self.ws.headers.get("authorization"), self.subprotocols)
+        if key_matches(offered, self.config.api_key):
             return True
-        await self.ws.accept()
-        error = ClientError(ErrorCode.INVALID_API_KEY, "missing or invalid bearer API key")
+        if self._can_deny():
+            await self.ws.send_denial_response(unauthorized_response())
+            return False
+        await self.ws.accept(subprotocol=chosen_subprotocol(self.subprotocols))
+        error = ClientError(ErrorCode.INVALID_API_KEY, "missing or invalid API key")
         await self.ws.send_text(p.ErrorEvent.of(error).to_json())
         await self.ws.close(CloseCode.POLICY_VIOLATION, "invalid api key")
         return False
@@ -99,70 +121,101 @@ class Connection:
                             f"the server is at capacity ({decision.reason}); retry in "
                             f"{retry_after_s} s", error_type=ErrorType.SERVER)
         event = p.ErrorEvent.of(error)
-        if DENIAL_EXTENSION in self.ws.scope.get("extensions", {}):
+        if self._can_deny():
             response = JSONResponse({"error": event.error.model_dump(mode="json")},
                                     status_code=503, headers={"Retry-After": str(retry_after_s)})
             await self.ws.send_denial_response(response)
         else:  # the server cannot answer HTTP before the upgrade: refuse right after it
-            await self.ws.accept()
+            await self.ws.accept(subprotocol=chosen_subprotocol(self.subprotocols))
             await self.ws.send_text(event.to_json())
             await self.ws.close(CloseCode.TRY_AGAIN_LATER, f"at capacity; retry in "
                                 f"{retry_after_s} s")
         return False
 
+    def _can_deny(self) -> bool:
+        return DENIAL_EXTENSION in self.ws.scope.get("extensions", {})
+
     # ---- the session ------------------------------------------------------------------------
     async def _receive_loop(self, session: RealtimeSession) -> Ending:
         loop = asyncio.get_running_loop()
-        expires_at = loop.time() + self.config.max_session_s
-        while True:
-            idle_at = loop.time() + self.config.idle_timeout_s
+        config = self.config
+        expires_at = loop.time() + config.max_session_s
+        limit = RateLimit(config.rate_limit_messages_per_s, config.rate_limit_burst_messages,
+                          config.rate_limit_bytes_per_s, config.rate_limit_burst_bytes,
+                          loop.time())
+        while not self._ending.done():
+            idle_at = loop.time() + config.idle_timeout_s
             receive = asyncio.ensure_future(self.ws.receive())
-            done, _ = await asyncio.wait({receive, self._ending}, timeout=min(
+            await asyncio.wait({receive, self._ending}, timeout=min(
                 idle_at, expires_at) - loop.time(), return_when=asyncio.FIRST_COMPLETED)
-            if receive not in done:
+            if self._ending.done() or not receive.done():
+                # ended (a message that came at the same time is not read), or timed out
                 receive.cancel()
-                return self._ending.result() if self._ending.done() else _timeout_ending(
-                    loop.time() >= expires_at, self.config)
+                break
             message = receive.result()
             if message["type"] == "websocket.disconnect":
                 normal = message.get("code") in (1000, 1001)
                 return Ending("completed" if normal else "disconnected")
-            self._on_message(session, message)
+            self._on_message(session, message, limit, loop.time())
+        if self._ending.done():
+            return self._ending.result()
+        return _timeout_ending(loop.time() >= expires_at, config)
 
-    def _on_message(self, session: RealtimeSession, message: dict) -> None:
+    def _on_message(self, session: RealtimeSession, message: dict, limit: RateLimit,
+                    now_s: float) -> None:
+        max_bytes = self.config.max_message_bytes
         text = message.get("text")
+        if text is not None:  # chars <= bytes: a long text is too large without encoding it
+            size = len(text) if len(text) > max_bytes else p.text_bytes(text)
+        else:
+            size = len(message.get("bytes") or b"")
+        verdict = limit.admit(min(size, max_bytes), now_s)
+        if verdict is not Verdict.ACCEPT:
+            self._on_refused(verdict, limit)
+            return
         if text is None:
             self._error(ClientError(ErrorCode.BINARY_NOT_SUPPORTED,
                                     "send events as JSON text messages, not binary"))
             return
-        if len(text) > self.config.max_message_bytes or (
-                len(text.encode()) > self.config.max_message_bytes):
-            self._error(ClientError(ErrorCode.MESSAGE_TOO_LARGE, f"message exceeds "
-                                    f"{self.config.max_message_bytes} bytes; split the audio"))
+        if size > max_bytes:
+            self._error(ClientError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {size} bytes "
+                                    f"exceeds {max_bytes} bytes; split the audio"))
             return
         try:
-            event = p.parse_client_event(text)
+            event = p.parse_client_event(text, self.config.max_message_values,
+                                         self.config.max_message_depth)
         except ClientError as err:
-            self._error(err, p.client_event_id(text))
+            self._error(err, err.event_id)
             return
         try:
             session.handle(event)
         except ClientError as err:
             self._error(err, event.event_id)
 
+    def _on_refused(self, verdict: Verdict, limit: RateLimit) -> None:
+        if verdict is Verdict.REFUSE:
+            self._error(ClientError(
+                ErrorCode.RATE_LIMITED, f"over the rate limit of {limit.describe()}: this "
+                "message is dropped, and so is every one until the rate falls back; a further "
+                "burst over it closes the connection (1008)"))
+        elif verdict is Verdict.CLOSE:
+            error = ClientError(ErrorCode.RATE_LIMITED, f"a further burst over the rate limit "
+                                f"of {limit.describe()}: closing")
+            self._end(Ending("rate_limited", CloseCode.POLICY_VIOLATION, "rate limit exceeded",
+                             error))
+
     def _error(self, err: ClientError, client_event_id: str | None = None) -> None:
         self._emit(p.ErrorEvent.of(err, client_event_id))
 
     # ---- the outbox -------------------------------------------------------------------------
     def _emit(self, event: p.ServerEvent) -> None:
-        if self._ending.done():
-            if self._ending.result().code is None:
-                return  # the client is gone
-        elif self.outbox.qsize() >= self.config.max_outbox_events:
-            self._end(Ending("slow_consumer", CloseCode.POLICY_VIOLATION,
-                             "client does not read its events", flush=False))
-            return
-        self.outbox.put_nowait(event.to_json())
+        ending = self._ending.result() if self._ending.done() else None
+        if ending is not None and not ending.delivers:
+            return  # the client is gone, or does not read: nothing more is queued for it
+        if self.outbox.put(event.to_json()) or ending is not None:
+            return  # once ended, what does not fit is dropped
+        self._end(Ending("slow_consumer", CloseCode.POLICY_VIOLATION,
+                         "client does not read its events", flush=False))
 
     def _on_failure(self) -> None:
         self._end(Ending("error", CloseCode.INTERNAL_ERROR, "internal error"))
@@ -176,24 +229,35 @@ class Connection:
             while True:
                 text = await self.outbox.get()
                 await self.ws.send_text(text)
-                self.outbox.task_done()
+                self.outbox.sent()
         except Exception:  # disconnected mid-send: the receive loop ends the session
             self._end(Ending("disconnected"))
-            _drain(self.outbox)
+            self.outbox.clear()
 
     async def _finish(self, ending: Ending, writer: asyncio.Task | None) -> None:
-        if ending.code is not None and writer is not None:
+        if ending.delivers and writer is not None:
             if ending.error is not None:
-                self.outbox.put_nowait(p.ErrorEvent.of(ending.error).to_json())
-            if ending.flush:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.outbox.join(), FLUSH_TIMEOUT_S)
+                self.outbox.put(p.ErrorEvent.of(ending.error).to_json())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.outbox.join(), FLUSH_TIMEOUT_S)
         if writer is not None:
             writer.cancel()
-        if ending.code is not None:  # a client that does not read would block the close
-            with contextlib.suppress(Exception):  # or it is gone by now
-                await asyncio.wait_for(self.ws.close(ending.code, ending.reason),
-                                       FLUSH_TIMEOUT_S)
+        if ending.code is None:
+            return
+        try:
+            await asyncio.wait_for(self.ws.close(ending.code, ending.reason), FLUSH_TIMEOUT_S)
+        except Exception:  # the close frame cannot go out (the client does not read), or
+            self._abort()  # the client is gone: drop the transport, or the socket stays
+            return
+        # The frame is queued; a client that does not read never answers it, and uvicorn's
+        # close waits for the socket to drain: past the handshake's time, drop the transport
+        # (a client that answered is closed by then, and this does nothing).
+        asyncio.get_running_loop().call_later(FLUSH_TIMEOUT_S, self._abort)
+
+    def _abort(self) -> None:
+        abort = self.ws.scope.get("extensions", {}).get(ABORT_EXTENSION)
+        if abort is not None:  # absent: a server without serve.guard; nothing to do
+            abort["abort"]()
 
 
 def _timeout_ending(expired: bool, config: ServerConfig) -> Ending:
@@ -204,9 +268,3 @@ def _timeout_ending(expired: bool, config: ServerConfig) -> Ending:
     error = ClientError(ErrorCode.IDLE_TIMEOUT,
                         f"no client event for {config.idle_timeout_s:g} s")
     return Ending("idle_timeout", CloseCode.NORMAL, "idle timeout", error)
-
-
-def _drain(queue: asyncio.Queue) -> None:
-    while not queue.empty():
-        queue.get_nowait()
-        queue.task_done()

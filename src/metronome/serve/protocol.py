@@ -2,6 +2,8 @@
 
 Client events are parsed into a discriminated union on `type`; unknown parameters are
 refused (as OpenAI does), so a client never believes a setting took effect when it did not.
+A message is read as JSON at a cost bounded by its size (`serve.bounded_json`): too many
+values, too deep, or a lone surrogate in a string is `invalid_json`, before validation.
 Server events carry an `event_id`; errors have OpenAI's shape
 `{"type": "error", "event_id", "error": {type, code, message, param, event_id}}`, where the
 inner `event_id` names the client event that caused it.
@@ -13,13 +15,25 @@ event, one per frame, with its status and server-side timing.
 from __future__ import annotations
 
 import enum
-import json
 import secrets
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
 
+from metronome.serve.bounded_json import (
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_VALUES,
+    JsonRefused,
+    loads_bounded,
+    param_of,
+)
+
 MAX_ID_CHARS = 128  # client-chosen ids (event_id, item id); longer ones are refused
+
+
+def text_bytes(text: str) -> int:
+    """The UTF-8 size of a text message, without encoding an ASCII one (O(1) to tell)."""
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def new_id(prefix: str) -> str:
@@ -54,18 +68,21 @@ class ErrorCode(enum.StrEnum):
     SESSION_EXPIRED = "session_expired"
     AT_CAPACITY = "server_at_capacity"
     INVALID_API_KEY = "invalid_api_key"
+    RATE_LIMITED = "rate_limit_exceeded"
 
 
 class ClientError(Exception):
     """A client event that cannot be honoured; answered with an `error`, the session lives on."""
 
     def __init__(self, code: ErrorCode, message: str, param: str | None = None,
-                 error_type: ErrorType = ErrorType.INVALID_REQUEST) -> None:
+                 error_type: ErrorType = ErrorType.INVALID_REQUEST,
+                 event_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
         self.error_type = error_type
+        self.event_id = event_id  # the client event's own id, when it could be read
 
 
 # ---- client events ------------------------------------------------------------------------
@@ -160,43 +177,39 @@ CLIENT_EVENT_TYPES = frozenset(
 )
 
 
-def parse_client_event(text: str) -> ClientEvent:
-    """One text message -> a typed event, or `ClientError` saying exactly what is wrong."""
+def parse_client_event(text: str, max_values: int = DEFAULT_MAX_VALUES,
+                       max_depth: int = DEFAULT_MAX_DEPTH) -> ClientEvent:
+    """One text message -> a typed event, or `ClientError` saying exactly what is wrong (with
+    the event's `event_id` when it could be read). The work is bounded by the text's size
+    and the two limits, whatever the message holds."""
     try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as err:
-        raise ClientError(ErrorCode.INVALID_JSON, f"message is not valid JSON: {err}") from None
+        raw = loads_bounded(text, max_values, max_depth)
+    except JsonRefused as err:
+        raise ClientError(ErrorCode.INVALID_JSON, str(err), err.param) from None
     if not isinstance(raw, dict):
         raise ClientError(ErrorCode.INVALID_JSON, "an event must be a JSON object")
+    event_id = raw.get("event_id")
+    event_id = event_id if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS else None
     event_type = raw.get("type")
     if not isinstance(event_type, str) or event_type not in CLIENT_EVENT_TYPES:
         shown = event_type if isinstance(event_type, str) else type(event_type).__name__
         supported = ", ".join(sorted(CLIENT_EVENT_TYPES))
         raise ClientError(ErrorCode.UNKNOWN_EVENT_TYPE,
-                          f"unknown event type {shown[:64]!r}; supported: {supported}", "type")
+                          f"unknown event type {shown[:64]!r}; supported: {supported}", "type",
+                          event_id=event_id)
     try:
         return _CLIENT_EVENT.validate_python(raw)
     except ValidationError as err:
-        raise _as_client_error(err) from None
+        raise _as_client_error(err, event_id) from None
 
 
-def client_event_id(text: str) -> str | None:
-    """The `event_id` of a message that failed to parse, if one can be read (for the error)."""
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    event_id = raw.get("event_id") if isinstance(raw, dict) else None
-    return event_id if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS else None
-
-
-def _as_client_error(err: ValidationError) -> ClientError:
+def _as_client_error(err: ValidationError, event_id: str | None) -> ClientError:
     first = err.errors(include_url=False)[0]
     # loc starts with the union tag (the event type); the rest is the parameter path
-    param = ".".join(str(part) for part in first["loc"][1:]) or None
+    param = param_of(first["loc"][1:]) or None
     codes = {"extra_forbidden": ErrorCode.UNKNOWN_PARAMETER, "missing": ErrorCode.MISSING_PARAMETER}
     code = codes.get(first["type"], ErrorCode.INVALID_VALUE)
-    return ClientError(code, f"{param or 'event'}: {first['msg']}", param)
+    return ClientError(code, f"{param or 'event'}: {first['msg']}", param, event_id=event_id)
 
 
 # ---- server events ------------------------------------------------------------------------

@@ -1,0 +1,310 @@
+"""The server's bounds on a hostile client, exact and without a model: bounded JSON (values,
+depth, lone surrogates), the rate limit, the outbox, the key's offers, and the transport
+guard under a real uvicorn with a trivial app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from metronome.serve import protocol as p
+from metronome.serve.auth import chosen_subprotocol, key_matches, offered_keys
+from metronome.serve.guard import ABORT_EXTENSION, TransportLimits, protocols
+from metronome.serve.outbox import Outbox
+from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.rate_limit import RateLimit, Verdict
+
+
+def error_of(message: str) -> ClientError:
+    with pytest.raises(ClientError) as caught:
+        p.parse_client_event(message)
+    return caught.value
+
+
+# ---- bounded JSON -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("message", "param"), [
+    (r'{"type": "nope", "event_id": "\ud83d"}', "event_id"),
+    (r'{"type": "conversation.item.create", "item": {"type": "message", "role": "user", '
+     r'"content": [{"type": "input_text", "text": "a\ud800"}]}}', "item.content.0.text"),
+    (r'{"type": "session.update", "session": {"\udfff": 1}}', "session"),
+    (r'{"\udc00": 1}', None),
+])
+def test_a_lone_surrogate_is_invalid_json_and_its_error_can_be_sent(message, param):
+    err = error_of(message)
+    assert (err.code, err.param, err.event_id) == (ErrorCode.INVALID_JSON, param, None)
+    assert "lone UTF-16 surrogate" in err.message
+    json.loads(p.ErrorEvent.of(err, err.event_id).to_json())  # serialisable: no surrogate
+
+
+def test_a_surrogate_pair_is_one_character():
+    event = p.parse_client_event(
+        r'{"type": "conversation.item.create", "item": {"type": "message", "role": "user", '
+        r'"content": [{"type": "input_text", "text": "\ud83d\ude00"}]}}')
+    assert event.item.content[0].text == "\U0001f600"
+
+
+COSTLY = [  # 200k validation errors (~1 s before); 300k lists (~140 ms to build before)
+    json.dumps({"type": "session.update", "session": {"output_modalities": ["x"] * 200_000}},
+               separators=(",", ":")),
+    '{"type":"session.update","session":{"x":[' + "[]," * 300_000 + "[]]}}",
+    '{"type": "session.update", "session": {' + '"k": 1, ' * 100_000 + '"z": 1}}',
+]
+
+
+@pytest.mark.parametrize("message", COSTLY)
+def test_costly_messages_are_refused_before_parsing(message):
+    started = time.perf_counter()
+    err = error_of(message)
+    elapsed_s = time.perf_counter() - started
+    assert err.code == ErrorCode.INVALID_JSON and "(at most 512 JSON values" in err.message
+    assert len(message) < 1 << 20 and elapsed_s < 0.05, elapsed_s
+
+
+def test_strings_cost_nothing_however_many_commas_and_brackets_they_hold():
+    text = '\\"[{,' * 1500  # escaped quotes too
+    event = p.parse_client_event(json.dumps({
+        "type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text",
+                                                             "text": text}]}}))
+    assert event.item.content[0].text == text
+
+
+def test_values_and_depth_are_bounded_exactly():
+    # counted from the text: 1 + commas + containers (here 3 + 505 + 3) <= 512, and read
+    flat = {"type": "session.update", "session": {}, "event_id": "e", "x": list(range(506))}
+    assert error_of(json.dumps(flat)).code == ErrorCode.UNKNOWN_PARAMETER
+    flat["x"].append(0)
+    assert error_of(json.dumps(flat)).code == ErrorCode.INVALID_JSON
+    nested = {"type": "session.update", "session": {"a": [[[[[[1]]]]]]}}  # 8 deep: read
+    assert error_of(json.dumps(nested)).code == ErrorCode.UNKNOWN_PARAMETER
+    nested["session"]["a"] = [nested["session"]["a"]]
+    err = error_of(json.dumps(nested))
+    assert (err.code, err.param) == (ErrorCode.INVALID_JSON, "session.a.0.0.0.0.0.0")
+    assert "deeper than 8" in err.message
+
+
+def test_errors_carry_the_event_id_and_shortened_client_keys():
+    err = error_of(json.dumps({"type": "nope", "event_id": "evt_1"}))
+    assert (err.code, err.event_id) == (ErrorCode.UNKNOWN_EVENT_TYPE, "evt_1")
+    err = error_of(json.dumps({"type": "session.update", "event_id": "evt_2",
+                               "session": {"k" * 100_000: 1}}))
+    assert (err.code, err.event_id) == (ErrorCode.UNKNOWN_PARAMETER, "evt_2")
+    assert err.param == "session." + "k" * 32
+
+
+# ---- the rate limit -----------------------------------------------------------------------------
+def test_rate_limit_refuses_past_the_burst_tells_once_and_closes_after_another_burst():
+    limit = RateLimit(messages_per_s=10, burst_messages=3, bytes_per_s=1000,
+                      burst_bytes=2000, now_s=0.0)
+    verdicts = [limit.admit(1, 0.0) for _ in range(8)]
+    assert verdicts == [Verdict.ACCEPT] * 3 + [Verdict.REFUSE] + [Verdict.DROP] * 2 + [
+        Verdict.CLOSE] * 2  # 6 demanded: a further burst of 3 past the limit
+    assert limit.admit(1, 0.1) is Verdict.ACCEPT  # one token back after 100 ms, of each
+    assert [limit.admit(1, 1.0) for _ in range(4)] == [Verdict.ACCEPT] * 3 + [
+        Verdict.REFUSE]  # full again; a new run is told again
+
+
+def test_rate_limit_closes_a_client_that_stays_over_the_rate_however_it_spreads_them():
+    limit = RateLimit(messages_per_s=100, burst_messages=200, bytes_per_s=1e9,
+                      burst_bytes=1 << 30, now_s=0.0)
+    verdicts = [limit.admit(1, k / 110) for k in range(110 * 60)]  # 10 % over, for a minute
+    closed_at = verdicts.index(Verdict.CLOSE)
+    assert closed_at / 110 == pytest.approx(40, abs=0.1)  # 2 x 200 / (110 - 100) s
+    assert verdicts[:200] == [Verdict.ACCEPT] * 200
+
+
+def test_rate_limit_counts_bytes_too():
+    limit = RateLimit(messages_per_s=100, burst_messages=100, bytes_per_s=1000,
+                      burst_bytes=2000, now_s=0.0)
+    assert [limit.admit(800, 0.0) for _ in range(3)] == [Verdict.ACCEPT, Verdict.ACCEPT,
+                                                         Verdict.REFUSE]  # 400 bytes left
+    assert limit.admit(1000, 0.1) is Verdict.DROP  # 500 left; 1700 of 4000 demanded left
+    assert limit.admit(300, 0.1) is Verdict.ACCEPT  # 200 left; the run is over
+    assert limit.admit(1000, 0.1) is Verdict.CLOSE  # 400 demanded left: past a burst
+    assert limit.admit(800, 10.0) is Verdict.ACCEPT  # full again
+
+
+def test_the_default_rate_limit_never_touches_a_streaming_client():
+    from metronome.serve.config import ServerConfig
+
+    config = ServerConfig()
+    limit = RateLimit(config.rate_limit_messages_per_s, config.rate_limit_burst_messages,
+                      config.rate_limit_bytes_per_s, config.rate_limit_burst_bytes, 0.0)
+    append_bytes = 4 * (48000 * 2 // 50) // 3 + 60  # 20 ms of 48 kHz PCM16, base64, JSON
+    for k in range(50 * 60):  # a minute of 20 ms appends, on a network that stalls: each
+        arrival_s = 2.0 * (k // 100 + 1)  # 2 s of them (100) arrive at once
+        assert limit.admit(append_bytes, arrival_s) is Verdict.ACCEPT, k
+
+
+# ---- the outbox ---------------------------------------------------------------------------------
+def test_outbox_is_bounded_in_events_and_in_bytes():
+    async def scenario():
+        outbox = Outbox(max_events=3, max_bytes=10)
+        assert [outbox.put(t) for t in ("aaaa", "bbbb", "cc", "d")] == [True, True, True, False]
+        assert (outbox.num_events, outbox.num_bytes) == (3, 10)
+        assert await outbox.get() == "aaaa"
+        assert not outbox.put("e")  # the event being sent still counts
+        outbox.sent()
+        assert not outbox.put("é" * 3)  # 6 bytes: 12 > 10
+        assert outbox.put("éé")
+        for expected in ("bbbb", "cc", "éé"):
+            assert await outbox.get() == expected
+            outbox.sent()
+        await asyncio.wait_for(outbox.join(), 1)
+        assert (outbox.num_events, outbox.num_bytes) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+# ---- the key ------------------------------------------------------------------------------------
+def test_a_key_is_offered_by_bearer_header_or_browser_subprotocol():
+    from pydantic import SecretStr
+
+    key = SecretStr("sk-1")
+    browser = ["realtime", "openai-insecure-api-key.sk-1", "openai-beta.realtime-v1"]
+    assert offered_keys(None, browser) == ["sk-1"]
+    assert offered_keys("Bearer sk-1 ", []) == ["sk-1"]
+    assert key_matches(offered_keys(None, browser), key)
+    assert key_matches(offered_keys("bearer nope", browser), key)
+    assert not key_matches(offered_keys("Bearer nope", ["realtime"]), key)
+    assert not key_matches([], key) and key_matches([], None)
+    assert chosen_subprotocol(browser) == "realtime"
+    assert chosen_subprotocol(["openai-insecure-api-key.sk-1"]) is None
+
+
+# ---- the transport guard ------------------------------------------------------------------------
+LIMITS = TransportLimits(request_timeout_s=0.5, max_header_bytes=2048, max_connections=4,
+                         pings_per_s=10, ping_burst=8)
+PING = bytes([0x89, 0x80]) + b"\0\0\0\0"  # masked, empty
+PONG = bytes([0x8A, 0x00])
+
+
+async def tiny_app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+    elif scope["type"] == "websocket":
+        await receive()
+        await send({"type": "websocket.accept"})
+        if scope["path"] == "/abort":
+            scope["extensions"][ABORT_EXTENSION]["abort"]()  # the client sees the socket go
+        while (await receive())["type"] != "websocket.disconnect":
+            pass
+    else:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture(scope="module")
+def guarded_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(tiny_app, log_level="warning", **protocols(LIMITS)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def _open(port: int, data: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(3)
+    sock.sendall(data)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes (or resets) the socket."""
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def test_a_trickled_request_is_dropped_at_the_request_timeout(guarded_port):
+    sock = _open(guarded_port, b"GET / HTTP/1.1\r\nHost: x\r\n")
+    started = time.monotonic()
+    for _ in range(20):  # a header line every 0.1 s, forever
+        time.sleep(0.1)
+        try:
+            sock.sendall(b"X-Slow: 1\r\n")
+        except OSError:
+            break
+    assert _read_all(sock) == b""
+    assert LIMITS.request_timeout_s <= time.monotonic() - started < LIMITS.request_timeout_s + 1
+
+
+def test_a_silent_connection_and_a_trickled_body_are_dropped_too(guarded_port):
+    silent = _open(guarded_port)
+    body = _open(guarded_port, b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+    started = time.monotonic()
+    assert _read_all(silent) == b""
+    assert _read_all(body).startswith(b"HTTP/1.1 200")  # answered, then the body times out
+    assert time.monotonic() - started < LIMITS.request_timeout_s + 1
+
+
+def test_whole_requests_keep_their_connection(guarded_port):
+    sock = _open(guarded_port)
+    for _ in range(3):
+        time.sleep(0.3)  # 0.9 s in all: past the request timeout, each request is whole
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    sock.close()
+
+
+def test_headers_past_the_cap_get_431(guarded_port):
+    sock = _open(guarded_port, b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 4096 + b"\r\n")
+    assert _read_all(sock).startswith(b"HTTP/1.1 431")
+
+
+def test_connections_past_the_cap_get_503_at_once(guarded_port):
+    held = [_open(guarded_port) for _ in range(LIMITS.max_connections)]
+    time.sleep(0.1)
+    started = time.monotonic()
+    refused = _read_all(_open(guarded_port))
+    assert refused.startswith(b"HTTP/1.1 503")
+    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "server_at_capacity"
+    assert time.monotonic() - started < 0.3
+    for sock in held:
+        sock.close()
+
+
+def test_a_websocket_can_drop_its_transport(guarded_port):
+    from websockets.sync.client import connect
+
+    time.sleep(LIMITS.request_timeout_s)  # the previous test's sockets are gone
+    with pytest.raises(Exception) as dropped:  # noqa: B017 - reset or closed, either way
+        with connect(f"ws://127.0.0.1:{guarded_port}/abort") as ws:
+            ws.recv(timeout=3)
+    assert not isinstance(dropped.value, TimeoutError)
+
+
+def test_a_ping_flood_drops_the_transport(guarded_port):
+    sock = _open(guarded_port, b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                 b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                 b"Sec-WebSocket-Version: 13\r\n\r\n")
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101")
+    sock.sendall(PING * 5)  # within the burst: each answered
+    answered = b""
+    while len(answered) < 5 * len(PONG):
+        answered += sock.recv(64)
+    assert answered == PONG * 5
+    sock.sendall(PING * 50)  # past it: the transport is dropped (without: a timeout)
+    assert len(_read_all(sock)) <= 50 * len(PONG)  # (the pongs of one read go out at once)
