@@ -173,6 +173,7 @@ FLOOD_MESSAGES = 3000  # per connection, at most; the server closes each much so
 
 def test_a_flood_is_dropped_past_the_rate_limit_then_closed(world):
     flooders = [session(world, max_queue=None) for _ in range(FLOOD_CONNECTIONS)]
+    started = time.monotonic()
     sent = [0] * FLOOD_CONNECTIONS
     open_ids = set(range(FLOOD_CONNECTIONS))
     for _ in range(FLOOD_MESSAGES):
@@ -190,10 +191,12 @@ def test_a_flood_is_dropped_past_the_rate_limit_then_closed(world):
                 codes.append(recv(ws)["error"]["code"])
         assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1008, "rate limit exceeded")
         answered = codes.count("unknown_event_type")
-        assert 200 <= answered <= 200 + 100, (k, sent[k], answered)  # the burst, + the refill
+        refill = 100 * (time.monotonic() - started)  # the rate gives back while it floods
+        assert 200 <= answered <= 200 + refill + 1, (k, sent[k], answered, refill)
         assert codes[-1] == "rate_limit_exceeded" and codes.count("rate_limit_exceeded") >= 2
         # (a refusal starting each run over the limit is told; the last is the close)
-        print(f"flooder {k}: sent {sent[k]}, answered {answered}")
+        print(f"flooder {k}: sent {sent[k]}, answered {answered} (burst 200 + refill "
+              f"{refill:.0f})")
 
 
 # ---- 3b. one read of tiny frames: parsed before any rate limit could see them -------------------
