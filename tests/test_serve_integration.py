@@ -28,7 +28,8 @@ API_KEY = "sk-metronome-test"
 def server_url():
     port = free_port()
     command = [str(Path(sys.executable).parent / "metronome"), "serve", "--port", str(port),
-               "--pool-tokens", "4096", "--admission", "off", "--log-level", "warning"]
+               "--pool-tokens", "4096", "--admission", "off", "--log-level", "warning",
+               "--deadline-fraction", "2.0"]  # a 16-token turn reply on fp32 here: ~1 s
     with server_process(command, port, env={"METRONOME_API_KEY": API_KEY}) as url:
         yield url
 
