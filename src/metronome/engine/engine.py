@@ -348,6 +348,15 @@ class Engine:
         return True
 
     # ---- introspection -------------------------------------------------------------------
+    accepts_embeddings = True  # input embeddings (an audio front end's) as well as token ids
+
+    def shutdown(self) -> None:
+        """Release what outlives the object (nothing here: the pool is plain tensors)."""
+
+    def memory_ceiling(self, policy: ResidencyPolicy) -> int | None:
+        """Sessions under `policy` this engine's pool holds at their peak (None: unbounded)."""
+        return memory_ceiling(policy, self.config, self.pool.num_blocks)
+
     def pool_stats(self) -> PoolStats:
         return PoolStats(
             num_blocks=self.pool.num_blocks,

@@ -46,10 +46,11 @@ class RunConfig:
     mode: str = SessionMode.DUPLEX.value
     policy: str = DEFAULT_POLICY_SPEC
     pool_tokens: int = DEFAULT_POOL_TOKENS
-    block_size: int = 16
+    block_size: int | None = None  # None: 16 (native), 32 (vLLM's CPU attention needs it)
     clock: str = "wall"
     input: str = "text"  # text | audio
     model: str = "bundled"
+    engine: str = "native"  # native | vllm
     dtype: str = AUTO_DTYPE
     seed: int = 0
     out: str = "out/run"
@@ -61,6 +62,12 @@ class RunConfig:
         if self.input not in ("text", "audio"):
             raise ValueError(f"input must be text or audio, got {self.input!r}")
         resolve_dtype(self.dtype)  # raises for an unknown name
+        if self.engine not in ("native", "vllm"):
+            raise ValueError(f"engine must be native or vllm, got {self.engine!r}")
+        if self.engine == "vllm" and (self.clock != "wall" or self.input != "text"):
+            raise ValueError("--engine vllm runs on the wall clock with text input (vLLM's "
+                             "streaming input takes token ids; its steps are timed, not "
+                             "modelled)")
         if self.mode not in set(SessionMode):
             raise ValueError(f"mode must be one of {', '.join(SessionMode)}, got {self.mode!r}")
 
@@ -115,8 +122,16 @@ def audio_source(model, frame_period_s: float) -> FrameSource:
 def build(config: RunConfig):
     from metronome.model.weights import load_model, load_tokenizer
 
+    if config.engine == "vllm":
+        from metronome.vllm.engine import VllmEngine
+
+        engine = VllmEngine.for_model(config.model, config.profile().policy,
+                                      config.pool_tokens, config.block_size or 32, config.dtype)
+        engine.warm_up()
+        return engine, text_source(load_tokenizer(config.model), engine.vocab_size,
+                                   config.tokens_per_frame)
     model = load_model(config.model, resolve_dtype(config.dtype))
-    engine = Engine(model, EngineConfig(block_size=config.block_size,
+    engine = Engine(model, EngineConfig(block_size=config.block_size or 16,
                                         pool_tokens=config.pool_tokens))
     engine.warm_up()
     if config.input == "audio":
@@ -150,6 +165,7 @@ def run_local(config: RunConfig, console: Console | None = None,
         "runtime_overhead": overhead.summary(),
         "elapsed_wall_s": time.perf_counter() - started,
     }
+    engine.shutdown()
     recorder.write_csv(out / "frames.csv")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary

@@ -21,6 +21,14 @@ controller, the observer and the server:
     pool_stats()               the block pool now (blocks used, free, pinned, block size)
     resident_tokens_by_session()
                                live KV tokens of every open session (the forecast's input)
+    memory_ceiling(policy)     sessions under `policy` the pool holds at their peak (None:
+                               unbounded): what admission never passes
+    accepts_embeddings         whether input may be embeddings (an audio front end's)
+    config                     an `EngineConfig` the server and observer size things by
+    warm_up() / shutdown()     before the first user; when the server stops
+
+Two engines implement it: `metronome.engine.Engine` (native) and
+`metronome.vllm.engine.VllmEngine` (vLLM + the sinks+window plugin).
 
 Threading: a driver calls every method but the first two from one thread, never two at
 once (the wall driver: its engine thread; the virtual driver: its only thread).
@@ -35,8 +43,10 @@ from typing import Protocol
 
 import torch
 
+from metronome.engine.engine import EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import PoolStats, PreparedInput, Rebound, StepResult
+from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.frame import FrameResult
 
 
@@ -71,6 +81,15 @@ class EnginePort(EngineCommands, Protocol):
     def pool_stats(self) -> PoolStats: ...
 
     def resident_tokens_by_session(self) -> dict[int, int]: ...
+
+    def memory_ceiling(self, policy: ResidencyPolicy) -> int | None: ...
+
+    accepts_embeddings: bool
+    config: EngineConfig
+
+    def warm_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class Timer(Protocol):
