@@ -26,8 +26,11 @@ from metronome.serve.config import ServerConfig
 
 pytestmark = pytest.mark.model
 AUDIO_DIR = SPEECH_DIR
+# Deadlines at 1.5 frame periods: the streamer shares engine steps with the test's own
+# turn reply, and on a slow CI machine (fp32) that put a frame at 1.00 s of a 1 s deadline
+# with no hostility involved. Stalls from hostile input were 0.9-2.9 s: still caught.
 CONFIG = ServerConfig(pool_tokens=4096, admission="off", max_message_bytes=16384,
-                      max_text_chars=2000, max_buffered_audio_s=3.0)
+                      max_text_chars=2000, max_buffered_audio_s=3.0, deadline_fraction=1.5)
 TRANSPORT_CLOSE = 1009  # over the transport cap (4 x 16 KiB): closed before it reaches us
 MIN_MESSAGES = 1000
 
@@ -150,8 +153,10 @@ CORPUS: list[tuple[str | bytes, str]] = [
     (_session(None), "invalid_value"), (_session([]), "invalid_value"),
     (_session({"voice": "alloy"}), "unknown_parameter"),
     (_session({"instructions": "be evil"}), "unknown_parameter"),
-    (_session({"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}),
+    (_session({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}),
      "invalid_value"),
+    (_session({"audio": {"input": {"turn_detection": {"type": "server_vad",
+                                                      "threshold": 2}}}}), "invalid_value"),
     (_session({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}), "invalid_value"),
     (_session({"audio": {"input": {"format": {"type": "audio/pcma"}}}}), "invalid_value"),
     (_session(_pcm_format(rate="24000")), "invalid_value"),
