@@ -15,12 +15,17 @@ _PCM16_SCALE = 32768.0
 
 def decode_pcm16(data: bytes) -> torch.Tensor:
     """Little-endian int16 bytes -> float32 samples in [-1, 1): (len(data) // 2,)."""
+    return torch.from_numpy(decode_pcm16_array(data))
+
+
+def decode_pcm16_array(data: bytes) -> np.ndarray:
+    """`decode_pcm16` as a NumPy array, for code that must not run torch (the VAD thread)."""
     if len(data) % PCM16_BYTES_PER_SAMPLE:
         raise ValueError(
             f"PCM16 audio must have an even number of bytes (2 per sample), got {len(data)}"
         )
     ints = np.frombuffer(data, dtype="<i2")
-    return torch.from_numpy(ints.astype(np.float32) / np.float32(_PCM16_SCALE))
+    return ints.astype(np.float32) / np.float32(_PCM16_SCALE)
 
 
 def encode_pcm16(samples: torch.Tensor) -> bytes:

@@ -30,6 +30,8 @@ SENTENCES = {
 }
 GAP_S = 0.3  # silence between looped utterances
 SILENCE_LEVEL = 0.01  # trim leading and trailing audio below this (of full scale)
+GATE_WINDOW_MS = 10.0  # the energy gate's window
+GATE_BRIDGE_MS = 300.0  # quieter gaps shorter than this are inside one utterance
 
 
 def read_wav(path: Path) -> tuple[np.ndarray, int]:
@@ -75,6 +77,39 @@ def synthesize(text: str, path: Path, rate_hz: int = FIXTURE_RATE_HZ) -> None:
     loud = np.flatnonzero(np.abs(samples) > SILENCE_LEVEL)
     samples = samples[loud[0]: loud[-1] + 1] if len(loud) else samples
     write_wav(path, resample(samples, source_hz, rate_hz), rate_hz)
+
+
+def utterances(names: list[str], rate_hz: int, pauses_s: list[float],
+               audio_dir: Path = SPEECH_DIR) -> np.ndarray:
+    """Float samples at `rate_hz`: `pauses_s[0]` of silence, then each fixture in `names`
+    followed by the next pause (one pause more than names): turns with known silences."""
+    if len(pauses_s) != len(names) + 1:
+        raise ValueError(f"{len(names)} utterances need {len(names) + 1} pauses, "
+                         f"got {len(pauses_s)}")
+    parts = [np.zeros(round(pauses_s[0] * rate_hz), dtype=np.float32)]
+    for name, pause_s in zip(names, pauses_s[1:], strict=True):
+        samples, source_hz = read_wav(audio_dir / f"{name}.wav")
+        parts += [resample(samples, source_hz, rate_hz),
+                  np.zeros(round(pause_s * rate_hz), dtype=np.float32)]
+    return np.concatenate(parts)
+
+
+def speech_spans_ms(samples: np.ndarray, rate_hz: int,
+                    level: float = SILENCE_LEVEL) -> list[tuple[float, float]]:
+    """Where speech is, by an energy gate (no VAD): 10 ms windows whose RMS exceeds `level`
+    (-40 dBFS), gaps under `GATE_BRIDGE_MS` bridged; [(start_ms, end_ms)] in order."""
+    window = round(GATE_WINDOW_MS * rate_hz / 1000)
+    num_windows = len(samples) // window
+    rms = np.sqrt(np.mean(samples[: num_windows * window].reshape(num_windows, window) ** 2,
+                          axis=1))
+    spans: list[list[float]] = []
+    for index in np.flatnonzero(rms > level):
+        start_ms, end_ms = index * GATE_WINDOW_MS, (index + 1) * GATE_WINDOW_MS
+        if spans and start_ms - spans[-1][1] < GATE_BRIDGE_MS:
+            spans[-1][1] = end_ms
+        else:
+            spans.append([start_ms, end_ms])
+    return [(float(start), float(end)) for start, end in spans]
 
 
 def speech_stream(audio_dir: Path, rate_hz: int, duration_s: float, offset: int = 0) -> bytes:

@@ -1,0 +1,69 @@
+"""Turn detection rules: a speech probability per chunk -> where speech starts and stops.
+
+Pure and clock-free: positions are milliseconds of the audio stream, given with each chunk.
+
+    probability >= threshold            speech: it starts at this chunk's start (if it had not)
+                                        and, so far, ends at this chunk's end
+    stop_threshold <= p < threshold     undecided: neither extends speech nor ends it
+    p < stop_threshold, while speaking  silence: once `silence_duration_ms` have passed since
+                                        speech last ended, it stops there (at that end)
+
+The gap between the two thresholds is Silero's hysteresis (0.15 below the threshold, here
+at most half the threshold, so that a low threshold still has a silence below it): a
+probability wavering just under the threshold in the middle of a word does not end a turn.
+A stop is reported where speech ended, not where the silence was confirmed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STOP_MARGIN = 0.15  # Silero's: the stop threshold sits this far below the start threshold
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    start_ms: float
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    start_ms: float
+    end_ms: float
+
+
+TurnEvent = SpeechStarted | SpeechStopped
+
+
+class TurnDetector:
+    def __init__(self, threshold: float, silence_duration_ms: float) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if silence_duration_ms < 0:
+            raise ValueError(f"silence_duration_ms must be >= 0, got {silence_duration_ms}")
+        self.threshold = threshold
+        self.stop_threshold = threshold - min(STOP_MARGIN, threshold / 2)
+        self.silence_duration_ms = silence_duration_ms
+        self.speech_start_ms: float | None = None  # None: not speaking
+        self._speech_end_ms = 0.0  # end of the last chunk judged speech
+
+    @property
+    def speaking(self) -> bool:
+        return self.speech_start_ms is not None
+
+    def push(self, probability: float, start_ms: float, end_ms: float) -> TurnEvent | None:
+        """One chunk's P(speech), covering [start_ms, end_ms) of the stream."""
+        assert start_ms < end_ms and start_ms >= self._speech_end_ms, (start_ms, end_ms)
+        if probability >= self.threshold:
+            self._speech_end_ms = end_ms
+            if self.speech_start_ms is None:
+                self.speech_start_ms = start_ms
+                return SpeechStarted(start_ms)
+            return None
+        if self.speech_start_ms is None or probability >= self.stop_threshold:
+            return None
+        if end_ms - self._speech_end_ms < self.silence_duration_ms:
+            return None
+        stopped = SpeechStopped(self.speech_start_ms, self._speech_end_ms)
+        self.speech_start_ms = None
+        return stopped
