@@ -8,7 +8,9 @@ first (`late`, with what was ready), or at once when the engine reports its sess
 on KV (`stalled_kv`: what real engines do silently; an empty result on the beat), so frames
 keep going out while the truth is recorded. Input is never dropped: an answered frame's
 unconsumed input stays queued in the engine (its generation is cancelled), so the
-conversation's context stays complete.
+conversation's context stays complete. A frame its owner withdraws (`cancel_frame`: a reply
+the user talked over) is answered `cancelled` at once: in flight, as at a deadline; not yet
+started, with its input, which never reached the engine.
 
 Input enters here and is validated here, once (`EngineCommands.prepare_input`): bad input
 is a `rejected` result, never an exception. No clock and no engine inside: see
@@ -114,6 +116,21 @@ class Beat:
                                     max_tokens, prepared.num_tokens,
                                     queued_ahead_tokens=record.backlog_tokens)
         self.engine.submit_prepared(record.session_id, prepared, max_tokens)
+
+    def cancel_frame(self, session_id: int, index: int, now_s: float, reason: str) -> bool:
+        """Answer frame `index` `cancelled` now; False if it was already answered."""
+        record = self._record(session_id)
+        flight = record.in_flight
+        if flight is not None and flight.frame.index == index:
+            self._answer(record, flight, FrameStatus.CANCELLED, now_s, reason)
+            self._advance(record)
+            return True
+        for position, (frame, _) in enumerate(record.waiting):
+            if frame.index == index:
+                del record.waiting[position]
+                self._answer_unstarted(record, frame, FrameStatus.CANCELLED, now_s, reason)
+                return True
+        return False
 
     def _on_deadline(self, frame: Frame, now_s: float) -> None:
         record = self.sessions.get(frame.session_id)

@@ -16,7 +16,9 @@ class FrameStatus(enum.StrEnum):
     STALLED_KV = "stalled_kv"
     CONTEXT_FULL = "context_full"  # the session reached max_session_tokens and ended
     REJECTED = "rejected"  # refused: the session has ended or the input was invalid
-    CANCELLED = "cancelled"  # the session closed before the frame was answered
+    # the session closed before the frame was answered, or its owner withdrew it (a reply
+    # the user talked over)
+    CANCELLED = "cancelled"
 
 
 def count_input_tokens(token_ids: list[int] | None, embeddings: torch.Tensor | None) -> int:
