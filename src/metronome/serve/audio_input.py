@@ -46,6 +46,11 @@ class AudioFramer:
     def bytes_per_s(self) -> int:
         return self.sample_rate_hz * PCM16_BYTES_PER_SAMPLE
 
+    @property
+    def received_ms(self) -> float:
+        """The input stream's position: every byte received so far, in ms of audio."""
+        return self._ms(self.received_bytes)
+
     # ---- on the loop ---------------------------------------------------------------------
     def cut(self, pcm: bytes) -> list[PcmCut]:
         """Whole PCM16 samples in; every frame completed by them out (as bytes)."""

@@ -10,6 +10,10 @@ inner `event_id` names the client event that caused it.
 
 Extensions, namespaced: `session.metronome` (mode, frame timing) and the `metronome.frame`
 event, one per frame, with its status and server-side timing.
+
+Turn detection (`session.audio.input.turn_detection`): null (the client commits) or OpenAI's
+`server_vad` with its fields and defaults; `semantic_vad` and `idle_timeout_ms` are not
+served and are refused.
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ import enum
 import secrets
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+)
 
 from metronome.serve.bounded_json import (
     DEFAULT_MAX_DEPTH,
@@ -29,6 +42,7 @@ from metronome.serve.bounded_json import (
 )
 
 MAX_ID_CHARS = 128  # client-chosen ids (event_id, item id); longer ones are refused
+MAX_VAD_MS = 60_000  # longest prefix padding or silence a turn detection may ask for
 
 
 def text_bytes(text: str) -> int:
@@ -98,9 +112,23 @@ class AudioFormatIn(_Strict):
     rate: StrictInt = 24000
 
 
+class ServerVad(_Strict):
+    """`server_vad` turn detection, OpenAI's fields and defaults; in `session.update` and, with
+    every default filled in, in the session's description."""
+
+    type: Literal["server_vad"]
+    threshold: StrictFloat = Field(0.5, ge=0.0, le=1.0)  # P(speech) that starts speech
+    prefix_padding_ms: StrictInt = Field(300, ge=0, le=MAX_VAD_MS)  # before speech_started
+    silence_duration_ms: StrictInt = Field(500, ge=0, le=MAX_VAD_MS)  # that ends a turn
+    create_response: StrictBool = True  # turn mode: a response at each speech stop
+    interrupt_response: StrictBool = True  # speech cancels the response under way
+    idle_timeout_ms: None = None  # not served: null only
+
+
 class AudioInputIn(_Strict):
     format: AudioFormatIn | None = None
-    turn_detection: None = None  # no server VAD: duplex frames or explicit commits
+    # absent: unchanged; null: the client commits (duplex frames or explicit commits)
+    turn_detection: ServerVad | None = None
 
 
 class AudioIn(_Strict):
@@ -245,7 +273,7 @@ class AudioFormatOut(BaseModel):
 
 class AudioInputOut(BaseModel):
     format: AudioFormatOut
-    turn_detection: None = None
+    turn_detection: ServerVad | None = None
 
 
 class AudioOut(BaseModel):
@@ -287,6 +315,25 @@ class InputAudioBufferCommitted(ServerEvent):
     previous_item_id: str | None = None
 
 
+class InputAudioBufferSpeechStarted(ServerEvent):
+    """Server VAD heard speech begin. `audio_start_ms` (of the session's input audio) is
+    where the item's audio begins: the detected start less `prefix_padding_ms`, never before
+    the previous commit."""
+
+    type: Literal["input_audio_buffer.speech_started"] = "input_audio_buffer.speech_started"
+    audio_start_ms: int
+    item_id: str  # the user item that speech stop will commit
+
+
+class InputAudioBufferSpeechStopped(ServerEvent):
+    """Server VAD heard speech end. `audio_end_ms` is where the item's audio ends: the
+    detected end plus `silence_duration_ms` (the silence that confirmed it)."""
+
+    type: Literal["input_audio_buffer.speech_stopped"] = "input_audio_buffer.speech_stopped"
+    audio_end_ms: int
+    item_id: str
+
+
 class ContentOut(BaseModel):
     type: Literal["input_text", "input_audio", "output_text"]
     text: str | None = None
@@ -310,7 +357,7 @@ class ConversationItemAdded(ServerEvent):
 
 class StatusDetails(BaseModel):
     type: Literal["completed", "cancelled", "incomplete", "failed"]
-    reason: str | None = None  # e.g. `deadline` for a frame answered at its deadline
+    reason: str | None = None  # `deadline` (answered at its deadline), `turn_detected`, ...
     error: dict[str, str] | None = None  # failed: {type, code, message}
 
 

@@ -14,6 +14,13 @@ Responses: a frame whose profile asks for output is one response
 streams back per frame with no commit; in turn mode audio frames only prefill (they get a
 `metronome.frame`, no response) and a reply is the frame that `response.create` submits.
 Mode and input rate are fixed once input has started: the engine session's profile is.
+
+Turns (`turn_detection: server_vad`, `serve.turn_detection`): the VAD thread hears speech
+start (`input_audio_buffer.speech_started`; with `interrupt_response`, the response under
+way is cancelled, `turn_detected`) and stop (`speech_stopped`, then the buffer is committed
+as the turn's item and, in turn mode with `create_response`, a response is created), as if
+the client had sent the commit and the `response.create`. All the audio still reaches the
+engine as frames: `prefix_padding_ms` only places the item's start in the events.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 
 from metronome.audio.frontend import AudioFrontEnd
 from metronome.audio.pcm import PCM16_BYTES_PER_SAMPLE
+from metronome.audio.turn_detector import SpeechStarted, SpeechStopped, TurnEvent
 from metronome.engine.types import Rebound
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus, count_input_tokens
 from metronome.runtime.profile import SessionMode, SessionProfile
@@ -41,12 +49,14 @@ from metronome.serve.config import ServerConfig
 from metronome.serve.kv_events import BoundOut, MetronomeSessionBounded
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.text import ChatText
+from metronome.serve.turn_detection import TurnDetection, VadHost
 
 log = logging.getLogger(__name__)
 FrameKind = Literal["audio", "text", "response"]
+TURN_DETECTED = "turn_detected"  # a response cancelled because the user spoke (OpenAI's)
 
 
-class SessionHost(Protocol):
+class SessionHost(VadHost, Protocol):
     config: ServerConfig
     model_name: str
     chat: ChatText | None  # None: the model has no tokenizer (presets): audio only
@@ -65,6 +75,8 @@ class SessionHost(Protocol):
     def close_session(self, engine_session_id: int) -> None: ...
 
     def submit(self, frame: Frame) -> None: ...
+
+    def cancel_frame(self, engine_session_id: int, index: int, reason: str) -> bool: ...
 
     def now_s(self) -> float: ...
 
@@ -95,7 +107,7 @@ class FrameOrigin:
 _RESPONSE_STATUS = {  # frame status -> (response status, reason)
     FrameStatus.OK: ("completed", None),
     FrameStatus.LATE: ("incomplete", "deadline"),
-    FrameStatus.CANCELLED: ("cancelled", "session_closed"),
+    FrameStatus.CANCELLED: ("cancelled", "session_closed"),  # unless TURN_DETECTED
 }
 
 
@@ -120,8 +132,13 @@ class RealtimeSession:
         self.frames_encoding = 0  # queued on the encoder thread, not yet in the beat
         self.tokens_encoding = 0  # their input tokens (audio: one frame's worth each)
         self._appended_since_commit_bytes = 0
+        self._committed_ms = 0.0  # input stream position of the last commit
         self._last_item_id: str | None = None
         self._client_response_id: str | None = None
+        self._client_response_index: int | None = None  # its frame, once in the beat
+        self._interrupt_pending = False  # cancel the response as soon as it is in the beat
+        self.turns: TurnDetection | None = None  # server VAD; None: the client commits
+        self._turn_item_id: str | None = None  # the item the speech under way will become
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -131,6 +148,8 @@ class RealtimeSession:
         """Answer what is owed (`cancelled`) and give the engine session's blocks back now;
         audio still being encoded is dropped when it comes back."""
         self.closed = True
+        if self.turns is not None:
+            self.turns.stop()
         self.host.close_session(self.engine_session_id)
 
     def _open_engine_session(self) -> int:
@@ -174,9 +193,34 @@ class RealtimeSession:
                 f"rate {rate_hz} Hz is not served; use one of {self.host.config.sample_rates_hz}",
                 "session.audio.input.format.rate",
             )
+        turns = self.turns.settings if self.turns else None
+        if audio_in is not None and "turn_detection" in audio_in.model_fields_set:
+            turns = audio_in.turn_detection
+        self._check_turns(turns, mode)
         if (mode, rate_hz) != (self.mode, self.sample_rate_hz):
             self._reconfigure(mode, rate_hz)
+        self._set_turns(turns)
         self.emit(p.SessionUpdated(session=self._describe()))
+
+    def _check_turns(self, turns: p.ServerVad | None, mode: SessionMode) -> None:
+        if (turns is not None and turns.create_response and mode is SessionMode.TURN
+                and self.host.chat is None):
+            raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer, so "
+                              "server VAD cannot create text responses: set create_response "
+                              "to false", "session.audio.input.turn_detection.create_response")
+
+    def _set_turns(self, turns: p.ServerVad | None) -> None:
+        """Start, restart (new settings or rate) or stop server VAD from where audio stands."""
+        current = self.turns
+        if current is not None and (current.settings, current.sample_rate_hz) == (
+                turns, self.sample_rate_hz):
+            return  # the same settings again: the speech under way goes on
+        if current is not None:
+            current.stop()
+        self._turn_item_id = None
+        self.turns = None if turns is None else TurnDetection(
+            turns, self.host, self.sample_rate_hz, self.framer.received_ms, self._on_turn,
+            self.on_failure)
 
     def _reconfigure(self, mode: SessionMode, rate_hz: int) -> None:
         if self.started or self.framer.received_bytes:
@@ -206,6 +250,8 @@ class RealtimeSession:
         self._appended_since_commit_bytes += len(pcm)
         for cut in framer.cut(pcm):
             self._encode_then_submit(cut)
+        if self.turns is not None:
+            self.turns.push(pcm)
 
     @property
     def unanswered_frames(self) -> int:
@@ -246,13 +292,17 @@ class RealtimeSession:
                               f"are still unanswered (limit {limit_s:g} s of frames); retry "
                               "later")
 
-    def _commit(self) -> None:
+    def _commit(self, item_id: str | None = None) -> None:
+        """The buffer becomes a user item: `item_id` (a turn's), the speech under way's, or a
+        new one."""
         if not self._appended_since_commit_bytes:
             raise ClientError(ErrorCode.COMMIT_EMPTY, "no audio appended since the last commit")
         self._appended_since_commit_bytes = 0
+        self._committed_ms = self.framer.received_ms
         self._encode_then_submit(self.framer.cut_rest())
-        item = p.ItemOut(id=p.new_id("item"), role="user",
-                         content=[p.ContentOut(type="input_audio")])
+        item_id = item_id or self._turn_item_id or p.new_id("item")
+        self._turn_item_id = None  # a commit mid-speech takes the turn's item id with it
+        item = p.ItemOut(id=item_id, role="user", content=[p.ContentOut(type="input_audio")])
         self.emit(p.InputAudioBufferCommitted(item_id=item.id,
                                               previous_item_id=self._last_item_id))
         self._add_item(item)
@@ -283,6 +333,46 @@ class RealtimeSession:
         self._client_response_id = response_id
         self._queue_frame("response", lambda: Input(token_ids=token_ids), len(token_ids),
                           respond=True, response_id=response_id)
+
+    # ---- turns (server VAD) ---------------------------------------------------------------
+    def _on_turn(self, event: TurnEvent) -> None:
+        settings = self.turns.settings
+        match event:
+            case SpeechStarted():
+                self._turn_item_id = p.new_id("item")
+                start_ms = max(self._committed_ms, event.start_ms - settings.prefix_padding_ms)
+                self.emit(p.InputAudioBufferSpeechStarted(audio_start_ms=round(start_ms),
+                                                          item_id=self._turn_item_id))
+                if settings.interrupt_response:
+                    self._interrupt_response()
+            case SpeechStopped():
+                item_id = self._turn_item_id or p.new_id("item")  # or a client commit took it
+                end_ms = event.end_ms + settings.silence_duration_ms
+                self.emit(p.InputAudioBufferSpeechStopped(audio_end_ms=round(end_ms),
+                                                          item_id=item_id))
+                if not self._appended_since_commit_bytes:
+                    return  # the client committed this speech already
+                self._commit(item_id)
+                if settings.create_response and self.mode is SessionMode.TURN:
+                    self._respond_to_turn()
+
+    def _respond_to_turn(self) -> None:
+        """`response.create` on the client's behalf; what would refuse it is told as an
+        `error` (e.g. a response still under way with interrupt_response off)."""
+        try:
+            self._create_response()
+        except ClientError as err:
+            self.emit(p.ErrorEvent.of(err))
+
+    def _interrupt_response(self) -> None:
+        """Cancel the response under way (its frame: in the beat now, or once it is)."""
+        if self._client_response_id is None:
+            return
+        if self._client_response_index is None:
+            self._interrupt_pending = True  # its input is still on the encoder thread
+            return
+        self.host.cancel_frame(self.engine_session_id, self._client_response_index,
+                               TURN_DETECTED)
 
     def _chat(self) -> ChatText:
         if self.host.chat is None:
@@ -336,8 +426,13 @@ class RealtimeSession:
                              response_id and p.new_id("item"), audio_end_ms)
         index = self.frames_created
         self.frames_created += 1
+        if kind == "response":
+            self._client_response_index = index
         self.host.submit(Frame(self.engine_session_id, index, arrival_s, frame_input.token_ids,
                                frame_input.embeddings, respond, origin))  # may answer at once
+        if kind == "response" and self._interrupt_pending:
+            self._interrupt_pending = False
+            self.host.cancel_frame(self.engine_session_id, index, TURN_DETECTED)
 
     def _new_response(self) -> str:
         response_id = p.new_id("resp")
@@ -362,7 +457,7 @@ class RealtimeSession:
         if origin.response_id is not None:
             self.emit(p.ResponseDone(response=_response_out(result, origin, text)))
         if origin.kind == "response":
-            self._client_response_id = None
+            self._client_response_id = self._client_response_index = None
 
     def _text_of(self, token_ids: list[int], flush: bool) -> str:
         if self.decoder is None:
@@ -376,7 +471,8 @@ class RealtimeSession:
         return p.SessionOut(
             id=self.id, model=self.host.model_name,
             audio=p.AudioOut(input=p.AudioInputOut(
-                format=p.AudioFormatOut(rate=self.sample_rate_hz))),
+                format=p.AudioFormatOut(rate=self.sample_rate_hz),
+                turn_detection=self.turns.settings if self.turns else None)),
             metronome=p.MetronomeSessionOut(
                 mode=self.mode.value, frame_period_s=profile.frame_period_s,
                 deadline_s=profile.deadline_s,
@@ -434,6 +530,8 @@ def _frame_out(result: FrameResult, origin: FrameOrigin) -> p.FrameOut:
 
 def _response_out(result: FrameResult, origin: FrameOrigin, text: str) -> p.ResponseOut:
     status, reason = _RESPONSE_STATUS.get(result.status, ("failed", None))
+    if result.status is FrameStatus.CANCELLED and result.reason == TURN_DETECTED:
+        reason = TURN_DETECTED
     error = None
     if status == "failed":
         error = {"type": p.ErrorType.SERVER.value, "code": result.status.value,

@@ -1,8 +1,9 @@
 """The server's shared serving state: one per process, created inside the running loop.
 
 Owns the wall driver (engine thread + beat), observability (metrics on an injected
-registry, stall detector, forecast), the admission controller, the audio encoder thread
-and the admitted sessions. Every method runs on the event loop thread; `_probe` hands a
+registry, stall detector, forecast), the admission controller, the audio encoder thread,
+the VAD thread with its Silero network (loaded there on first use) and the admitted
+sessions. Every method runs on the event loop thread; `_probe` hands a
 function to the engine thread, which sends its reading back to the loop.
 
 It knows sessions only as `AdmittedSession` (close, describe): the Realtime session
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from metronome.admission.controller import AdmissionController, CapSample, Decision
 from metronome.admission.limits import make_limit
 from metronome.audio.frontend import AudioFrontEnd
+from metronome.audio.silero import SileroVad
 from metronome.engine.engine import Engine, memory_ceiling
 from metronome.engine.types import PoolStats, Rebound
 from metronome.kv.residency import ResidencyPolicy
@@ -70,6 +72,11 @@ class ServerState:
         # one session's audio never delays another's deadline timers, and in submission
         # order, so each session's stateful encoder sees its audio in sequence.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-audio")
+        # Server VAD has a thread of its own: detecting a turn never delays a frame's
+        # encoding, and each session's VAD stream sees its audio in sequence. The network
+        # runs in ONNX Runtime on that one thread: the engine's torch threads are untouched.
+        self._vad = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-vad")
+        self._silero: SileroVad | None = None  # the VAD thread's only
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         self.resident_tokens: dict[int, int] = {}  # engine session id -> live KV tokens
         limit = make_limit(config.admission, config.admission_cap)
@@ -120,6 +127,20 @@ class ServerState:
         """Run audio-encoding `work` on the encoder thread; its future resolves on the loop,
         futures in the order of the calls."""
         return self.driver.loop.run_in_executor(self._encoder, work)
+
+    def detect(self, work: Callable[[SileroVad], T]) -> asyncio.Future[T]:
+        """Run VAD `work` on the VAD thread with the shared Silero network; futures resolve
+        on the loop in the order of the calls."""
+        return self.driver.loop.run_in_executor(self._vad, lambda: work(self._silero_vad()))
+
+    def _silero_vad(self) -> SileroVad:
+        """On the VAD thread: the network, loaded by its first user (~0.1 s, off the loop)."""
+        if self._silero is None:
+            self._silero = SileroVad()
+        return self._silero
+
+    def cancel_frame(self, engine_session_id: int, index: int, reason: str) -> bool:
+        return self.driver.beat.cancel_frame(engine_session_id, index, self.now_s(), reason)
 
     def open_session(self, profile: SessionProfile, public_id: str,
                      on_result: Callable[[FrameResult], None],
@@ -205,6 +226,7 @@ class ServerState:
     def close(self) -> None:
         self.driver.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
+        self._vad.shutdown(wait=False, cancel_futures=True)
 
 
 def _ceiling_policy(config: ServerConfig, engine: Engine) -> ResidencyPolicy:
