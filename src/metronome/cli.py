@@ -256,6 +256,18 @@ def bench_soak(
     typer.echo(json.dumps(result["verdict"], indent=2))
 
 
+@bench_app.command("vad")
+def bench_vad(
+    out: str = typer.Option("docs/results/vad.md", help="markdown report to write"),
+    json_out: str = typer.Option("docs/results/vad.json", help="raw results to write"),
+) -> None:
+    """Server VAD on the espeak-ng fixtures: speech boundaries vs an energy gate, ms per
+    512-sample chunk, torch's thread count in a server process around a VAD session."""
+    from metronome.bench.vad_bench import run as run_bench
+
+    run_bench(out_md=out, out_json=json_out)
+
+
 # ---- serve: every ServerConfig field is an option ---------------------------------------------
 ENV_VARS = {"api_key": "METRONOME_API_KEY"}
 
