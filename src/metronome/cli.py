@@ -85,6 +85,8 @@ def run(
     clock: str = typer.Option("wall", help="wall | virtual (deterministic, modelled step time)"),
     input_kind: str = typer.Option("text", "--input", help="text (Hamlet) | audio (front end)"),
     model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
+    engine: str = typer.Option("native", help="native | vllm (vLLM + the sinks+window plugin, "
+                               "`make vllm-install`; wall clock, text input)"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     seed: int = typer.Option(0, help="workload seed"),
     out: str = typer.Option("out/run", help="folder for frames.csv and summary.json"),
@@ -98,7 +100,8 @@ def run(
             duration_jitter=duration_jitter, frame_period_s=frame_period_s,
             deadline_fraction=deadline_fraction, tokens_per_frame=tokens_per_frame,
             output_tokens=output_tokens, mode=mode, policy=policy, pool_tokens=pool_tokens,
-            clock=clock, input=input_kind, model=model, dtype=dtype, seed=seed, out=out,
+            clock=clock, input=input_kind, model=model, engine=engine, dtype=dtype, seed=seed,
+            out=out,
         )
         config.profile()
     except ValueError as err:
@@ -234,6 +237,36 @@ def bench_plan(
     run_bench(out_md=out, out_json=json_out, smoke=smoke, admission_summary=admission_summary)
 
 
+@bench_app.command("vllm")
+def bench_vllm(
+    out: str = typer.Option("docs/results/vllm.md", help="markdown report (+ .png beside it)"),
+    json_out: str = typer.Option("docs/results/vllm.json", help="raw results to write"),
+    smoke: bool = typer.Option(False, help="tiny sizes (about 5 min), for CI"),
+    stream_duration_s: float = typer.Option(None, min=5.0, help="length of the streaming "
+                                            "workload (default 200 s; smoke 12 s)",
+                                            show_default=False),
+) -> None:
+    """Metronome's bound inside vLLM: decode step time vs stock vLLM, its sliding window and
+    the native engine; the streaming deadlock, stock vs Metronome on vLLM. Needs vLLM
+    (`make vllm-install`; run it from .venv-vllm)."""
+    from dataclasses import replace
+
+    from metronome.bench.vllm_bench import VllmBenchConfig
+    from metronome.bench.vllm_bench import run as run_bench
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise typer.BadParameter("vLLM is not installed in this environment: `make "
+                                 "vllm-install`, then .venv-vllm/bin/metronome bench "
+                                 "vllm") from None
+    cfg = VllmBenchConfig.smoke() if smoke else VllmBenchConfig()
+    cfg = replace(cfg, out_md=out, out_json=json_out)
+    if stream_duration_s is not None:
+        cfg = replace(cfg, stream_duration_s=stream_duration_s)
+    run_bench(cfg)
+
+
 @bench_app.command("soak")
 def bench_soak(
     duration_s: float = typer.Option(1800.0, min=1.0, help="how long clients churn (a few "
@@ -281,15 +314,21 @@ def _cli_annotation(annotation):
     return annotation
 
 
+def config_default(field):
+    """A config field's default as its CLI option shows it."""
+    default = field.default
+    if isinstance(default, tuple):
+        return list(default)
+    if isinstance(default, enum.Enum):
+        return default.value
+    return default
+
+
 def config_options(model: type[BaseModel]) -> list[inspect.Parameter]:
     """One `--field-name` option per field of `model`, with its default and description."""
     params = []
     for name, field in model.model_fields.items():
-        default = field.default
-        if isinstance(default, tuple):
-            default = list(default)
-        elif isinstance(default, enum.Enum):
-            default = default.value
+        default = config_default(field)
         secret = name in ENV_VARS
         option = typer.Option(None if secret else default, help=field.description,
                               envvar=ENV_VARS.get(name), show_default=not secret)
@@ -305,8 +344,11 @@ def serve(log_level: str = "info", **options) -> None:
     from metronome.serve.config import ServerConfig
     from metronome.serve.server import serve_forever
 
+    fields = ServerConfig.model_fields
+    given = {name: value for name, value in options.items()  # defaults stay the config's:
+             if value != config_default(fields[name])}  # some depend on other fields
     try:
-        config = ServerConfig(**options)
+        config = ServerConfig(**given)
     except ValidationError as err:
         raise typer.BadParameter(str(err)) from None
     serve_forever(config, log_level)

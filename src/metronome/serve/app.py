@@ -37,8 +37,7 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        served, tok = (model, tokenizer) if model is not None else _load(config)
-        engine = Engine(served, config.engine_config())
+        engine, tok, model_name = _engine(config, model, tokenizer)
         engine.warm_up()  # before the engine thread starts: the first user pays no warm-up
         # Everything alive now (model, tokenizer, imports) lives for the whole process: keep
         # it out of the cyclic GC's scans, whose full passes would otherwise pause the loop
@@ -46,18 +45,35 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
         gc.collect()
         gc.freeze()
         state = ServerState(config, engine, tok, registry or CollectorRegistry(),
-                            model_name=served.config.name)
+                            model_name=model_name)
         app.state.serving = state
         try:
             yield
         finally:
             state.close()
+            engine.shutdown()
 
     app = FastAPI(title="metronome", lifespan=lifespan)
     app.add_middleware(KeyGuard, api_key=config.api_key, open_paths=OPEN_PATHS)
     _routes(app, config)
     add_status_routes(app, lambda request: request.app.state.serving.status_board)
     return app
+
+
+def _engine(config: ServerConfig, model: LlamaModel | None, tokenizer):
+    """The engine the config asks for, its tokenizer and the model's name."""
+    if config.engine == "vllm":
+        from metronome.kv.residency import ResidencyPolicy
+        from metronome.model.weights import load_tokenizer
+        from metronome.vllm.engine import VllmEngine
+
+        if model is not None:
+            raise ValueError("--engine vllm loads its model itself: inject none")
+        engine = VllmEngine.for_model(config.model, ResidencyPolicy.parse(config.policy),
+                                      config.pool_tokens, config.block_size, config.dtype)
+        return engine, load_tokenizer(config.model), engine.model_name
+    served, tok = (model, tokenizer) if model is not None else _load(config)
+    return Engine(served, config.engine_config()), tok, served.config.name
 
 
 def _load(config: ServerConfig):

@@ -31,6 +31,9 @@ class ServerConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     model: str = Field("bundled", description="'bundled', a Hugging Face directory, or "
                        "preset:NAME[:LAYERS]")
+    engine: Literal["native", "vllm"] = Field(
+        "native", description="native (Metronome's engine) | vllm (vLLM with the sinks+window "
+        "plugin, in this process; `make vllm-install`; text input only, one policy)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto (bfloat16 where the CPU has native bf16, else float32) | "
         "float32 | bfloat16")
@@ -42,7 +45,8 @@ class ServerConfig(BaseModel):
         "unbounded sessions (largest first) to this bound, e.g. sinks_window:4:512, freeing "
         "their middle blocks and telling each client (metronome.session.bounded); off by "
         "default")
-    block_size: int = Field(16, ge=1, description="KV block size in tokens")
+    block_size: int = Field(16, ge=1, description="KV block size in tokens (--engine vllm: 32 "
+                            "unless given; its CPU attention needs a multiple of 32)")
     # Session timing. 1 s frames: the Qwen-Omni / MiniCPM-o chunk size; 0.08 s is Moshi's.
     frame_period_s: float = Field(1.0, ge=0.01, le=60,
                                   description="audio is cut into frames of this length")
@@ -112,6 +116,13 @@ class ServerConfig(BaseModel):
     max_connections: int = Field(512, ge=2, description="open TCP connections, WebSockets "
                                  "included; one more is answered 503 at once and closed")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data):
+        if isinstance(data, dict) and data.get("engine") == "vllm" and "block_size" not in data:
+            data = data | {"block_size": 32}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
         policy, engine = ResidencyPolicy.parse(self.policy), self.engine_config()
@@ -120,6 +131,14 @@ class ServerConfig(BaseModel):
         if engine.pressure_policy is not None:
             check_policy_limits(engine.pressure_policy, engine)
             check_pool_fits(engine.pressure_policy, engine, self.pool_tokens // self.block_size)
+        if self.engine == "vllm" and self.block_size % 32:
+            raise ValueError(f"--engine vllm: block_size {self.block_size} is not a multiple of "
+                             "32 (vLLM's CPU attention needs one)")
+        if self.engine == "vllm" and (self.degrade_policy is not None
+                                      or self.model.startswith("preset:")):
+            raise ValueError("--engine vllm serves a model directory ('bundled' or a Hugging "
+                             "Face directory) without degrade_policy (the vLLM plugin has one "
+                             "bound per engine)")
         if self.default_sample_rate_hz not in self.sample_rates_hz:
             raise ValueError(f"default_sample_rate_hz ({self.default_sample_rate_hz}) must be "
                              f"one of sample_rates_hz {self.sample_rates_hz}")

@@ -70,6 +70,7 @@ class ErrorCode(enum.StrEnum):
     MISSING_PARAMETER = "missing_required_parameter"
     INVALID_VALUE = "invalid_value"
     INVALID_AUDIO = "invalid_audio"
+    AUDIO_UNSUPPORTED = "audio_input_unsupported"
     UNSUPPORTED_SAMPLE_RATE = "unsupported_sample_rate"
     SESSION_LOCKED = "session_locked"
     TEXT_TOO_LONG = "text_too_long"

@@ -63,6 +63,9 @@ class SessionHost(VadHost, Protocol):
 
     def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
 
+    @property
+    def accepts_audio(self) -> bool: ...
+
     def encode(self, work: Callable[[], Input]) -> asyncio.Future[Input]:
         """Run `work` on the audio encoder thread, in call order."""
 
@@ -235,6 +238,10 @@ class RealtimeSession:
         self.framer = AudioFramer(self.host.frontend(rate_hz), self.host.config.frame_period_s)
 
     def _append(self, audio_b64: str) -> None:
+        if not self.host.accepts_audio:
+            raise ClientError(ErrorCode.AUDIO_UNSUPPORTED, "this server's engine takes text "
+                              "only (vLLM's streaming input refuses embeddings): send text "
+                              "items with conversation.item.create", "audio")
         pcm = _decode_pcm16(audio_b64)
         framer = self.framer
         buffered_s = self._unanswered_s() + (framer.pending_bytes + len(pcm)) / framer.bytes_per_s

@@ -27,7 +27,7 @@ from metronome.admission.controller import AdmissionController, CapSample, Decis
 from metronome.admission.limits import make_limit
 from metronome.audio.frontend import AudioFrontEnd
 from metronome.audio.silero import SileroVad
-from metronome.engine.engine import Engine, memory_ceiling
+from metronome.engine.engine import Engine
 from metronome.engine.types import PoolStats, Rebound
 from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.frame import Frame, FrameResult
@@ -83,8 +83,7 @@ class ServerState:
         self.controller = AdmissionController(
             limit, lambda: len(self.sessions), config.admission_interval_s,
             on_update=self._on_admission_update,
-            memory_ceiling=memory_ceiling(_ceiling_policy(config, engine), engine.config,
-                                          engine.pool_stats().num_blocks),
+            memory_ceiling=engine.memory_ceiling(_ceiling_policy(config, engine)),
             self_paced_tokens=self_paced_tokens,
         )
         self.status_board = StatusBoard()  # the status page's per-session frame strips
@@ -92,9 +91,9 @@ class ServerState:
                                                       self.status_board))
         self.metrics.set_admission_cap(limit.cap)
         self.metrics.set_memory_ceiling(self.controller.memory_ceiling)
-        for rate_hz in config.sample_rates_hz:  # first STFT/projection calls set up kernels:
-            frontend = self.frontend(rate_hz)  # pay that at startup, not in a first frame
-            frontend.encode(torch.zeros(2 * frontend.fmt.samples_per_token))
+        for rate_hz in config.sample_rates_hz if self.accepts_audio else ():
+            frontend = self.frontend(rate_hz)  # first STFT/projection calls set up kernels:
+            frontend.encode(torch.zeros(2 * frontend.fmt.samples_per_token))  # pay it now
         self.controller.start(self.driver.timer, self.driver.now_s())
 
     # ---- admission and session lifecycle ---------------------------------------------------
@@ -117,10 +116,17 @@ class ServerState:
         self.metrics.session_closed(outcome)
 
     # ---- SessionHost ----------------------------------------------------------------------
+    @property
+    def accepts_audio(self) -> bool:
+        """The engine takes the audio front end's embeddings (vLLM's streaming input: not)."""
+        return self.engine.accepts_embeddings
+
     def frontend(self, sample_rate_hz: int) -> AudioFrontEnd:
         if sample_rate_hz not in self._frontends:
+            fmt = self.config.audio_format(sample_rate_hz)
             self._frontends[sample_rate_hz] = AudioFrontEnd.for_model(
-                self.engine.model.embed_tokens, self.config.audio_format(sample_rate_hz))
+                self.engine.model.embed_tokens, fmt) if self.accepts_audio else (
+                AudioFrontEnd(fmt, hidden_size=1, embed_rms=1.0))  # framing only: never encodes
         return self._frontends[sample_rate_hz]
 
     def encode(self, work: Callable[[], T]) -> asyncio.Future[T]:
