@@ -20,7 +20,7 @@ from metronome.engine.session import SessionSpec  # noqa: E402
 from metronome.engine.types import WorkStatus  # noqa: E402
 from metronome.kv.residency import ResidencyPolicy  # noqa: E402
 from metronome.model.weights import bundled_model_dir, load_model, load_tokenizer  # noqa: E402
-from metronome.vllm.engine import VllmEngine, VllmEngineConfig  # noqa: E402
+from metronome.vllm.engine import REQUEST_PREFIX, VllmEngine, VllmEngineConfig  # noqa: E402
 from tests.vllm_plugin.driving import drive, tokens  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -113,4 +113,34 @@ def test_a_dry_pool_is_stalled_kv_never_a_hang(unbounded, text_ids):
     assert any(WorkStatus.STALLED_KV in s for s in statuses.values())
     for sid in sids:
         unbounded.close(sid)
+    assert unbounded.pool_stats().used_blocks == 0
+
+
+def test_a_preempted_session_is_stalled_kv_and_its_input_is_counted_once(unbounded, text_ids):
+    """Two long turns outgrow the pool while generating: vLLM preempts one (frees its KV, to
+    recompute it later). That session reads stalled_kv, never counts its input twice, and
+    finishes its turn once the other session closes."""
+    a, b = (unbounded.open_session(SessionSpec(stop_token_ids=())) for _ in range(2))
+    for sid, offset in ((a, 0), (b, 3000)):
+        unbounded.submit_prepared(sid, unbounded.prepare_input(
+            text_ids[offset:offset + 400], None), 200)
+    submitted, produced, statuses = {a: 0, b: 0}, {a: 0, b: 0}, {a: set(), b: set()}
+    preempted = set()
+    for _ in range(2000):
+        if not unbounded.has_work:
+            break
+        if a in unbounded.sessions and unbounded.sessions[a].running is None:
+            unbounded.close(a)  # a's turn is done: its blocks free b
+        for outcome in unbounded.step().sessions:
+            submitted[outcome.session_id] += outcome.submitted_tokens
+            produced[outcome.session_id] += len(outcome.new_token_ids)
+            statuses[outcome.session_id].add(outcome.status)
+        preempted |= unbounded._preempted  # what vLLM's scheduler did this step
+    assert not unbounded.has_work
+    assert preempted, "the scenario must make vLLM preempt"
+    victims = [sid for sid in (a, b) if f"{REQUEST_PREFIX}{sid}" in preempted]
+    assert victims and all(WorkStatus.STALLED_KV in statuses[sid] for sid in victims)
+    assert submitted == {a: 400, b: 400}  # once each, recompute or not
+    assert produced == {a: 200, b: 200}
+    unbounded.close(b)
     assert unbounded.pool_stats().used_blocks == 0

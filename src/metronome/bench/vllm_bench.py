@@ -334,12 +334,19 @@ def run(cfg: VllmBenchConfig, console: Console | None = None) -> dict:
 
     console = console or Console(stderr=True)
     started = time.perf_counter()
+    partial = Path(cfg.out_json).with_suffix(".partial.json")  # a crash keeps what ran
+    partial.parent.mkdir(parents=True, exist_ok=True)
     console.rule("decode steps")
     cells = decode_grid(cfg, console)
+    partial.write_text(json.dumps({"decode": cells}, indent=2, default=str))
     console.rule("streaming workload")
-    stream = [stream_stock(cfg, console),
-              stream_metronome(cfg, "unbounded", console),
-              stream_metronome(cfg, str(cfg.bound), console)]
+    stream = []
+    for run_one in (lambda: stream_stock(cfg, console),
+                    lambda: stream_metronome(cfg, "unbounded", console),
+                    lambda: stream_metronome(cfg, str(cfg.bound), console)):
+        stream.append(run_one())
+        partial.write_text(json.dumps({"decode": cells, "stream": stream}, indent=2,
+                                      default=str))
     import vllm
 
     facts = machine(os.environ.get("OMP_WAIT_POLICY", "unset")) | {"vllm": vllm.__version__}
@@ -347,6 +354,7 @@ def run(cfg: VllmBenchConfig, console: Console | None = None) -> dict:
               "stream": stream, "elapsed_s": time.perf_counter() - started}
     Path(cfg.out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out_json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    partial.unlink(missing_ok=True)
     from metronome.bench.vllm_report import write_report
 
     write_report(result, Path(cfg.out_md))

@@ -38,19 +38,21 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine, tok, model_name = _engine(config, model, tokenizer)
-        engine.warm_up()  # before the engine thread starts: the first user pays no warm-up
-        # Everything alive now (model, tokenizer, imports) lives for the whole process: keep
-        # it out of the cyclic GC's scans, whose full passes would otherwise pause the loop
-        # and the engine thread for long enough to make frames late.
-        gc.collect()
-        gc.freeze()
-        state = ServerState(config, engine, tok, registry or CollectorRegistry(),
-                            model_name=model_name)
-        app.state.serving = state
         try:
-            yield
+            engine.warm_up()  # before the engine thread starts: the first user pays none
+            # Everything alive now (model, tokenizer, imports) lives for the whole process:
+            # keep it out of the cyclic GC's scans, whose full passes would otherwise pause
+            # the loop and the engine thread for long enough to make frames late.
+            gc.collect()
+            gc.freeze()
+            state = ServerState(config, engine, tok, registry or CollectorRegistry(),
+                                model_name=model_name)
+            app.state.serving = state
+            try:
+                yield
+            finally:
+                state.close()
         finally:
-            state.close()
             engine.shutdown()
 
     app = FastAPI(title="metronome", lifespan=lifespan)

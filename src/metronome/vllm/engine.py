@@ -21,13 +21,14 @@ Semantics kept equal to the native engine:
   max_tokens >= 1): the chunk runs with max_tokens=1, and that token is neither reported
   nor carried (as if never drawn).
 * `cancel_generation` lowers the running chunk's budget to what it has produced (vLLM can
-  end a turn only at a step boundary: it may still sample one more token, reported late).
+  end a turn only at a step boundary: it may still sample one more token, which is hidden).
 * Chunks queue here, one at a time in vLLM: the next goes in when the running one ends (it
   needs the carried token), in the same call as the step that ended it.
-* A session whose work the scheduler could not place because the pool had no block for it
-  (vLLM's `allocate_slots` returned None in this step, for it or for a request ahead of it:
-  vLLM's scheduler stops at the first) is `stalled_kv`; not being scheduled for any other
-  reason (the step's token budget) is just waiting.
+* A session is `stalled_kv` in a step where the pool kept it from running: vLLM preempted it
+  (its KV freed, to be recomputed: input is then counted once, by a high-water mark), or it
+  did not run while an allocation failed for good (vLLM's scheduler stops placing waiting
+  requests at the first failure) or while a preemption made the scheduler skip the waiting
+  queue. Not running for any other reason (the step's token budget) is just waiting.
 * Reaching `max_model_len` (or the session's `max_session_tokens`) ends the session with
   `context_full` before vLLM would cap it.
 
@@ -141,6 +142,8 @@ class _Chunk:
     submitted_tokens: int  # caller input after it
     max_new_tokens: int  # what the caller asked for (0: a hidden one-token sample)
     start_position: int = 0  # the request's computed tokens when the chunk went in
+    counted: int = 0  # positions of this chunk's input already reported (a high-water mark:
+    # a preempted request recomputes from 0, and its input must not be counted twice)
     produced: int = 0  # tokens sampled so far
     last_token: int | None = None
 
@@ -187,16 +190,27 @@ class VllmEngine:
         self.sessions: dict[int, _VllmSession] = {}
         self._next_session_id = 0
         self._id_lock = threading.Lock()
-        self._denied: set[str] = set()  # requests vLLM could not allocate for, this step
-        original = manager.allocate_slots
+        # What the scheduler could not do for lack of blocks, this step: requests whose last
+        # allocation failed (one that later succeeded, after a preemption, is not denied)
+        # and requests it preempted (their KV freed, to be recomputed).
+        self._denied: set[str] = set()
+        self._preempted: set[str] = set()
+        allocate, preempt = manager.allocate_slots, self.scheduler._preempt_request
 
         def allocate_slots(request, *args, **kwargs):
-            blocks = original(request, *args, **kwargs)
+            blocks = allocate(request, *args, **kwargs)
             if blocks is None:
                 self._denied.add(request.request_id)
+            else:
+                self._denied.discard(request.request_id)
             return blocks
 
+        def preempt_request(request, *args, **kwargs):
+            self._preempted.add(request.request_id)
+            return preempt(request, *args, **kwargs)
+
         manager.allocate_slots = allocate_slots
+        self.scheduler._preempt_request = preempt_request
         self._supported_tasks = llm_engine.get_supported_tasks()
 
     # ---- construction ---------------------------------------------------------------------
@@ -321,6 +335,7 @@ class VllmEngine:
 
     def step(self) -> StepResult:
         self._denied.clear()
+        self._preempted.clear()
         ended = [s for s in self.sessions.values() if s.end_reason and s.running is not None]
         outputs = self.llm.engine_core.get_output().outputs
         new_tokens: dict[str, list[int]] = {}
@@ -339,15 +354,14 @@ class VllmEngine:
         chunk = session.running
         assert chunk is not None
         request = self.scheduler.requests.get(session.request_id)
-        computed = session.computed if request is None else request.num_computed_tokens
-        # preemption resets computed tokens: recomputing old history is not new input
-        begin = max(session.computed, chunk.start_position)
-        end = max(computed, chunk.start_position)
+        previous = session.computed
+        computed = previous if request is None else request.num_computed_tokens
+        ran = max(0, computed - previous)  # positions computed this step (recompute too)
         first_input = chunk.start_position + chunk.carry_tokens
         last_input = first_input + chunk.submitted_tokens
-        submitted = max(0, min(end, last_input) - max(begin, first_input))
+        submitted = max(0, min(computed, last_input) - max(chunk.counted, first_input))
+        chunk.counted = max(chunk.counted, computed)
         session.computed = computed
-        progressed = computed != begin or bool(tokens)
         chunk.produced += len(tokens)
         if tokens:
             chunk.last_token = tokens[-1]
@@ -355,9 +369,9 @@ class VllmEngine:
         visible = tokens[:max(0, chunk.max_new_tokens - (chunk.produced - len(tokens)))]
         finished = request is None or request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
         status = WorkStatus.OK
-        if not progressed and not finished and self._denied:
+        if not finished and self._blocked(session, request, previous, computed, ran, tokens):
             status = WorkStatus.STALLED_KV
-        outcome = SessionStep(session.session_id, status, input_tokens=max(0, end - begin),
+        outcome = SessionStep(session.session_id, status, input_tokens=ran,
                               submitted_tokens=submitted, new_token_ids=list(visible),
                               generating=not finished and chunk.max_new_tokens > 0)
         if finished:
@@ -368,6 +382,21 @@ class VllmEngine:
             if session.queued:
                 self._dispatch(session)
         return outcome
+
+    def _blocked(self, session: _VllmSession, request, previous: int, computed: int,
+                 ran: int, tokens: list[int]) -> bool:
+        """Did the pool's lack of blocks keep this session from running this step?"""
+        from vllm.v1.request import RequestStatus
+
+        if computed < previous or session.request_id in self._preempted:
+            return True  # preempted: its KV is gone, to be recomputed
+        if ran or tokens:
+            return False
+        if self._denied:  # the scheduler stops placing waiting requests at the first denial
+            return True
+        # a preemption this step skips the waiting queue: whoever waits is blocked by KV
+        return bool(self._preempted) and (request is None
+                                          or request.status != RequestStatus.RUNNING)
 
     def _context_full(self, session: _VllmSession) -> SessionStep:
         session.running = None
@@ -397,14 +426,21 @@ class VllmEngine:
         limit = self.llm.vllm_config.model_config.max_model_len
         if session.spec.max_session_tokens is not None:
             limit = min(limit, session.spec.max_session_tokens)
-        if session.computed + len(ids) + max(1, budget) > limit:
-            session.end_reason = f"max_session_tokens reached ({limit})"
+        # vLLM stops a request when its tokens reach max_model_len, the last sampled one
+        # included; the native engine never writes that last token (max_session_tokens)
+        needed = session.computed + len(ids) + max(1, budget)
+        if needed > self.llm.vllm_config.model_config.max_model_len or (
+                session.spec.max_session_tokens is not None
+                and needed - 1 > session.spec.max_session_tokens):
+            session.end_reason = f"the session's token limit ({limit}) is reached"
             return
-        sampling = session.spec.sampling
+        sampling, stop_ids = session.spec.sampling, session.spec.stop_token_ids
         params = SamplingParams(
             max_tokens=max(1, budget), temperature=sampling.temperature, top_p=sampling.top_p,
-            seed=sampling.seed, stop_token_ids=list(session.spec.stop_token_ids or []) or None,
-            detokenize=False)
+            seed=sampling.seed, detokenize=False,
+            # explicit stop ids replace the model's EOS, as in the native engine
+            stop_token_ids=None if stop_ids is None else list(stop_ids),
+            ignore_eos=stop_ids is not None)
         request = self.llm.input_processor.process_inputs(
             request_id=session.request_id, prompt=TokensPrompt(prompt_token_ids=ids),
             params=params, supported_tasks=self._supported_tasks, resumable=True)
@@ -435,14 +471,16 @@ class VllmEngine:
     def memory_ceiling(self, policy: ResidencyPolicy) -> int | None:
         """Sessions under `policy` (the engine's) the pool holds at their peak, by vLLM's own
         per-request reservation of the bounded spec (None: unbounded, no ceiling)."""
+        # every open session holds one of vLLM's request slots, waiting or not
+        seqs = self.scheduler.max_num_active_reqs
         if not policy.bounded:
-            return None
+            return seqs
         if policy != self.vllm_config.policy:
             raise ValueError(f"this engine serves {self.vllm_config.policy}, not {policy}")
         spec = self.kv_managers[0].kv_cache_spec
         per_session = spec.max_admission_blocks_per_request(
             spec.max_in_flight_tokens, self.llm.vllm_config.model_config.max_model_len)
-        return self.num_blocks // per_session
+        return min(seqs, self.num_blocks // per_session)
 
     def warm_up(self) -> None:
         """One short session through every path (vLLM compiles nothing in eager mode, but
