@@ -84,13 +84,17 @@ def test_the_wall_becomes_graceful_degradation(tiny_model):
     stuck, _, _, sids = wall_run(tiny_model, pressure_policy=None)
     wall_s = min(r.finish_s for r in stuck if r.status.value == "stalled_kv")
     after = [r for r in stuck if r.arrival_s > wall_s]
-    assert 10 < wall_s < 16 and sum(r.good for r in after) / len(after) < 0.2
+    stuck_goodput = sum(r.good for r in after) / len(after)
+    assert 10 < wall_s < 16 and stuck_goodput < 0.2
     assert max(longest_bad_run(stuck, sid) for sid in sids) > 20  # stuck to the end
 
     graceful, rebounds, told, sids = wall_run(tiny_model, pressure_policy=ResidencyPolicy
                                               .sinks_window(4, 64))
     after = [r for r in graceful if r.arrival_s > wall_s]
-    assert sum(r.good for r in after) / len(after) >= 0.95
+    graceful_goodput = sum(r.good for r in after) / len(after)
+    print(f"goodput after the wall at {wall_s:.1f} s: {stuck_goodput:.3f} stuck, "
+          f"{graceful_goodput:.3f} with degrade_policy ({len(rebounds)} sessions bound)")
+    assert graceful_goodput >= 0.95
     assert max(longest_bad_run(graceful, sid) for sid in sids) <= 2  # nobody is stuck
     assert sorted(told) == sorted(r.session_id for r in rebounds)  # each owner was told
     assert len(set(told)) == len(told) >= len(sids) // 2  # bounded once, only as needed
