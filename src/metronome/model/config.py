@@ -88,6 +88,7 @@ TINY_LLAMA = ModelConfig(
 )
 
 PRESETS: dict[str, ModelConfig] = {
+    "tiny": TINY_LLAMA,  # `preset:tiny`: a whole server in a subprocess or replica, for tests
     # Qwen2.5-Omni-7B "thinker" LLM = Qwen2.5-7B shapes.
     "qwen2.5-omni-7b": ModelConfig(
         name="qwen2.5-omni-7b", arch="qwen2", vocab_size=152064, hidden_size=3584,
