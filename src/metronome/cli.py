@@ -338,26 +338,49 @@ def config_options(model: type[BaseModel]) -> list[inspect.Parameter]:
 
 
 def serve(log_level: str = "info", **options) -> None:
-    """Serve the OpenAI Realtime subset over WebSocket (FastAPI + uvicorn): the main job."""
+    """Serve the OpenAI Realtime subset over WebSocket (FastAPI + uvicorn): the main job.
+    With --replicas N, N such servers behind one endpoint on Ray Serve (`make install`
+    installs Ray; without --replicas nothing imports it)."""
     from pydantic import ValidationError
 
+    from metronome.cluster.config import ClusterConfig
     from metronome.serve.config import ServerConfig
     from metronome.serve.server import serve_forever
 
-    fields = ServerConfig.model_fields
+    fields, cluster_fields = ServerConfig.model_fields, ClusterConfig.model_fields
+    cluster_given = {name: options.pop(name) for name in list(options)
+                     if name in cluster_fields}
+    replicas = cluster_given.pop("replicas")
+    cluster_given = {name: value for name, value in cluster_given.items()
+                     if value != config_default(cluster_fields[name])}
     given = {name: value for name, value in options.items()  # defaults stay the config's:
              if value != config_default(fields[name])}  # some depend on other fields
+    if replicas is None and cluster_given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in cluster_given)
+        raise typer.BadParameter(f"{flags}: only with --replicas N")
     try:
         config = ServerConfig(**given)
+        cluster = None if replicas is None else ClusterConfig(replicas=replicas,
+                                                              **cluster_given)
     except ValidationError as err:
         raise typer.BadParameter(str(err)) from None
-    serve_forever(config, log_level)
+    if cluster is None:
+        serve_forever(config, log_level)
+        return
+    from metronome.cluster.launch import serve_cluster
+
+    serve_cluster(config, cluster, log_level)
 
 
 def _serve_signature() -> None:
+    from metronome.cluster.config import ClusterConfig
     from metronome.serve.config import ServerConfig
 
-    params = config_options(ServerConfig) + [inspect.Parameter(
+    cluster = [p if p.name != "replicas" else p.replace(  # absent: the plain server
+        annotation=int | None, default=typer.Option(None, min=1, help=ClusterConfig.model_fields[
+            "replicas"].description + " behind Ray Serve (none: one plain server, no Ray)",
+            show_default=False)) for p in config_options(ClusterConfig)]
+    params = config_options(ServerConfig) + cluster + [inspect.Parameter(
         "log_level", inspect.Parameter.KEYWORD_ONLY, annotation=str,
         default=typer.Option("info", help="uvicorn log level"))]
     serve.__signature__ = inspect.Signature(params, return_annotation=None)
