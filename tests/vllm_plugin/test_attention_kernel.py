@@ -1,7 +1,8 @@
 """The exact CPU path against vLLM's own CPU kernel and a dense reference (no engine).
 
-Two requests in one batch (a decode step and a prefill chunk), K/V written by the kernel's
-own cache writer into shuffled physical blocks.
+Four requests in one batch (decode steps past S + W, which run batched, a prefill chunk and
+a decode step inside S + W), K/V written by the kernel's own cache writer into shuffled
+physical blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from metronome.vllm.attention import GatherPlan, cell_offsets, sinks_window_atte
 from metronome.vllm.config import SinksWindow  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64  # SmolLM2's attention shape
-SEQ_LENS, QUERY_LENS = [300, 200], [1, 40]
+SEQ_LENS, QUERY_LENS = [300, 200, 260, 30], [1, 40, 1, 1]
 SCALE = HEAD_SIZE**-0.5
 
 

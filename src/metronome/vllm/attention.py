@@ -5,9 +5,11 @@ sliding window, not "S sinks + a window with a freed gap between". So, per step:
 
 * every sequence in the batch is no longer than S + W: every query sees every earlier
   key, which is plain causal attention -> the stock kernel, untouched;
-* otherwise, per request: gather the keys any of its queries can see (the S sinks and the
-  window of its first query onwards; never a freed block) straight out of the paged cache,
-  and run SDPA with the mask `j <= p and (j < S or p - j < W)` at absolute positions p.
+* otherwise gather the keys any query can see (the S sinks and the window of its first
+  query onwards; never a freed block) straight out of the paged cache: decode requests
+  past S + W see exactly S + W keys, all visible, so they run as one batched SDPA; each
+  other request runs SDPA with the mask `j <= p and (j < S or p - j < W)` at absolute
+  positions p.
 
 The kernel stores each (block, head) as one region of 2 * block_size * head_size cells in
 an ISA-specific order (for "vec", keys transposed: dim-major). Rather than hard-code that
@@ -84,13 +86,20 @@ def visibility_mask(
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """One step's reads, the same for every layer: for every key any query of the batch
-    sees (requests concatenated), the cache elements of its K and V, and each request's
-    slices and mask."""
+    """One step's reads, the same for every layer.
 
-    key_index: torch.Tensor  # (kvh, n, hd) int64 into the layer's flattened cache
+    Decode requests past S + W each see exactly S + W keys, all of them (the S sinks and the
+    last W positions): they form one batch, gathered as (requests, kvh, S + W, hd) and
+    attended by a single unmasked SDPA. Every other request with queries (prefill chunks,
+    sequences shorter than S + W) keeps its own slice of the concatenated keys and its mask.
+    """
+
+    decode_rows: torch.Tensor  # (R,) int64: query rows of the batched decode requests
+    decode_key_index: torch.Tensor  # (R, kvh, S + W, hd) int64 into the flattened cache
+    decode_value_index: torch.Tensor
+    key_index: torch.Tensor  # (kvh, n, hd) int64: keys of the other requests, concatenated
     value_index: torch.Tensor  # (kvh, n, hd)
-    # per request with queries: (query start, query end, key start, key end, (q, k) mask)
+    # per other request: (query start, query end, key start, key end, (q, k) mask)
     requests: list[tuple[int, int, int, int, torch.Tensor]]
 
     @classmethod
@@ -100,22 +109,45 @@ class GatherPlan:
     ) -> GatherPlan:
         _, block_size, _ = offsets.shape
         region_cells = offsets.numel()  # one (block, head) region: 2 * block_size * head_size
+        heads = torch.arange(num_kv_heads)
+
+        def index(keys_at: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+            """(..., kvh, keys, hd): cache cells of keys at `keys_at` in `blocks`."""
+            region = (blocks[..., None, :, None] * num_kv_heads + heads[:, None, None]) \
+                * region_cells
+            return region + offsets[kind, keys_at % block_size][..., None, :, :]
+
         starts = query_start_loc.tolist()
+        decode_rows, decode_keys, decode_blocks = [], [], []
         keys, blocks, requests, num_keys = [], [], [], 0
         for r, seq_len in enumerate(seq_lens.tolist()):
             start, end = starts[r], starts[r + 1]
             if end == start:
                 continue
             keys_at = visible_key_positions(seq_len, end - start, bound)
+            if end - start == 1 and seq_len >= bound.full_attention_tokens:
+                assert len(keys_at) == bound.full_attention_tokens  # S + W, all visible
+                decode_rows.append(start)
+                decode_keys.append(keys_at)
+                decode_blocks.append(block_table[r, keys_at // block_size].long())
+                continue
             mask = visibility_mask(torch.arange(seq_len - (end - start), seq_len), keys_at, bound)
             keys.append(keys_at)
             blocks.append(block_table[r, keys_at // block_size].long())
             requests.append((start, end, num_keys, num_keys + len(keys_at), mask))
             num_keys += len(keys_at)
-        slots = torch.cat(keys) % block_size
-        heads = torch.arange(num_kv_heads)[:, None, None]
-        region = (torch.cat(blocks)[None, :, None] * num_kv_heads + heads) * region_cells
-        return cls(region + offsets[0, slots][None], region + offsets[1, slots][None], requests)
+        empty = torch.zeros(num_kv_heads, 0, offsets.shape[2], dtype=torch.int64)
+        if decode_rows:
+            dk, db = torch.stack(decode_keys), torch.stack(decode_blocks)
+            decode = (index(dk, db, 0), index(dk, db, 1))
+        else:
+            decode = (empty[None], empty[None])
+        if keys:
+            k_at, b_at = torch.cat(keys), torch.cat(blocks)
+            rest = (index(k_at, b_at, 0), index(k_at, b_at, 1))
+        else:
+            rest = (empty, empty)
+        return cls(torch.tensor(decode_rows, dtype=torch.int64), *decode, *rest, requests)
 
 
 def sinks_window_attention(
@@ -124,6 +156,15 @@ def sinks_window_attention(
 ) -> None:
     """output[t] = attention of query[t] (tokens, heads, head_size) over its visible keys."""
     cells = kv_cache.view(-1)  # a view: the layer's cache is contiguous
+    if len(plan.decode_rows):
+        out = F.scaled_dot_product_attention(
+            query[plan.decode_rows][:, :, None],  # (R, H, 1, hd)
+            cells.take(plan.decode_key_index), cells.take(plan.decode_value_index),
+            scale=scale, enable_gqa=True,  # (R, kvh, S + W, hd): every key visible
+        )
+        output[plan.decode_rows] = out[:, :, 0]
+    if not plan.requests:
+        return
     k = cells.take(plan.key_index)  # (kvh, n, hd)
     v = cells.take(plan.value_index)
     for start, end, key_start, key_end, mask in plan.requests:
