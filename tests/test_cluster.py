@@ -1,19 +1,22 @@
 """`metronome serve --replicas 2` on a local Ray cluster (loopback, the tiny preset model,
 one torch thread per replica): sessions placed by admission headroom, a full replica
 skipped, every replica full refused as the plain server refuses, the cluster view and the
-replica label on metrics. One cluster for the module: Ray's start is the slow part.
+replica label on metrics, and kill -9 of a replica. One cluster for the module: Ray's start
+is the slow part; the kill test runs last.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from tests.served import free_port, server_process
@@ -93,3 +96,35 @@ def test_cluster_view_lists_each_replica_and_metrics_carry_its_label(cluster):
         "metronome_admission_cap{")]
     assert len(labelled) == 1 and any(f'replica="{i}"' in labelled[0] for i in ids)
 
+
+
+def closed_within(ws, timeout_s: float) -> bool:
+    try:
+        while True:
+            ws.recv(timeout=timeout_s)
+    except ConnectionClosed:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_kill_9_of_a_replica_ends_only_its_sessions_and_ray_replaces_it(cluster):
+    ws_url = cluster.replace("http", "ws") + "/v1/realtime"
+    sessions = [open_session(ws_url), open_session(ws_url)]  # one on each
+    try:
+        wait_for(lambda: actives(cluster) == [1, 1], 10, "one session on each replica")
+        before = {r["replica"]: r for r in view(cluster)["replicas"]}
+        victim = next(iter(before.values()))
+        os.kill(victim["pid"], signal.SIGKILL)
+        closed = [closed_within(ws, 2.0) for ws in sessions]
+        assert sorted(closed) == [False, True]  # its session's socket drops (no close
+        # frame: Ray's proxy sends none), the other replica's session stays open
+        survivor = open_session(ws_url)  # new sessions go to the live replica meanwhile
+        survivor.close()
+        replaced = wait_for(lambda: [r for r in view(cluster)["replicas"] if r["replica"]
+                                     not in before and r["status"] == "ok"], 90,
+                            "Ray's replacement replica reporting")
+        assert len(replaced) == 1 and replaced[0]["active_sessions"] == 0
+    finally:
+        for ws in sessions:
+            ws.close()

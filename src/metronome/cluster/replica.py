@@ -11,6 +11,7 @@ engine has failed, so Ray replaces it.
 
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -83,7 +84,8 @@ class MetronomeReplica:
     def _report(self, state: ServerState) -> dict:
         health = state.health()
         return {
-            "node_ip": self.node_ip, "status": health["status"], "reason": health["reason"],
+            "node_ip": self.node_ip, "pid": os.getpid(), "status": health["status"],
+            "reason": health["reason"],
             "kv_stall": health["stall_detector"]["state"],
             "cap": health["admission"]["effective_cap"], "active_sessions": health["sessions"],
             "kv_pool": health["kv_pool"], "goodput_ratio": health["goodput_ratio"]}
