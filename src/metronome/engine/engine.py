@@ -120,6 +120,21 @@ class SessionError(ValueError):
     """A request about one session that cannot be honoured (unknown id, ended, bad input)."""
 
 
+def check_token_ids(token_ids: list[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token ids as a (n,) int64 tensor within [0, vocab_size), or `SessionError` with the
+    reason (every engine validates token input with this)."""
+    try:
+        ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise SessionError(f"token_ids must be integers: {err}") from None
+    if ids.dim() != 1:
+        raise SessionError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise SessionError(f"token ids must be in [0, {vocab_size}), got values from "
+                           f"{int(ids.min())} to {int(ids.max())}")
+    return ids
+
+
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig = EngineConfig()) -> None:
         self.model = model
@@ -191,11 +206,7 @@ class Engine:
         if token_ids is not None and embeddings is not None:
             raise SessionError("submit token_ids or embeddings, not both")
         if token_ids is not None:
-            try:
-                ids = torch.as_tensor(token_ids, dtype=torch.int64)
-            except (TypeError, ValueError, RuntimeError) as err:
-                raise SessionError(f"token_ids must be integers: {err}") from None
-            return PreparedInput(self._check_token_ids(ids))
+            return PreparedInput(check_token_ids(token_ids, self.model.config.vocab_size))
         if embeddings is not None:
             return PreparedInput(self._check_embeddings(embeddings))
         return PreparedInput(None)
@@ -397,15 +408,6 @@ class Engine:
             raise SessionError(str(err)) from None
         if spec.max_session_tokens is not None and spec.max_session_tokens < 1:
             raise SessionError(f"max_session_tokens must be >= 1, got {spec.max_session_tokens}")
-
-    def _check_token_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dim() != 1:
-            raise SessionError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
-        vocab = self.model.config.vocab_size
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise SessionError(f"token ids must be in [0, {vocab}), got values from "
-                               f"{int(ids.min())} to {int(ids.max())}")
-        return ids
 
     def _check_embeddings(self, emb: torch.Tensor) -> torch.Tensor:
         hidden = self.model.config.hidden_size

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from metronome.engine.engine import EngineConfig, SessionError
+from metronome.engine.engine import EngineConfig, SessionError, check_token_ids
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import PoolStats, PreparedInput, SessionStep, StepResult, WorkStatus
 from metronome.kv.residency import PolicyKind, ResidencyPolicy
@@ -289,15 +289,7 @@ class VllmEngine:
                                "engine)")
         if token_ids is None:
             return PreparedInput(None)
-        try:
-            ids = torch.as_tensor(token_ids, dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise SessionError(f"token_ids must be integers: {err}") from None
-        if ids.dim() != 1:
-            raise SessionError(f"token_ids must be a flat list, got shape {tuple(ids.shape)}")
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise SessionError(f"token ids must be in [0, {self.vocab_size})")
-        return PreparedInput(ids)
+        return PreparedInput(check_token_ids(token_ids, self.vocab_size))
 
     def submit_prepared(self, session_id: int, prepared: PreparedInput,
                         max_new_tokens: int = 0) -> None:
