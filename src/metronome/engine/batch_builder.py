@@ -1,8 +1,9 @@
 """Turn the sessions scheduled for one step into a `ForwardBatch` (all index math, no model math).
 
-Built once per step, shared by every layer: the write slots of new tokens, the gather order
-of each session's resident blocks, and the attention mask that encodes the residency
-semantics of `kv.residency` token by token (so chunking never changes what a query sees).
+Built once per step, shared by every layer: the write slots of new tokens, and for each
+attention path what encodes the residency semantics of `kv.residency` token by token (so
+chunking never changes what a query sees): the paged kernel's block tables and per-query
+window starts, or the dense path's gather order and mask.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from metronome.engine.session import Session
 from metronome.kv.residency import Positions
-from metronome.model.batch import ForwardBatch
+from metronome.model.batch import DenseAttention, ForwardBatch, PagedAttention
 
 
 @dataclass
@@ -30,9 +31,102 @@ class PlannedWork:
         return self.chunk.shape[0]
 
 
+# Chunks up to this many tokens take the paged kernel when it is available; longer ones
+# (prefill) the dense path, whose fused SDPA does the many-query math as matrix products.
+PAGED_MAX_CHUNK_TOKENS = 16
+
+
+def paged_first(work: list[PlannedWork], paged_max_chunk_tokens: int) -> list[PlannedWork]:
+    """The step's work in the row order `build_batch` needs: chunks of at most
+    `paged_max_chunk_tokens` tokens (the paged path) first, the rest after, each run in
+    the order given (0: every chunk on the dense path)."""
+    paged = [w for w in work if w.num_tokens <= paged_max_chunk_tokens]
+    return paged + [w for w in work if w.num_tokens > paged_max_chunk_tokens]
+
+
 def build_batch(
-    work: list[PlannedWork], embed, dtype: torch.dtype, block_size: int
+    work: list[PlannedWork], embed, dtype: torch.dtype, block_size: int,
+    paged_max_chunk_tokens: int = 0,
 ) -> ForwardBatch:
+    """One step's `ForwardBatch`. `work` in `paged_first` order: its leading chunks of at most
+    `paged_max_chunk_tokens` tokens go to the paged kernel, the rest to the dense path."""
+    num_paged = 0
+    while num_paged < len(work) and work[num_paged].num_tokens <= paged_max_chunk_tokens:
+        num_paged += 1
+    assert all(w.num_tokens > paged_max_chunk_tokens for w in work[num_paged:]), \
+        "work must be in paged_first order"
+    positions, sink_positions, slot_ids, logits_rows = [], [], [], []
+    any_rolling_sinks = False
+    row = 0
+    for w in work:
+        table, policy = w.session.table, w.session.spec.policy
+        blocks = table.logical_to_block_id
+        for p in range(w.start_position, w.start_position + w.num_tokens):
+            positions.append(p)
+            slot_ids.append(blocks[p // block_size] * block_size + p % block_size)
+            if policy.positions is Positions.ROLLING and policy.sink_tokens:
+                any_rolling_sinks = True
+                # the query's slot in the StreamingLLM cache: sinks first, then the window
+                start = policy.window_start(p, block_size)
+                sink_positions.append(min(start, policy.sink_tokens) + p - start)
+            else:
+                sink_positions.append(p)
+        if w.logits_rows == "all":
+            logits_rows.extend(range(row, row + w.num_tokens))
+        elif w.logits_rows == "last":
+            logits_rows.append(row + w.num_tokens - 1)
+        row += w.num_tokens
+
+    def int_tensor(values):
+        return torch.tensor(values, dtype=torch.int64)
+
+    return ForwardBatch(
+        inputs_embeds=_embeddings(work, embed, dtype),
+        positions=int_tensor(positions),
+        sink_positions=int_tensor(sink_positions) if any_rolling_sinks else None,
+        slot_ids=int_tensor(slot_ids),
+        logits_index=int_tensor(logits_rows),
+        paged=_paged(work[:num_paged], block_size) if num_paged else None,
+        dense=_dense(work[num_paged:], block_size) if num_paged < len(work) else None,
+    )
+
+
+def _paged(work: list[PlannedWork], block_size: int) -> PagedAttention:
+    """Block tables and per-query visibility bounds for the paged kernel (plain lists: a
+    decode step has one token per session, and torch ops per session would cost more)."""
+    max_blocks = max(len(w.session.table.logical_to_block_id) for w in work)
+    block_ids, block_logical, num_blocks, sink_tokens, sink_blocks = [], [], [], [], []
+    token_session, token_positions, token_window_start = [], [], []
+    for b, w in enumerate(work):
+        table, policy = w.session.table, w.session.spec.policy
+        blocks = table.logical_to_block_id
+        pad = [0] * (max_blocks - len(blocks))
+        block_ids.extend(list(blocks.values()) + pad)
+        block_logical.extend(list(blocks) + pad)
+        num_blocks.append(len(blocks))
+        sink_tokens.append(policy.sink_tokens)
+        rolling = policy.positions is Positions.ROLLING and policy.sink_tokens
+        sink_blocks.append(min(table.num_sink_blocks, len(blocks)) if rolling else 0)
+        for p in range(w.start_position, w.start_position + w.num_tokens):
+            token_session.append(b)
+            token_positions.append(p)
+            token_window_start.append(policy.window_start(p, block_size))
+    sessions = len(work)
+    return PagedAttention(
+        num_tokens=len(token_session),
+        token_session=torch.tensor(token_session, dtype=torch.int64),
+        token_positions=torch.tensor(token_positions, dtype=torch.int64),
+        token_window_start=torch.tensor(token_window_start, dtype=torch.int64),
+        block_ids=torch.tensor(block_ids, dtype=torch.int64).view(sessions, max_blocks),
+        block_logical=torch.tensor(block_logical, dtype=torch.int64).view(sessions, max_blocks),
+        num_blocks=torch.tensor(num_blocks, dtype=torch.int64),
+        sink_tokens=torch.tensor(sink_tokens, dtype=torch.int64),
+        sink_blocks=torch.tensor(sink_blocks, dtype=torch.int64),
+    )
+
+
+def _dense(work: list[PlannedWork], block_size: int) -> DenseAttention:
+    """Gather order, padding and the token-by-token mask of the dense reference path."""
     batch_size = len(work)
     q_len = max(w.num_tokens for w in work)
     max_blocks = max(len(w.session.table.logical_to_block_id) for w in work)
@@ -43,9 +137,8 @@ def build_batch(
     query_pos = torch.full((batch_size, q_len), -1, dtype=torch.int64)
     window_start = torch.zeros(batch_size, q_len, dtype=torch.int64)
     sink_tokens = torch.zeros(batch_size, 1, 1, dtype=torch.int64)
-    positions, sink_positions, slot_ids, padded_rows, logits_rows = [], [], [], [], []
+    padded_rows = []
     own_sink_cols = [0] * batch_size
-    row = 0
     for b, w in enumerate(work):
         table, policy = w.session.table, w.session.spec.policy
         logical = torch.tensor(list(table.logical_to_block_id), dtype=torch.int64)
@@ -53,27 +146,13 @@ def build_batch(
         block_ids[b, : len(logical)] = physical
         block_logical[b, : len(logical)] = logical
         pos = torch.arange(w.start_position, w.start_position + w.num_tokens)
-        starts = _window_starts(pos, policy.window_tokens, block_size)
         query_pos[b, : w.num_tokens] = pos
-        window_start[b, : w.num_tokens] = starts
+        window_start[b, : w.num_tokens] = _window_starts(pos, policy.window_tokens, block_size)
         sink_tokens[b] = policy.sink_tokens
-        positions.append(pos)
         if policy.positions is Positions.ROLLING and policy.sink_tokens:
             # a young session may hold fewer blocks than its sinks span: never past C
             own_sink_cols[b] = min(table.num_sink_blocks, len(logical)) * block_size
-            # the query's slot in the StreamingLLM cache: sinks first, then the window
-            sink_positions.append(torch.clamp(starts, max=policy.sink_tokens) + pos - starts)
-        else:
-            sink_positions.append(pos)
-        # logical blocks are sorted, so searchsorted finds each token's block
-        slot_ids.append(physical[torch.searchsorted(logical, pos // block_size)] * block_size
-                        + pos % block_size)
         padded_rows.append(b * q_len + torch.arange(w.num_tokens))
-        if w.logits_rows == "all":
-            logits_rows.append(row + torch.arange(w.num_tokens))
-        elif w.logits_rows == "last":
-            logits_rows.append(torch.tensor([row + w.num_tokens - 1]))
-        row += w.num_tokens
 
     offsets = torch.arange(block_size)
     col_pos = (block_logical[:, :, None] * block_size + offsets).view(batch_size, 1, ctx)
@@ -84,20 +163,14 @@ def build_batch(
     )
     attend[:, :, 0] |= query_pos < 0  # padding queries see one slot: no NaN rows
 
-    all_positions = torch.cat(positions)
     same_length = all(w.num_tokens == q_len for w in work)
-    return ForwardBatch(
-        inputs_embeds=_embeddings(work, embed, dtype),
-        positions=all_positions,
-        sink_positions=torch.cat(sink_positions) if max(own_sink_cols) else None,
-        sink_cols=_sink_cols(own_sink_cols),
-        slot_ids=torch.cat(slot_ids),
+    return DenseAttention(
         block_ids=block_ids,
         padded_index=None if same_length else torch.cat(padded_rows),
         batch_size=batch_size,
         max_chunk_tokens=q_len,
         attend=attend.view(1, batch_size, 1, q_len, ctx),
-        logits_index=torch.cat(logits_rows) if logits_rows else torch.zeros(0, dtype=torch.int64),
+        sink_cols=_sink_cols(own_sink_cols),
     )
 
 

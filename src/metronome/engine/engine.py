@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from metronome.engine.batch_builder import PlannedWork, build_batch
+from metronome.engine.batch_builder import (
+    PAGED_MAX_CHUNK_TOKENS,
+    PlannedWork,
+    build_batch,
+    paged_first,
+)
 from metronome.engine.sampling import sample
 from metronome.engine.session import Session, SessionSpec
 from metronome.engine.types import (
@@ -33,6 +38,7 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.model.llama import LlamaModel
 
 DEFAULT_POOL_TOKENS = 65536  # the KV pool when nothing else is said: 4,096 blocks of 16
+ATTENTION_MODES = ("auto", "paged", "dense")
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,20 @@ class EngineConfig:
     # Graceful degradation (opt-in): when the pool cannot supply a session's blocks, switch
     # unbounded sessions to this bound (largest first) until it can, instead of stalling.
     pressure_policy: ResidencyPolicy | None = None
+    # Attention: "auto" reads KV in place with the compiled paged kernel for chunks of at most
+    # `paged_max_chunk_tokens` (decode, short frames) when it builds here, else everything
+    # takes the dense reference path; "paged" insists on the kernel (error if unavailable);
+    # "dense" is the reference path alone. Results agree within float rounding.
+    attention: str = "auto"
+    paged_max_chunk_tokens: int = PAGED_MAX_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, "
+                             f"got {self.attention!r}")
+        if self.paged_max_chunk_tokens < 0:
+            raise ValueError(f"paged_max_chunk_tokens must be >= 0, got "
+                             f"{self.paged_max_chunk_tokens}")
         for name in ("block_size", "max_chunk_tokens", "max_step_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -116,6 +134,20 @@ def check_pool_fits(policy: ResidencyPolicy, config: EngineConfig, num_blocks: i
         f"token chunk is written), so a pool of at least {per_session * block} tokens")
 
 
+def _attention_kernel(config: EngineConfig):
+    """(kernel module or None, chunk limit of the paged path) for `config.attention`."""
+    if config.attention == "dense" or config.paged_max_chunk_tokens == 0:
+        return None, 0
+    from metronome.model import native
+
+    module = native.kernel()
+    if module is None:
+        if config.attention == "paged":
+            raise RuntimeError(f"attention='paged' but {native.unavailable_reason()}")
+        return None, 0
+    return module, config.paged_max_chunk_tokens
+
+
 class SessionError(ValueError):
     """A request about one session that cannot be honoured (unknown id, ended, bad input)."""
 
@@ -149,6 +181,7 @@ class Engine:
             cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
             model.dtype,
         )
+        self.kernel, self.paged_max_chunk_tokens = _attention_kernel(config)
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 0  # the one allocator of session ids (see new_session_id)
         self._id_lock = threading.Lock()
@@ -231,12 +264,21 @@ class Engine:
         rebounds: list[Rebound] = []
         work, outcomes = self._plan(rebounds)
         if work:
-            logits = self.model.forward(
-                build_batch(work, self.model.embed, self.model.dtype, self.config.block_size),
-                self.cache,
-            )
-            outcomes += self._finish(work, logits)
+            work = paged_first(work, self.paged_max_chunk_tokens)
+            outcomes += self._finish(work, self.forward(work))
         return StepResult(sorted(outcomes, key=lambda s: s.session_id), rebounds)
+
+    def forward(self, work: list[PlannedWork]) -> torch.Tensor:
+        """One batched forward over planned work (in `paged_first` order): its logits rows."""
+        batch = self.build_batch(work)
+        return self.model.forward(batch, self.cache, self.kernel)
+
+    def build_batch(self, work: list[PlannedWork]):
+        batch = build_batch(work, self.model.embed, self.model.dtype, self.config.block_size,
+                            self.paged_max_chunk_tokens)
+        if batch.paged is not None:
+            batch.paged.check(self.pool.num_blocks)
+        return batch
 
     def _plan(self, rebounds: list[Rebound] | None = None
               ) -> tuple[list[PlannedWork], list[SessionStep]]:

@@ -1,7 +1,8 @@
 """Our Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Owns the weights and the math of one batched step; knows nothing of sessions or policies:
-those arrive as a `ForwardBatch` (positions, slots, gather indices, mask).
+those arrive as a `ForwardBatch` (positions, slots, and per attention path either block
+tables for the compiled paged kernel or gather indices and a mask for the dense path).
 
 Rolling positions without re-rotating keys: RoPE makes a score depend only on
 `p_q - p_k`. Keys are stored rotated at their absolute position. In the StreamingLLM
@@ -16,11 +17,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from metronome.kv.cache import KVCache
 from metronome.model import rope
-from metronome.model.batch import ForwardBatch
+from metronome.model.batch import DenseAttention, ForwardBatch
 from metronome.model.config import ModelConfig
+from metronome.model.linear import Projection, packing_supported
 
 
 @dataclass
@@ -34,6 +37,17 @@ class LayerWeights:
     mlp_norm: torch.Tensor
     gate_up: torch.Tensor  # (2 * intermediate, hidden): gate and up fused
     down: torch.Tensor  # (hidden, intermediate)
+
+
+PAGED_ATTENTION_EVENT = "metronome::paged_attention"
+
+
+@dataclass
+class _LayerProjections:
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,6 +74,20 @@ class LlamaModel:
         self.inv_freq = rope.inv_frequencies(config.head_dim, config.rope_theta)
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
+        self.use_packed_linear(packing_supported(embed.dtype))
+
+    def use_packed_linear(self, enabled: bool) -> None:
+        """Run the projections as prepacked oneDNN products (`model.linear`), or as plain
+        `F.linear` on the weights (the reference); the weights themselves stay as loaded."""
+        self.packed_linear = enabled
+        self.projections = [
+            _LayerProjections(Projection(w.qkv, w.qkv_bias, enabled),
+                              Projection(w.o, None, enabled),
+                              Projection(w.gate_up, None, enabled),
+                              Projection(w.down, None, enabled))
+            for w in self.layers
+        ]
+        self.lm_head_projection = Projection(self.lm_head, None, enabled)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -69,34 +97,42 @@ class LlamaModel:
         return F.embedding(token_ids, self.embed_tokens)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Run every layer; returns float32 logits for `batch.logits_index` rows: (R, vocab)."""
+    def forward(self, batch: ForwardBatch, cache: KVCache, kernel=None) -> torch.Tensor:
+        """Run every layer; returns float32 logits for `batch.logits_index` rows: (R, vocab).
+
+        `kernel`: the compiled paged-attention module (`metronome.model.native.kernel()`);
+        needed when the batch has a paged part."""
+        assert batch.paged is None or kernel is not None, "a paged batch needs the kernel"
         x = batch.inputs_embeds
         cos, sin = rope.cos_sin(batch.positions, self.inv_freq, x.dtype)
         sink_rope = None
         if batch.sink_positions is not None:
             sink_rope = rope.cos_sin(batch.sink_positions, self.inv_freq, x.dtype)
-        buffers = cache.gather_buffers(batch.block_ids)
-        # (kvh * B, 1, Q, C): the step's mask in the fused kernel's layout, built once
-        kvh = self.config.num_kv_heads
-        fused_mask = batch.attend.expand(kvh, *batch.attend.shape[1:]).reshape(
-            kvh * batch.batch_size, 1, batch.max_chunk_tokens, -1)
-        for layer_idx, w in enumerate(self.layers):
+        dense = batch.dense
+        buffers = fused_mask = None
+        if dense is not None:
+            buffers = cache.gather_buffers(dense.block_ids)
+            # (kvh * B, 1, Q, C): the step's mask in the fused kernel's layout, built once
+            kvh = self.config.num_kv_heads
+            fused_mask = dense.attend.expand(kvh, *dense.attend.shape[1:]).reshape(
+                kvh * dense.batch_size, 1, dense.max_chunk_tokens, -1)
+        for layer_idx, (w, proj) in enumerate(zip(self.layers, self.projections, strict=True)):
             h = rms_norm(x, w.attn_norm, self.config.rms_norm_eps)
-            x = x + self._attention(layer_idx, w, h, batch, cache, buffers, (cos, sin), sink_rope,
-                                    fused_mask)
+            x = x + self._attention(layer_idx, w, proj, h, batch, cache, buffers, (cos, sin),
+                                    sink_rope, fused_mask, kernel)
             h = rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
-            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            gate, up = proj.gate_up(h).chunk(2, dim=-1)
+            x = x + proj.down(F.silu(gate) * up)
         x = x.index_select(0, batch.logits_index)
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head_projection(x).float()
 
-    def _attention(self, layer_idx, w, h, batch, cache, buffers, rope_cs, sink_rope, fused_mask):
+    def _attention(self, layer_idx, w, proj, h, batch, cache, buffers, rope_cs, sink_rope,
+                   fused_mask, kernel):
         cos, sin = rope_cs
         cfg = self.config
         tokens = h.shape[0]
-        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        qkv = proj.qkv(h)
         q, k, v = qkv.split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
         q = q.view(tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -105,23 +141,51 @@ class LlamaModel:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         cache.write(layer_idx, batch.slot_ids, rope.apply(k, cos, sin), v)
-        keys, values = cache.gather(layer_idx, batch.block_ids, buffers)  # (kvh, B, C, hd)
-        q_grouped = self._group(rope.apply(q, cos, sin), batch)  # (kvh, B, group * Q, hd)
-        if sink_rope is None:
-            out = self._fused_attention(q_grouped, keys, values, batch, fused_mask)
+        q_rot = rope.apply(q, cos, sin)
+        outs = []
+        split = 0 if batch.paged is None else batch.paged.num_tokens
+        if batch.paged is not None:
+            outs.append(self._paged_attention(layer_idx, q, q_rot, batch.paged, cache, sink_rope,
+                                              kernel))
+        if batch.dense is not None:
+            dense_rope = None if sink_rope is None else (sink_rope[0][split:], sink_rope[1][split:])
+            outs.append(self._dense_attention(layer_idx, q[split:], q_rot[split:], batch.dense,
+                                              cache, buffers, dense_rope, fused_mask))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return proj.o(out)
+
+    def _paged_attention(self, layer_idx, q, q_rot, paged, cache, sink_rope, kernel):
+        """The compiled kernel over the first `paged.num_tokens` rows, reading K/V in place."""
+        n = paged.num_tokens
+        q_sink = None
+        if sink_rope is not None and bool(paged.sink_blocks.any()):
+            q_sink = rope.apply(q[:n], sink_rope[0][:n], sink_rope[1][:n]).contiguous()
+        with record_function(PAGED_ATTENTION_EVENT):  # a named span for torch.profiler
+            return kernel.paged_attention(
+                q_rot[:n].contiguous(), q_sink, cache.k[layer_idx], cache.v[layer_idx],
+                paged.token_session, paged.token_positions, paged.token_window_start,
+                paged.block_ids, paged.block_logical, paged.num_blocks, paged.sink_tokens,
+                paged.sink_blocks, cache.block_size, self.config.head_dim**-0.5)
+
+    def _dense_attention(self, layer_idx, q, q_rot, dense, cache, buffers, sink_rope, fused_mask):
+        """The reference path: gather every session's blocks, pad queries, mask, fused SDPA."""
+        keys, values = cache.gather(layer_idx, dense.block_ids, buffers)  # (kvh, B, C, hd)
+        q_grouped = self._group(q_rot, dense)  # (kvh, B, group * Q, hd)
+        if dense.sink_cols is None:
+            out = self._fused_attention(q_grouped, keys, values, dense, fused_mask)
         else:  # rolling sinks need their own scores: the explicit path
             keys_t = keys.transpose(-1, -2)  # (kvh, B, hd, C): BLAS reads the transpose in place
             scores = torch.matmul(q_grouped, keys_t)
-            q_sink = self._group(rope.apply(q, *sink_rope), batch)
-            n = batch.sink_cols.shape[-1]
+            q_sink = self._group(rope.apply(q, *sink_rope), dense)
+            n = dense.sink_cols.shape[-1]
             sink_scores = torch.matmul(q_sink, keys_t[..., :n])
-            scores[..., :n] = torch.where(batch.sink_cols, sink_scores, scores[..., :n])
-            out = self._softmax_values(scores, values, batch)  # (B * Q, heads * hd)
-        if batch.padded_index is not None:
-            out = out.index_select(0, batch.padded_index)
-        return F.linear(out, w.o)
+            scores[..., :n] = torch.where(dense.sink_cols, sink_scores, scores[..., :n])
+            out = self._softmax_values(scores, values, dense)  # (B * Q, heads * hd)
+        if dense.padded_index is not None:
+            out = out.index_select(0, dense.padded_index)
+        return out
 
-    def _group(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _group(self, q: torch.Tensor, batch: DenseAttention) -> torch.Tensor:
         """(T, heads, hd) -> (kvh, B, group * Q, hd): query heads sharing a kv head together."""
         cfg = self.config
         b, q_len = batch.batch_size, batch.max_chunk_tokens

@@ -7,21 +7,26 @@ import statistics
 import time
 from collections.abc import Callable
 
-from metronome.engine.batch_builder import build_batch
+from metronome.engine.batch_builder import paged_first
 from metronome.engine.engine import Engine
+from metronome.model.llama import PAGED_ATTENTION_EVENT
 
 TOP_OPS = 6
 # aten ops grouped for the "where does the step go" split (self CPU time, profiler)
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-              "aten::linear", "aten::_scaled_dot_product_flash_attention_for_cpu"}
+              "aten::linear", "mkldnn::_linear_pointwise"}
+# fused attention: torch's SDPA, and our compiled kernel (a named span: it is not an aten op)
+ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", PAGED_ATTENTION_EVENT}
 COPY_OPS = {"aten::copy_", "aten::index_select", "aten::index_copy_", "aten::cat",
             "aten::clone", "aten::contiguous", "aten::_to_copy"}
 
 
 def profile_steps(step: Callable[[], object], num_steps: int) -> dict:
-    """Steps under torch.profiler: aten self CPU time by kind vs. wall time, per step.
+    """Steps under torch.profiler: op self CPU time by kind vs. wall time, per step.
 
-    `outside_aten_share` = 1 - (sum of aten self time) / wall: Python, dispatch and glue.
+    Ops are aten's and oneDNN's, plus the span around our paged-attention kernel; kinds are
+    matmul (the projections), attention (SDPA or the paged kernel), copy/gather, other.
+    `outside_aten_share` = 1 - (sum of op self time) / wall: Python, dispatch and glue.
     Profiler bookkeeping adds a few us per op, so this share is an upper bound.
     """
     from torch.profiler import ProfilerActivity, profile
@@ -31,13 +36,14 @@ def profile_steps(step: Callable[[], object], num_steps: int) -> dict:
         for _ in range(num_steps):
             step()
         wall_ms = (time.perf_counter() - start) * 1e3 / num_steps
-    by_kind_ms = {"matmul": 0.0, "copy_gather": 0.0, "other_aten": 0.0}
+    by_kind_ms = {"matmul": 0.0, "attention": 0.0, "copy_gather": 0.0, "other_aten": 0.0}
     op_ms, aten_calls = {}, 0
     for event in prof.key_averages():
-        if not event.key.startswith("aten::"):
+        if not event.key.startswith(("aten::", "mkldnn::")) and event.key not in ATTENTION_OPS:
             continue
         kind = "matmul" if event.key in MATMUL_OPS else (
-            "copy_gather" if event.key in COPY_OPS else "other_aten")
+            "attention" if event.key in ATTENTION_OPS else (
+                "copy_gather" if event.key in COPY_OPS else "other_aten"))
         by_kind_ms[kind] += event.self_cpu_time_total / 1e3 / num_steps
         op_ms[event.key] = event.self_cpu_time_total / 1e3 / num_steps
         aten_calls += event.count
@@ -59,14 +65,14 @@ def phase_split(engine: Engine, repeats: int) -> dict:
     own median shows the mirror is faithful.
     """
     phases: dict[str, list[float]] = {"plan": [], "build_batch": [], "forward": [], "finish": []}
-    model, block = engine.model, engine.config.block_size
     for _ in range(repeats):
         t0 = time.perf_counter()
         work, _ = engine._plan()
+        work = paged_first(work, engine.paged_max_chunk_tokens)
         t1 = time.perf_counter()
-        batch = build_batch(work, model.embed, model.dtype, block)
+        batch = engine.build_batch(work)
         t2 = time.perf_counter()
-        logits = model.forward(batch, engine.cache)
+        logits = engine.model.forward(batch, engine.cache, engine.kernel)
         t3 = time.perf_counter()
         engine._finish(work, logits)
         t4 = time.perf_counter()

@@ -122,6 +122,7 @@ def md_overhead(res: dict) -> str:
         rows.append([o["system"], o["sessions"], o["session_tokens"], f"{o['step_ms_median']:.1f}",
                      f"{p['wall_ms']:.1f}", times(p["wall_ms"] / o["step_ms_median"]),
                      f"{p['aten_calls_per_step']:.0f}", pct(share["matmul"]),
+                     pct(share.get("attention", 0.0)),
                      pct(share["copy_gather"]), pct(share["other_aten"]),
                      pct(p["outside_aten_share"])])
         if "phases_ms" in o:
@@ -140,7 +141,8 @@ profiled steps ran much slower than the timed ones ("profiled / timed"), their s
 those slower steps.
 
 {table(["system", "N", "L", "timed step ms (median)", "profiled step ms", "profiled / timed",
-         "aten calls/step", "matmul", "copies/gathers", "other aten", "outside aten"], rows)}
+         "aten calls/step", "matmul", "attention", "copies/gathers", "other aten",
+         "outside aten"], rows)}
 
 Phase split of our step (unprofiled medians, ms): `Engine._plan`, `build_batch`, model forward,
 `Engine._finish`; bookkeeping = plan + build_batch + finish as a share of their sum.

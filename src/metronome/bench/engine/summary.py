@@ -146,6 +146,7 @@ def limits(grid: dict[Key, dict], dtype: str, overhead: list[dict]) -> list[str]
         lines.append(
             f"{o['system']}, N={o['sessions']}, L={o['session_tokens']}: copies/gathers "
             f"{pct(share['copy_gather'])} of a profiled step, matmul {pct(share['matmul'])}, "
+            f"attention {pct(share.get('attention', 0.0))}, "
             f"other aten {pct(share['other_aten'])}, outside aten "
             f"{pct(o['profile']['outside_aten_share'])} "
             f"({o['profile']['aten_calls_per_step']:.0f} aten calls per step; profiled steps "
