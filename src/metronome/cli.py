@@ -267,6 +267,36 @@ def bench_vllm(
     run_bench(cfg)
 
 
+@bench_app.command("engine-vs-vllm")
+def bench_engine_vs_vllm(
+    out: str = typer.Option("docs/results/engine_vs_vllm.md",
+                            help="markdown report (+ .png beside it)"),
+    json_out: str = typer.Option("docs/results/engine_vs_vllm.json", help="raw results"),
+    smoke: bool = typer.Option(False, help="tiny sizes (a few minutes), for CI"),
+    repeats: int = typer.Option(None, min=1, help="alternating rounds of decode steps "
+                                "(default 3; smoke 2)", show_default=False),
+) -> None:
+    """The native engine vs vLLM on this CPU, side by side: decode tokens/s (unbounded vs
+    stock vLLM, sinks+window vs vLLM's sliding window), prefill time, and our GEMMs against
+    torch's peak. Needs vLLM (`make vllm-install`; run it from .venv-vllm)."""
+    from dataclasses import replace
+
+    from metronome.bench.engine_vs_vllm import EngineVsVllmConfig
+    from metronome.bench.engine_vs_vllm import run as run_bench
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise typer.BadParameter("vLLM is not installed in this environment: `make "
+                                 "vllm-install`, then .venv-vllm/bin/metronome bench "
+                                 "engine-vs-vllm") from None
+    cfg = EngineVsVllmConfig.smoke() if smoke else EngineVsVllmConfig()
+    cfg = replace(cfg, out_md=out, out_json=json_out)
+    if repeats is not None:
+        cfg = replace(cfg, repeats=repeats)
+    run_bench(cfg)
+
+
 @bench_app.command("soak")
 def bench_soak(
     duration_s: float = typer.Option(1800.0, min=1.0, help="how long clients churn (a few "
