@@ -169,3 +169,19 @@ def test_without_the_kernel_auto_falls_back_and_paged_says_why(monkeypatch, tiny
 def test_the_build_cache_is_named_after_this_cpu():
     assert native.build_dir().name == f"paged_attention_{native._cpu_tag()}"
     assert len(native._cpu_tag()) == 10
+
+
+def test_engine_paths_select_the_fast_or_the_reference_code():
+    from metronome.engine.engine import for_engine_path
+    from metronome.runtime.local import RunConfig
+
+    model = random_model(TINY_LLAMA, torch.float32, seed=4)
+    base = EngineConfig(block_size=4, pool_tokens=256)
+    reference = for_engine_path(model, base, "reference")
+    assert reference.attention == "dense" and not model.packed_linear
+    fast = for_engine_path(model, base, "fast")
+    assert fast.attention == "auto" and model.packed_linear
+    with pytest.raises(ValueError, match="engine path must be one of fast, reference"):
+        for_engine_path(model, base, "turbo")
+    with pytest.raises(ValueError, match="engine_path must be one of fast, reference"):
+        RunConfig(engine_path="turbo")

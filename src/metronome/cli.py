@@ -88,6 +88,8 @@ def run(
     engine: str = typer.Option("native", help="native | vllm (vLLM + the sinks+window plugin, "
                                "`make vllm-install`; wall clock, text input)"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    engine_path: str = typer.Option("fast", help="native engine: fast (paged kernel, prepacked "
+                                    "projections) | reference (dense attention, F.linear)"),
     seed: int = typer.Option(0, help="workload seed"),
     out: str = typer.Option("out/run", help="folder for frames.csv and summary.json"),
 ) -> None:
@@ -101,7 +103,7 @@ def run(
             deadline_fraction=deadline_fraction, tokens_per_frame=tokens_per_frame,
             output_tokens=output_tokens, mode=mode, policy=policy, pool_tokens=pool_tokens,
             clock=clock, input=input_kind, model=model, engine=engine, dtype=dtype, seed=seed,
-            out=out,
+            out=out, engine_path=engine_path,
         )
         config.profile()
     except ValueError as err:
@@ -212,11 +214,14 @@ def bench_admission(
     json_out: str = typer.Option("docs/results/admission.json", help="raw results to write"),
     smoke: bool = typer.Option(False, help="short runs, for CI"),
     wall: bool = typer.Option(True, help="also run the wall-clock SmolLM2 experiment"),
+    compare_reference: bool = typer.Option(False, help="run the wall-clock experiment again "
+                                           "on the engine's reference path (before/after)"),
 ) -> None:
     """AIMD admission vs the swept N*: virtual clock (bounded, unbounded) and wall clock."""
     from metronome.bench.admission_bench import run as run_bench
 
-    run_bench(out_md=out, out_json=json_out, smoke=smoke, wall=wall)
+    run_bench(out_md=out, out_json=json_out, smoke=smoke, wall=wall,
+              compare_reference=compare_reference)
 
 
 @bench_app.command("plan")

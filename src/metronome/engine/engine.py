@@ -12,7 +12,7 @@ allocated is reported `stalled_kv` and keeps its input for a later step; nothing
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +35,7 @@ from metronome.engine.types import (
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.cache import KVCache, num_blocks_for
 from metronome.kv.residency import ResidencyPolicy
+from metronome.model.linear import packing_supported
 from metronome.model.llama import LlamaModel
 
 DEFAULT_POOL_TOKENS = 65536  # the KV pool when nothing else is said: 4,096 blocks of 16
@@ -132,6 +133,20 @@ def check_pool_fits(policy: ResidencyPolicy, config: EngineConfig, num_blocks: i
         f"cannot hold one {policy} session: it needs {per_session} blocks ({steady} for its "
         f"sinks and window, {per_session - steady} more while a {config.max_chunk_tokens}-"
         f"token chunk is written), so a pool of at least {per_session * block} tokens")
+
+
+ENGINE_PATHS = ("fast", "reference")
+
+
+def for_engine_path(model: LlamaModel, config: EngineConfig, path: str) -> EngineConfig:
+    """Set up `model` and `config` for one of the engine's code paths: "fast" (the defaults:
+    paged kernel where it builds, prepacked projections) or "reference" (dense attention and
+    plain `F.linear`: the engine as it was before its fast path, for before/after runs)."""
+    if path not in ENGINE_PATHS:
+        raise ValueError(f"engine path must be one of {', '.join(ENGINE_PATHS)}, got {path!r}")
+    reference = path == "reference"
+    model.use_packed_linear(not reference and packing_supported(model.dtype))
+    return replace(config, attention="dense") if reference else config
 
 
 def _attention_kernel(config: EngineConfig):

@@ -20,7 +20,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from metronome.engine.engine import DEFAULT_POOL_TOKENS, Engine, EngineConfig
+from metronome.engine.engine import (
+    DEFAULT_POOL_TOKENS,
+    ENGINE_PATHS,
+    Engine,
+    EngineConfig,
+    for_engine_path,
+)
 from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
 from metronome.model.weights import AUTO_DTYPE, resolve_dtype
 from metronome.runtime.cost_model import StepCostModel, calibrate
@@ -51,6 +57,7 @@ class RunConfig:
     input: str = "text"  # text | audio
     model: str = "bundled"
     engine: str = "native"  # native | vllm
+    engine_path: str = "fast"  # native engine: fast | reference (dense attention, F.linear)
     dtype: str = AUTO_DTYPE
     seed: int = 0
     out: str = "out/run"
@@ -68,6 +75,9 @@ class RunConfig:
             raise ValueError("--engine vllm runs on the wall clock with text input (vLLM's "
                              "streaming input takes token ids; its steps are timed, not "
                              "modelled)")
+        if self.engine_path not in ENGINE_PATHS:
+            raise ValueError(f"engine_path must be one of {', '.join(ENGINE_PATHS)}, got "
+                             f"{self.engine_path!r}")
         if self.mode not in set(SessionMode):
             raise ValueError(f"mode must be one of {', '.join(SessionMode)}, got {self.mode!r}")
 
@@ -131,8 +141,9 @@ def build(config: RunConfig):
         return engine, text_source(load_tokenizer(config.model), engine.vocab_size,
                                    config.tokens_per_frame)
     model = load_model(config.model, resolve_dtype(config.dtype))
-    engine = Engine(model, EngineConfig(block_size=config.block_size or 16,
-                                        pool_tokens=config.pool_tokens))
+    engine = Engine(model, for_engine_path(model, EngineConfig(
+        block_size=config.block_size or 16, pool_tokens=config.pool_tokens),
+        config.engine_path))
     engine.warm_up()
     if config.input == "audio":
         source = audio_source(model, config.frame_period_s)
