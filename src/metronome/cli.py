@@ -20,6 +20,9 @@ bench_app = typer.Typer(
     no_args_is_help=True, help="Benchmarks (not tests): print JSON, write docs."
 )
 app.add_typer(bench_app, name="bench")
+cluster_app = typer.Typer(no_args_is_help=True, help="Operate a running `metronome serve "
+                          "--replicas N` application on its Ray cluster.")
+app.add_typer(cluster_app, name="cluster")
 POLICY_HELP = "unbounded | window:W | sinks_window:S:W, optionally @rolling"
 DTYPE_HELP = "auto (bfloat16 where the CPU has native bf16, else float32) | float32 | bfloat16"
 
@@ -389,6 +392,20 @@ def _serve_signature() -> None:
 
 _serve_signature()
 app.command()(serve)
+
+
+@cluster_app.command("scale")
+def cluster_scale(
+    replicas: int = typer.Argument(..., min=1, help="the replica count to run from now on"),
+    ray_address: str = typer.Option(..., help="the Ray cluster (`metronome serve --replicas` "
+                                    "prints it; `ray start --head` for one of your own)"),
+) -> None:
+    """Scale the running application: new replicas start; removed ones take no new session
+    and end when their sessions have, or at their drain timeout (close 1001)."""
+    from metronome.cluster.launch import scale
+
+    scale(replicas, ray_address)
+    typer.echo(f"metronome: scaling to {replicas} replicas")
 
 
 @app.command()
