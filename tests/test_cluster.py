@@ -7,6 +7,8 @@ module: Ray's start is the slow part; the kill and drain tests run last, in that
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import os
 import re
@@ -18,9 +20,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from openai import AsyncOpenAI
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from metronome.load.speech import SPEECH_DIR, speech_stream
 from tests.served import free_port, server_process
 from tests.streamer import SpeechStreamer
 
@@ -118,6 +122,34 @@ def test_cluster_view_lists_each_replica_and_metrics_carry_its_label(cluster):
     labelled = [line for line in text.splitlines() if line.startswith(
         "metronome_admission_cap{")]
     assert len(labelled) == 1 and any(f'replica="{i}"' in labelled[0] for i in ids)
+
+
+async def _sdk_duplex(url: str) -> list:
+    """The official SDK's realtime client, as in test_serve_integration (no key here; the
+    tiny model has no tokenizer: frames and responses, no text)."""
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=url.replace("http", "ws") + "/v1")
+    async with client.realtime.connect(model="metronome") as conn:
+        assert (await conn.recv()).type == "session.created"
+        await conn.session.update(session={
+            "type": "realtime", "output_modalities": ["text"],
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+        assert (await conn.recv()).type == "session.updated"
+        pcm = speech_stream(SPEECH_DIR, 24000, 2.0)
+        for offset in range(0, len(pcm), 9600):  # 100 ms appends at real-time pace
+            await conn.input_audio_buffer.append(
+                audio=base64.b64encode(pcm[offset: offset + 9600]).decode())
+            await asyncio.sleep(0.1)
+        events = []
+        while sum(e.type == "response.done" for e in events) < 2:
+            events.append(await asyncio.wait_for(conn.recv(), 30))
+        return events
+
+
+def test_openai_sdk_realtime_client_through_the_cluster_entry_point(cluster):
+    events = asyncio.run(_sdk_duplex(cluster))
+    done = [e for e in events if e.type == "response.done"]
+    assert [d.response.status for d in done] == ["completed", "completed"]
+    assert [e.type for e in events].count("response.created") == 2
 
 
 
