@@ -270,6 +270,30 @@ def bench_vllm(
     run_bench(cfg)
 
 
+@bench_app.command("cluster")
+def bench_cluster(
+    smoke: bool = typer.Option(False, help="one short step of each part (checks the command)"),
+    repeats: int = typer.Option(5, min=1, help="proxy-hop runs of each server"),
+    out: str = typer.Option("docs/results/cluster.md", help="markdown report (+ .png beside)"),
+    json_out: str = typer.Option("docs/results/cluster.json", help="every measurement"),
+) -> None:
+    """Ray Serve's cost and gain (tiny model, loopback): the proxy hop against the plain
+    server side by side, sessions held at <= 1 % deadline misses with 1 vs 2 replicas (AIMD
+    on), and Ray's footprint. Prints the summary."""
+    from metronome.bench.cluster_bench import ClusterBenchConfig
+    from metronome.bench.cluster_bench import run as run_bench
+
+    paths = {"out_md": out, "out_json": json_out}
+    config = (ClusterBenchConfig.smoke_size(**paths) if smoke
+              else ClusterBenchConfig(repeats=repeats, **paths))
+    result = run_bench(config)
+    typer.echo(json.dumps({"proxy_hop": result["proxy_hop"]["summary"],
+                           "held_sessions": [c["held_sessions"] for c in result["capacity"]],
+                           "capacity_ratio": result["capacity_ratio"],
+                           "footprint": {k: v for k, v in result["footprint"].items()
+                                         if k != "rss_mib_by_process"}}, indent=2))
+
+
 @bench_app.command("soak")
 def bench_soak(
     duration_s: float = typer.Option(1800.0, min=1.0, help="how long clients churn (a few "
