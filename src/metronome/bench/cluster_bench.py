@@ -10,7 +10,7 @@ it gives, on loopback with the tiny preset model (one torch thread per server).
    after the last one's sessions closed. A step holds when at most 1 % of its admitted
    sessions' frames missed their deadline (server-side); capacity is the most sessions
    a holding step had admitted. The ladder stops at the first step that does not hold or
-   where admission refused sessions.
+   where admission refused sessions, then bisects between it and the last that held.
 3. Ray's footprint, from the 2-replica start: command to both replicas reporting in
    `GET /v1/cluster`, RSS of every process in the launcher's tree (Ray's own included),
    their CPU while idle, SIGTERM to exit.
@@ -54,7 +54,11 @@ class ClusterBenchConfig:
     repeats: int = 5  # proxy-hop runs of each server
     hop_sessions: int = 4
     hop_duration_s: float = 15.0
-    ladder: tuple[int, ...] = (4, 8, 12, 16, 24, 32, 40, 48, 64)
+    ladder: tuple[int, ...] = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56)
+    # 32 decode steps a frame: the replica's engine binds (about 20-30 sessions on one
+    # thread here) long before the load generator or Ray's proxy would (4 tokens: > 48)
+    output_tokens_per_frame: int = 32
+    bisect_steps: int = 2  # between the last step that held and the first that did not
     step_duration_s: float = 20.0
     ramp_s: float = 4.0
     out_md: str = "docs/results/cluster.md"
@@ -63,7 +67,7 @@ class ClusterBenchConfig:
     @classmethod
     def smoke_size(cls, **paths) -> ClusterBenchConfig:
         return cls(smoke=True, repeats=1, hop_sessions=1, hop_duration_s=3.0, ladder=(2,),
-                   step_duration_s=3.0, ramp_s=0.5, **paths)
+                   bisect_steps=0, step_duration_s=3.0, ramp_s=0.5, **paths)
 
 
 # ---- servers ----------------------------------------------------------------------------
@@ -73,10 +77,11 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _serve_args(port: int, replicas: int | None, admission_cap: int) -> list[str]:
+def _serve_args(port: int, replicas: int | None, admission_cap: int,
+                output_tokens: int) -> list[str]:
     args = [str(Path(sys.executable).parent / "metronome"), "serve", "--model", "preset:tiny",
             "--port", str(port), "--admission", "aimd", "--admission-cap", str(admission_cap),
-            "--log-level", "warning"]
+            "--output-tokens-per-frame", str(output_tokens), "--log-level", "warning"]
     return args + (["--replicas", str(replicas), "--stats-period-s", "0.5"] if replicas
                    else [])
 
@@ -98,14 +103,15 @@ class Server:
     start_s: float  # command to ready
 
     @classmethod
-    def start(cls, replicas: int | None, admission_cap: int) -> Server:
+    def start(cls, replicas: int | None, admission_cap: int, output_tokens: int) -> Server:
         """Its output (Ray's logs: every request's) goes to LOG_DIR/<replicas>.log."""
         port = _free_port()
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         log_path = LOG_DIR / f"{replicas or 'plain'}.log"
         started = time.monotonic()
         with log_path.open("w") as log:
-            process = subprocess.Popen(_serve_args(port, replicas, admission_cap),
+            process = subprocess.Popen(_serve_args(port, replicas, admission_cap,
+                                                   output_tokens),
                                        env=os.environ | SINGLE_THREAD, stdout=log, stderr=log)
         url = f"http://127.0.0.1:{port}"
         while not _ready(url, replicas):
@@ -174,26 +180,40 @@ def _agg(kind: str, values: list[float]) -> float:
 
 
 def capacity(config: ClusterBenchConfig, server: Server) -> dict:
+    """Up the ladder to the first step that does not hold (or was refused), then bisect
+    between it and the last that held, `bisect_steps` times at most."""
     steps = []
     for offered in config.ladder:
-        _progress(f"capacity, {server.replicas} replica(s): {offered} sessions offered")
-        summary = _load(server, offered, config.step_duration_s, config.ramp_s)
-        sessions = summary["sessions"]
-        admitted = sessions.get("completed", 0) + sessions.get("closed_by_server", 0)
-        good = summary["goodput_server"]
-        miss = None if good is None else 1.0 - good
-        step = {"offered": offered, "admitted": admitted,
-                "refused": sessions.get("refused", 0), "failed": sessions.get("failed", 0),
-                "frames": summary["frames"], "miss_share": miss,
-                "client_p95_ms": summary["latency_ms"]["client"]["p95"],
-                "holds": miss is not None and miss <= MISS_LIMIT}
-        steps.append(step)
-        _progress(f"  admitted {admitted}, refused {step['refused']}, misses "
-                  f"{'-' if miss is None else f'{miss:.1%}'}")
-        if not step["holds"] or step["refused"]:
+        steps.append(_step(config, server, offered))
+        if not steps[-1]["holds"] or steps[-1]["refused"]:
             break
+    held_at = [s["offered"] for s in steps if s["holds"]]
+    low, high = (held_at[-1] if held_at else 0), steps[-1]["offered"]
+    for _ in range(config.bisect_steps if not steps[-1]["holds"] else 0):
+        if high - low <= 1:
+            break
+        steps.append(_step(config, server, (low + high) // 2))
+        low, high = ((steps[-1]["offered"], high) if steps[-1]["holds"]
+                     else (low, steps[-1]["offered"]))
     held = max((s["admitted"] for s in steps if s["holds"]), default=0)
     return {"replicas": server.replicas, "steps": steps, "held_sessions": held}
+
+
+def _step(config: ClusterBenchConfig, server: Server, offered: int) -> dict:
+    _progress(f"capacity, {server.replicas} replica(s): {offered} sessions offered")
+    summary = _load(server, offered, config.step_duration_s, config.ramp_s)
+    sessions = summary["sessions"]
+    admitted = sessions.get("completed", 0) + sessions.get("closed_by_server", 0)
+    good = summary["goodput_server"]
+    miss = None if good is None else 1.0 - good
+    step = {"offered": offered, "admitted": admitted,
+            "refused": sessions.get("refused", 0), "failed": sessions.get("failed", 0),
+            "frames": summary["frames"], "miss_share": miss,
+            "client_p95_ms": summary["latency_ms"]["client"]["p95"],
+            "holds": miss is not None and miss <= MISS_LIMIT}
+    _progress(f"  admitted {admitted}, refused {step['refused']}, misses "
+              f"{'-' if miss is None else f'{miss:.1%}'}")
+    return step
 
 
 def _tree(process: subprocess.Popen) -> list[psutil.Process]:
@@ -240,7 +260,8 @@ def run(config: ClusterBenchConfig) -> dict:
     started = time.time()
     cap = max(config.ladder) + 1  # AIMD's start: above every step
     _progress("starting the plain server and a 1-replica cluster")
-    plain, one = Server.start(None, cap), Server.start(1, cap)
+    tokens = config.output_tokens_per_frame
+    plain, one = Server.start(None, cap, tokens), Server.start(1, cap, tokens)
     try:
         hop = proxy_hop(config, plain, one)
     finally:
@@ -250,7 +271,7 @@ def run(config: ClusterBenchConfig) -> dict:
     finally:
         one.stop()
     _progress("starting a 2-replica cluster")
-    two = Server.start(2, cap)
+    two = Server.start(2, cap, tokens)
     try:
         ray_footprint = footprint(two)
         capacities.append(capacity(config, two))

@@ -38,13 +38,15 @@ uvicorn, websockets, pydantic).
 
 def report(result: dict, png_name: str) -> str:
     machine, config = result["machine"], result["config"]
-    lines = [
+    lines: list[str] = [
         "# Ray Serve cluster (`metronome serve --replicas N`): cost and capacity", "",
         f"Command: `{result['command']}` ({result['elapsed_s'] / 60:.1f} min). Machine: "
         f"{machine['cpus']} CPUs, {machine['memory_gib']:.0f} GiB, Python "
         f"{machine['python']}, torch {machine['torch']}, Ray {machine['ray']} (shared with "
         "other jobs). Every server: `--model preset:tiny` (the 2-layer random test Llama), "
-        "one torch thread, AIMD admission, on loopback; each cluster is a local Ray started "
+        f"one torch thread, {config['output_tokens_per_frame']} output tokens a frame (so the "
+        "engine, not the load generator or Ray's proxy, binds first), AIMD admission "
+        "starting above the ladder, on loopback; each cluster is a local Ray started "
         "by its own `metronome serve --replicas N`. Load: `metronome load` (real WebSocket "
         "clients streaming speech at real-time pace, 1 s frames) from the bench's process.",
         "", f"![proxy hop and capacity]({png_name})", "",
@@ -80,7 +82,8 @@ def _capacity(result: dict) -> list[str]:
     lines = ["## Capacity: 1 vs 2 replicas", "Sessions held at <= 1 % deadline misses "
              "(server-side, over the admitted sessions' frames), AIMD on, one torch thread "
              "per replica; the ladder of offered sessions stops at the first step that does "
-             "not hold or where admission refused.", "",
+             "not hold or where admission refused, then bisects between it and the last "
+             "step that held (rows in the order run).", "",
              "| replicas | offered | admitted | refused | frames | misses | client p95 ms |"
              " holds |", "|---|---|---|---|---|---|---|---|"]
     for cap in result["capacity"]:
@@ -92,6 +95,10 @@ def _capacity(result: dict) -> list[str]:
                          f"{'yes' if s['holds'] else 'no'} |")
     held = [c["held_sessions"] for c in result["capacity"]]
     ratio = result["capacity_ratio"]
+    if not any(s["refused"] for c in result["capacity"] for s in c["steps"]):
+        lines += ["", "AIMD refused no session in any step: a step's sessions all arrive "
+                  "within its ramp, faster than AIMD's control interval (2 s) reacts, so "
+                  "the ladder, not AIMD's cap, found these numbers."]
     lines += ["", f"Held: {held[0]} sessions with 1 replica, {held[1]} with 2: "
               + (f"{ratio:.2f}x (goal >= 1.8x)." if ratio else "no ratio (1 replica held none).")]
     return lines
