@@ -28,6 +28,17 @@ endpoint means the replica is gone; reconnecting places the session on a live re
 server itself gives (1001 drain timeout, 1008, 1011, 1013) pass through the proxy intact.
 """
 
+TESTED = """\
+## Failure and scale-down (tests, not this command: `tests/test_cluster.py`)
+- kill -9 of a replica: its session's socket drops within 2 s (1006, see below), the other
+  replica's session stays open, a new session is admitted on the survivor, and Ray's
+  replacement reports in `GET /v1/cluster`;
+- scale 2 -> 1 (`metronome cluster scale 1`) with a streaming session on each replica and a
+  6 s drain timeout: the removed replica shows `draining`, takes none of the new sessions,
+  answers its session's frames until the timeout, then sends `server_draining` and closes
+  1001 "server draining: drain timeout"; the other replica's session misses no deadline.
+"""
+
 INSTALL = """\
 ## Install (measured once, by hand)
 `pip install 'ray[serve]==2.60.0'` into the project venv: 34 s, venv 1,560 MB -> 1,903 MB
@@ -51,7 +62,7 @@ def report(result: dict, png_name: str) -> str:
         "clients streaming speech at real-time pace, 1 s frames) from the bench's process.",
         "", f"![proxy hop and capacity]({png_name})", "",
         *_hop(result["proxy_hop"], config), "", *_capacity(result), "",
-        *_footprint(result["footprint"]), "", INSTALL, CLOSE_REASON,
+        *_footprint(result["footprint"]), "", TESTED, INSTALL, CLOSE_REASON,
     ]
     if result["config"]["smoke"]:
         lines.insert(2, "**Smoke size: too short to mean anything; it checks the command.**\n")
@@ -100,7 +111,11 @@ def _capacity(result: dict) -> list[str]:
                   "within its ramp, faster than AIMD's control interval (2 s) reacts, so "
                   "the ladder, not AIMD's cap, found these numbers."]
     lines += ["", f"Held: {held[0]} sessions with 1 replica, {held[1]} with 2: "
-              + (f"{ratio:.2f}x (goal >= 1.8x)." if ratio else "no ratio (1 replica held none).")]
+              + (f"{ratio:.2f}x (goal >= 1.8x)." if ratio else "no ratio (1 replica held none).")
+              + f" The machine's {result['machine']['cpus']} CPUs also run Ray's proxy (every "
+              "message of every session passes through it), Ray's own processes and the load "
+              "generator: two one-thread replicas double what one holds only where those "
+              "fit beside them."]
     return lines
 
 
