@@ -33,9 +33,11 @@ def healthy(url: str) -> bool:
 
 
 @contextmanager
-def server_process(command: list[str], port: int, env: dict | None = None) -> Iterator[str]:
-    """Start `command` (a server on 127.0.0.1:`port`), wait for /healthz; yields its URL."""
-    process = subprocess.Popen(command, env=os.environ | (env or {}))
+def server_process(command: list[str], port: int, env: dict | None = None,
+                   stdout=None) -> Iterator[str]:
+    """Start `command` (a server on 127.0.0.1:`port`; its stdout to `stdout`, a file, if
+    given), wait for /healthz; yields its URL."""
+    process = subprocess.Popen(command, env=os.environ | (env or {}), stdout=stdout)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

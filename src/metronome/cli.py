@@ -20,6 +20,9 @@ bench_app = typer.Typer(
     no_args_is_help=True, help="Benchmarks (not tests): print JSON, write docs."
 )
 app.add_typer(bench_app, name="bench")
+cluster_app = typer.Typer(no_args_is_help=True, help="Operate a running `metronome serve "
+                          "--replicas N` application on its Ray cluster.")
+app.add_typer(cluster_app, name="cluster")
 POLICY_HELP = "unbounded | window:W | sinks_window:S:W, optionally @rolling"
 DTYPE_HELP = "auto (bfloat16 where the CPU has native bf16, else float32) | float32 | bfloat16"
 
@@ -302,6 +305,30 @@ def bench_engine_vs_vllm(
     run_bench(cfg)
 
 
+@bench_app.command("cluster")
+def bench_cluster(
+    smoke: bool = typer.Option(False, help="one short step of each part (checks the command)"),
+    repeats: int = typer.Option(5, min=1, help="proxy-hop runs of each server"),
+    out: str = typer.Option("docs/results/cluster.md", help="markdown report (+ .png beside)"),
+    json_out: str = typer.Option("docs/results/cluster.json", help="every measurement"),
+) -> None:
+    """Ray Serve's cost and gain (tiny model, loopback): the proxy hop against the plain
+    server side by side, sessions held at <= 1 % deadline misses with 1 vs 2 replicas (AIMD
+    on), and Ray's footprint. Prints the summary."""
+    from metronome.bench.cluster_bench import ClusterBenchConfig
+    from metronome.bench.cluster_bench import run as run_bench
+
+    paths = {"out_md": out, "out_json": json_out}
+    config = (ClusterBenchConfig.smoke_size(**paths) if smoke
+              else ClusterBenchConfig(repeats=repeats, **paths))
+    result = run_bench(config)
+    typer.echo(json.dumps({"proxy_hop": result["proxy_hop"]["summary"],
+                           "held_sessions": [c["held_sessions"] for c in result["capacity"]],
+                           "capacity_ratio": result["capacity_ratio"],
+                           "footprint": {k: v for k, v in result["footprint"].items()
+                                         if k != "rss_mib_by_process"}}, indent=2))
+
+
 @bench_app.command("soak")
 def bench_soak(
     duration_s: float = typer.Option(1800.0, min=1.0, help="how long clients churn (a few "
@@ -424,6 +451,20 @@ def _serve_signature() -> None:
 
 _serve_signature()
 app.command()(serve)
+
+
+@cluster_app.command("scale")
+def cluster_scale(
+    replicas: int = typer.Argument(..., min=1, help="the replica count to run from now on"),
+    ray_address: str = typer.Option(..., help="the Ray cluster (`metronome serve --replicas` "
+                                    "prints it; `ray start --head` for one of your own)"),
+) -> None:
+    """Scale the running application: new replicas start; removed ones take no new session
+    and end when their sessions have, or at their drain timeout (close 1001)."""
+    from metronome.cluster.launch import scale
+
+    scale(replicas, ray_address)
+    typer.echo(f"metronome: scaling to {replicas} replicas")
 
 
 @app.command()

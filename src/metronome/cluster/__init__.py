@@ -5,6 +5,7 @@ metrics) in a Ray Serve replica actor; Ray Serve's proxy takes the WebSocket and
 the replica it was routed to. Modules: `config` (the cluster options), `headroom` (which
 replica a new session goes to, pure), `router` (that ranking as Ray Serve's request router),
 `board` (the replicas' reports behind `GET /v1/cluster`), `replica` (the deployment class),
-`launch` (start Ray, deploy, wait). Only `metronome serve --replicas` imports this package:
+`launch` (start Ray, deploy, wait; `metronome cluster scale`). Only
+`metronome serve --replicas` and `metronome cluster` import this package:
 the plain server never imports Ray.
 """

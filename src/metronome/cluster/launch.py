@@ -4,6 +4,13 @@ Serve's proxy on `host:port`, and serve until SIGINT/SIGTERM.
 Without `--ray-address` a local Ray cluster is started in this process (and ends with it);
 with one, the replicas are placed across that cluster's nodes and this process is only the
 deployer: on exit it deletes the application and leaves Ray running.
+
+`metronome cluster scale N` (`scale`) changes the replica count of the running application
+through Serve's external-scaler API (`ServeController.update_deployment_replicas`, what the
+dashboard's `POST /api/v1/applications/<app>/deployments/<name>/scale` calls; the
+application is deployed with `external_scaler_enabled`): a lightweight update, the other
+replicas stay up. Redeploying with `serve.run` instead would replace every replica, since
+an imperative deployment gets a new random code version each time.
 """
 
 from __future__ import annotations
@@ -22,18 +29,24 @@ from metronome.cluster.router import APP_ROUTE_PREFIX, ROUTER_PATH
 from metronome.serve.config import ServerConfig
 
 APP_NAME = "metronome"
+DEPLOYMENT_NAME = "metronome-server"
+DRAIN_KILL_MARGIN_S = 10.0  # Ray's force-kill comes this long after a replica's own drain
+# timeout: it sees it is stopping within a drain check, and its closes take ≤ 2 s
 
 
 def application(config: ServerConfig, cluster: ClusterConfig):
     """The Ray Serve application: `cluster.replicas` replicas of the server, placed by
     admission headroom."""
     deployment = serve.deployment(
-        MetronomeReplica, name="metronome-server", num_replicas=cluster.replicas,
+        MetronomeReplica, name=DEPLOYMENT_NAME, num_replicas=cluster.replicas,
         ray_actor_options=cluster.actor_options(),
         # Sessions are long requests: Ray's per-replica request cap must never bind before
         # admission does (the transport's connection cap is the plain server's bound too).
         max_ongoing_requests=config.max_connections,
-        graceful_shutdown_timeout_s=cluster.drain_timeout_s,
+        # A removed replica drains itself (`cluster.replica`); Ray's graceful shutdown
+        # waits for its sessions, checking every stats period, and kills it only past that.
+        graceful_shutdown_timeout_s=cluster.drain_timeout_s + DRAIN_KILL_MARGIN_S,
+        graceful_shutdown_wait_loop_s=cluster.stats_period_s,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_PATH,
             request_routing_stats_period_s=cluster.stats_period_s,
@@ -42,22 +55,39 @@ def application(config: ServerConfig, cluster: ClusterConfig):
     return deployment.bind(config, cluster)
 
 
+def init_ray(address: str | None, log_level: str) -> None:
+    """Start a local Ray (address None) or join one. Ray 2.60 starts clusters with token
+    auth on (its token in ~/.ray/auth_token) but, joining by an explicit address, turns
+    token mode on only if RAY_AUTH_MODE says so (`ray/_private/worker.py`, `init`: only
+    for address None or "auto"): do what it does for "auto", so a token there is used."""
+    if address is not None:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    ray.init(address=address, namespace=NAMESPACE,
+             logging_level=logging.getLevelName(log_level.upper()),
+             **({"include_dashboard": False} if address is None else {}))  # ours: none
+
+
 def serve_cluster(config: ServerConfig, cluster: ClusterConfig, log_level: str = "info") -> None:
     local = cluster.ray_address is None
-    ray.init(address=cluster.ray_address, namespace=NAMESPACE,
-             logging_level=logging.getLevelName(log_level.upper()),
-             **({"include_dashboard": False} if local else {}))  # ours: no dashboard
+    init_ray(cluster.ray_address, log_level)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     board = board_handle(cluster)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
-        serve.run(application(config, cluster), name=APP_NAME, route_prefix=APP_ROUTE_PREFIX)
+        serve.run(application(config, cluster), name=APP_NAME, route_prefix=APP_ROUTE_PREFIX,
+                  external_scaler_enabled=True)
         base = f"{config.host}:{config.port}"
+        ray_address = ray.get_runtime_context().gcs_address
         print(f"metronome: {cluster.replicas} replicas of {config.model} behind Ray Serve on "
               f"ws://{base}/v1/realtime  (cluster view: http://{base}/v1/cluster)\n"
-              "           (Ctrl-C stops the application)", flush=True)
+              f"           Ray at {ray_address} (metronome cluster scale N --ray-address "
+              f"{ray_address}); Ctrl-C stops the application", flush=True)
         while not stop.wait(0.5):  # a timed wait: signal handlers run in between
             pass
     finally:
@@ -65,4 +95,18 @@ def serve_cluster(config: ServerConfig, cluster: ClusterConfig, log_level: str =
         ray.kill(board)
         if local:
             serve.shutdown()
+        ray.shutdown()
+
+
+def scale(replicas: int, ray_address: str) -> None:
+    """Set the running application's replica count; removed replicas drain."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    init_ray(ray_address, "warning")
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        ray.get(controller.update_deployment_replicas.remote(
+            DeploymentID(name=DEPLOYMENT_NAME, app_name=APP_NAME), replicas))
+    finally:
         ray.shutdown()

@@ -5,19 +5,32 @@ Ray Serve builds the app in the replica (`__serve_build_asgi_app__`) and runs it
 there, so the engine and its threads live in the replica's process. Beside the plain
 server's routes the replica serves `GET /v1/cluster` (every replica, from the board), labels
 every metric with `replica`, reports its admission headroom to the router each stats period
-(`record_routing_stats`, which also feeds the board) and fails Ray's health check once its
-engine has failed, so Ray replaces it.
+(`record_routing_stats`) and fails Ray's health check once its engine has failed, so Ray
+replaces it.
+
+A watcher task on the app's loop reports to the board each stats period, and drains: Ray
+Serve (2.60) tells a replica it is being removed only by calling its graceful shutdown,
+which waits for the replica's ongoing requests (a WebSocket is one for its whole session)
+and never tells the user's code (`_private/replica.py`, `_perform_graceful_shutdown`). So
+the watcher asks Serve's controller for this replica's state (`get_serve_instance_details`,
+what `serve status` shows) and, once it is STOPPING, drains the server: no new session,
+the open ones closed 1001 at the drain timeout, before Ray's force-kill
+(`graceful_shutdown_timeout_s`, set longer by `DRAIN_KILL_MARGIN_S` in `launch`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
+from contextlib import asynccontextmanager
 
 import ray
 import torch
 from fastapi import FastAPI
 from ray import serve
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
 from metronome.cluster.board import BOARD_NAME, ClusterBoard
 from metronome.cluster.config import ClusterConfig
@@ -30,6 +43,9 @@ from metronome.serve.state import ServerState
 CLUSTER_PATH = "/v1/cluster"
 NAMESPACE = "metronome"  # the board's Ray namespace
 FORGET_AFTER_S = 60.0  # a replica gone this long leaves /v1/cluster
+DRAIN_CHECK_PERIOD_S = 1.0  # how often a replica asks the controller whether it is stopping
+
+log = logging.getLogger("ray.serve")
 
 
 def board_handle(cluster: ClusterConfig):
@@ -46,10 +62,13 @@ class MetronomeReplica:
         torch.set_num_threads(cluster.torch_threads)
         self.config = config
         self.cluster = cluster
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.app_name, self.deployment_name = context.app_name, context.deployment
         self.node_ip = ray.util.get_node_ip_address()
         self.board = board_handle(cluster)
         self.server_app: FastAPI | None = None  # (`app` is the wrapper's)
+        self._controller = None  # Serve's controller, looked up on the first drain check
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = create_app(self.config, registry=LabelledRegistry({"replica": self.replica_id}))
@@ -58,6 +77,18 @@ class MetronomeReplica:
         async def cluster() -> dict:
             return await self.board.view.remote()
 
+        serving_lifespan = app.router.lifespan_context
+
+        @asynccontextmanager
+        async def lifespan(app_: FastAPI):
+            async with serving_lifespan(app_) as value:
+                watcher = asyncio.create_task(self._watch())
+                try:
+                    yield value
+                finally:
+                    watcher.cancel()
+
+        app.router.lifespan_context = lifespan
         self.server_app = app
         return app
 
@@ -72,8 +103,8 @@ class MetronomeReplica:
         if state is None:
             return {}  # starting: the router ranks it among the replicas not yet reported
         room = ReplicaRoom(cap=state.controller.effective_cap, active=len(state.sessions),
-                           healthy=state.driver.error is None, at_s=time.time())
-        self.board.report.remote(self.replica_id, self._report(state))
+                           healthy=state.driver.error is None and not state.draining,
+                           at_s=time.time())
         return room.to_stats()
 
     async def check_health(self) -> None:
@@ -81,10 +112,42 @@ class MetronomeReplica:
         if state is not None and state.driver.error is not None:
             raise RuntimeError(f"engine step failed: {state.driver.error}")
 
+    async def _watch(self) -> None:
+        """Report to the board each stats period; drain once Serve is stopping this one."""
+        checked_at_s = 0.0
+        while True:
+            state = self.serving
+            if state is not None:
+                self.board.report.remote(self.replica_id, self._report(state))
+                if not state.draining and time.monotonic() - checked_at_s >= (
+                        DRAIN_CHECK_PERIOD_S):
+                    checked_at_s = time.monotonic()
+                    if await self._stopping():
+                        state.drain(self.cluster.drain_timeout_s)
+            await asyncio.sleep(self.cluster.stats_period_s)
+
+    async def _stopping(self) -> bool:
+        """Is Serve's controller stopping this replica (scale-down, redeploy, deletion)?"""
+        try:
+            if self._controller is None:
+                self._controller = ray.get_actor(SERVE_CONTROLLER_NAME,
+                                                 namespace=SERVE_NAMESPACE)
+            details = await self._controller.get_serve_instance_details.remote()
+        except Exception:  # the controller restarting: ask again
+            log.warning("metronome: could not read this replica's state", exc_info=True)
+            return False
+        deployment = details.get("applications", {}).get(self.app_name, {}).get(
+            "deployments", {}).get(self.deployment_name)
+        if deployment is None:  # the application is being deleted
+            return True
+        return any(r["replica_id"] == self.replica_id and r["state"] == "STOPPING"
+                   for r in deployment["replicas"])
+
     def _report(self, state: ServerState) -> dict:
         health = state.health()
         return {
             "node_ip": self.node_ip, "pid": os.getpid(), "status": health["status"],
+            "draining": health["draining"],
             "reason": health["reason"],
             "kv_stall": health["stall_detector"]["state"],
             "cap": health["admission"]["effective_cap"], "active_sessions": health["sessions"],

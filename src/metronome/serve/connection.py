@@ -9,7 +9,8 @@ with its limits, the outbox to the client, and the close.
     end ─► nothing more is read; engine session closed at once (blocks back), owed frames
            answered `cancelled`; queued events flushed (≤ 1 s) unless the client does not
            read; the close frame with code and reason (≤ 1 s) and the client's reply (≤ 1 s),
-           or else the transport is dropped.
+           or else the transport is dropped. A draining server (`ServerState.drain`) refuses
+           new sessions at the upgrade and, at its drain timeout, ends the open ones 1001.
 
 Server events go through a bounded outbox (events and bytes) drained by a writer task, so
 frame results, delivered from the beat's callbacks, never wait on a socket. A full outbox
@@ -51,6 +52,7 @@ FLUSH_TIMEOUT_S = 1.0  # queued events, the close frame, the closing handshake: 
 
 class CloseCode(enum.IntEnum):
     NORMAL = 1000
+    GOING_AWAY = 1001  # the server drains (a cluster replica being removed): drain timeout
     POLICY_VIOLATION = 1008  # bad API key, a client that does not read, over the rate limit
     INTERNAL_ERROR = 1011
     TRY_AGAIN_LATER = 1013  # refused by admission after the upgrade
@@ -83,7 +85,7 @@ class Connection:
         if not await self._authorized() or not await self._admitted():
             return
         session = RealtimeSession(self.state, self._emit, self._on_failure)
-        self.state.add(session)  # before any await: admission counts it from now on
+        self.state.add(session, self._go_away)  # before any await: admission counts it
         ending = Ending("error", CloseCode.INTERNAL_ERROR, "internal error")
         writer = None
         try:
@@ -216,6 +218,13 @@ class Connection:
             return  # once ended, what does not fit is dropped
         self._end(Ending("slow_consumer", CloseCode.POLICY_VIOLATION,
                          "client does not read its events", flush=False))
+
+    def _go_away(self) -> None:
+        error = ClientError(ErrorCode.SERVER_DRAINING, "this server is being removed and its "
+                            "drain timeout has passed: reconnect to continue elsewhere",
+                            error_type=ErrorType.SERVER)
+        self._end(Ending("drained", CloseCode.GOING_AWAY, "server draining: drain timeout",
+                         error))
 
     def _on_failure(self) -> None:
         self._end(Ending("error", CloseCode.INTERNAL_ERROR, "internal error"))

@@ -82,6 +82,7 @@ class ErrorCode(enum.StrEnum):
     IDLE_TIMEOUT = "idle_timeout"
     SESSION_EXPIRED = "session_expired"
     AT_CAPACITY = "server_at_capacity"
+    SERVER_DRAINING = "server_draining"  # its drain timeout passed: reconnect elsewhere
     INVALID_API_KEY = "invalid_api_key"
     RATE_LIMITED = "rate_limit_exceeded"
 

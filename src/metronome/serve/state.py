@@ -67,6 +67,9 @@ class ServerState:
             health_window_s=config.admission_interval_s, self_paced_tokens=self_paced_tokens)
         self.metrics = self.observer.metrics
         self.sessions: dict[str, AdmittedSession] = {}  # admitted, by public id
+        self._go_away: dict[str, Callable[[], None]] = {}  # by public id: its connection
+        # closes it as the server goes away (1001)
+        self.draining = False  # set once (`drain`): no new session from then on
         self._frontends: dict[int, AudioFrontEnd] = {}
         # One thread encodes every session's audio (log-mel + projection): off the loop, so
         # one session's audio never delays another's deadline timers, and in submission
@@ -98,22 +101,39 @@ class ServerState:
 
     # ---- admission and session lifecycle ---------------------------------------------------
     def admit(self) -> Decision:
-        decision = self.controller.try_admit(self.now_s())
+        decision = Decision(False, "draining", self.config.admission_interval_s) if (
+            self.draining) else self.controller.try_admit(self.now_s())
         label = "admitted" if decision.admitted else f"refused_{decision.reason}"
         self.metrics.admission_decision(label)
         if not decision.admitted:
             self.metrics.session_closed(label)
         return decision
 
-    def add(self, session: AdmittedSession) -> None:
+    def add(self, session: AdmittedSession, go_away: Callable[[], None]) -> None:
         self.sessions[session.id] = session
+        self._go_away[session.id] = go_away
 
     def remove(self, session: AdmittedSession, outcome: str) -> None:
         """Close the session's engine side at once (its blocks go back) and forget it."""
+        self._go_away.pop(session.id, None)
         if self.sessions.pop(session.id, None) is None:
             return
         session.close()
         self.metrics.session_closed(outcome)
+
+    def drain(self, timeout_s: float) -> None:
+        """Take no new session from now on (refused as at capacity, reason `draining`), and
+        close those still open after `timeout_s` (1001 going away); once set, for good."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("draining: %d sessions open, closed in %g s if still open",
+                 len(self.sessions), timeout_s)
+        self.driver.loop.call_later(timeout_s, self._drain_timeout)
+
+    def _drain_timeout(self) -> None:
+        for go_away in list(self._go_away.values()):
+            go_away()
 
     # ---- SessionHost ----------------------------------------------------------------------
     @property
@@ -212,7 +232,7 @@ class ServerState:
                 "saturation_predicted_at_s": summary["saturation_predicted_at_s"],
                 "forecast": summary["forecast"]},
             "overload": summary["overload"], "goodput_ratio": summary["goodput_ratio"],
-            "sessions": len(self.sessions), "admission": {
+            "sessions": len(self.sessions), "draining": self.draining, "admission": {
                 "kind": self.config.admission, "cap": controller.limit.cap,
                 "memory_ceiling": controller.memory_ceiling,
                 "effective_cap": controller.effective_cap, "counts": dict(controller.counts)},
