@@ -53,3 +53,20 @@ def test_bench_engine_smoke(tmp_path):
                     "Achieved FLOP/s", "OpenMP wait policy", "Goals"):
         assert heading in text
     assert "`metronome bench engine`" in text
+
+
+def test_bench_engine_paths_smoke(tmp_path):
+    """`metronome bench engine-paths --smoke`: both paths timed and profiled per cell."""
+    from metronome.bench.engine_paths import EnginePathsConfig, run
+
+    md, js = tmp_path / "paths.md", tmp_path / "paths.json"
+    res = run(EnginePathsConfig.smoke(out_md=str(md), out_json=str(js)))
+    assert {(r["path"], r["policy"]) for r in res["rows"]} == {
+        (p, s) for p in ("reference", "fast") for s in ("unbounded", "sinks_window:4:32")}
+    for row in res["rows"]:
+        assert row["step_ms_median"] > 0 and row["profile"]["aten_calls_per_step"] > 0
+        assert set(row["profile"]["share_of_wall"]) == {"matmul", "attention", "copy_gather",
+                                                        "other_aten"}
+    saved = json.loads(js.read_text())["rows"]
+    assert [r["step_ms_median"] for r in saved] == [r["step_ms_median"] for r in res["rows"]]
+    assert "## Step time" in md.read_text()

@@ -329,6 +329,22 @@ def bench_cluster(
                                          if k != "rss_mib_by_process"}}, indent=2))
 
 
+@bench_app.command("engine-paths")
+def bench_engine_paths(
+    out: str = typer.Option("docs/results/engine_paths.md", help="markdown report to write"),
+    json_out: str = typer.Option("docs/results/engine_paths.json", help="raw results"),
+    smoke: bool = typer.Option(False, help="one tiny cell, for CI"),
+) -> None:
+    """The engine's fast path (paged kernel, prepacked projections) against its reference
+    path (dense attention, F.linear), side by side: step time and where a step goes."""
+    from metronome.bench.engine_paths import EnginePathsConfig
+    from metronome.bench.engine_paths import run as run_bench
+
+    cfg = EnginePathsConfig.smoke(out_md=out, out_json=json_out) if smoke else (
+        EnginePathsConfig(out_md=out, out_json=json_out))
+    run_bench(cfg)
+
+
 @bench_app.command("soak")
 def bench_soak(
     duration_s: float = typer.Option(1800.0, min=1.0, help="how long clients churn (a few "

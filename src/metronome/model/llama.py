@@ -112,10 +112,13 @@ class LlamaModel:
         buffers = fused_mask = None
         if dense is not None:
             buffers = cache.gather_buffers(dense.block_ids)
-            # (kvh * B, 1, Q, C): the step's mask in the fused kernel's layout, built once
+            # (kvh * B, 1, Q, C): the step's mask in the fused kernel's layout, built once, and
+            # additive (0 / -inf): SDPA would turn a boolean mask into one in every layer
             kvh = self.config.num_kv_heads
-            fused_mask = dense.attend.expand(kvh, *dense.attend.shape[1:]).reshape(
+            attend = dense.attend.expand(kvh, *dense.attend.shape[1:]).reshape(
                 kvh * dense.batch_size, 1, dense.max_chunk_tokens, -1)
+            fused_mask = torch.zeros(attend.shape, dtype=x.dtype).masked_fill_(
+                ~attend, float("-inf"))
         for layer_idx, (w, proj) in enumerate(zip(self.layers, self.projections, strict=True)):
             h = rms_norm(x, w.attn_norm, self.config.rms_norm_eps)
             x = x + self._attention(layer_idx, w, proj, h, batch, cache, buffers, (cos, sin),

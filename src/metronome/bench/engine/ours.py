@@ -7,7 +7,7 @@ import torch
 
 from metronome.bench.engine.plan import BLOCK_SIZE_TOKENS, Plan
 from metronome.bench.engine.profiling import phase_split, profile_steps
-from metronome.engine.engine import Engine, EngineConfig
+from metronome.engine.engine import Engine, EngineConfig, for_engine_path
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.llama import LlamaModel
@@ -17,12 +17,13 @@ class OursRun:
     """Our engine with N sessions of L tokens (synthetic history), each decoding every step."""
 
     def __init__(self, model: LlamaModel, policy: ResidencyPolicy, sessions: int, tokens: int,
-                 plan: Plan) -> None:
+                 plan: Plan, engine_path: str = "fast") -> None:
         self.plan, self.sessions = plan, sessions
         pool_tokens = self.pool_tokens(policy, sessions, tokens, plan)
-        self.engine = Engine(model, EngineConfig(block_size=BLOCK_SIZE_TOKENS,
-                                                 pool_tokens=pool_tokens,
-                                                 max_step_tokens=max(4096, sessions)))
+        config = EngineConfig(block_size=BLOCK_SIZE_TOKENS, pool_tokens=pool_tokens,
+                              max_step_tokens=max(4096, sessions))
+        # "reference" sets the model up for it: give each path its own model object
+        self.engine = Engine(model, for_engine_path(model, config, engine_path))
         fill_random(self.engine.cache.k, seed=1)
         fill_random(self.engine.cache.v, seed=2)
         spec = SessionSpec(policy=policy, stop_token_ids=())  # no EOS: every step decodes
