@@ -245,6 +245,16 @@ def bench_plan(
     run_bench(out_md=out, out_json=json_out, smoke=smoke, admission_summary=admission_summary)
 
 
+def _require_vllm(command: str) -> None:
+    """Refuse a vLLM command, saying how to get vLLM, where it is not installed."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise typer.BadParameter(f"vLLM is not installed in this environment: `make "
+                                 f"vllm-install`, then .venv-vllm/bin/metronome {command}"
+                                 ) from None
+
+
 @bench_app.command("vllm")
 def bench_vllm(
     out: str = typer.Option("docs/results/vllm.md", help="markdown report (+ .png beside it)"),
@@ -262,12 +272,7 @@ def bench_vllm(
     from metronome.bench.vllm_bench import VllmBenchConfig
     from metronome.bench.vllm_bench import run as run_bench
 
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise typer.BadParameter("vLLM is not installed in this environment: `make "
-                                 "vllm-install`, then .venv-vllm/bin/metronome bench "
-                                 "vllm") from None
+    _require_vllm("bench vllm")
     cfg = VllmBenchConfig.smoke() if smoke else VllmBenchConfig()
     cfg = replace(cfg, out_md=out, out_json=json_out)
     if stream_duration_s is not None:
@@ -292,12 +297,7 @@ def bench_engine_vs_vllm(
     from metronome.bench.engine_vs_vllm import EngineVsVllmConfig
     from metronome.bench.engine_vs_vllm import run as run_bench
 
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise typer.BadParameter("vLLM is not installed in this environment: `make "
-                                 "vllm-install`, then .venv-vllm/bin/metronome bench "
-                                 "engine-vs-vllm") from None
+    _require_vllm("bench engine-vs-vllm")
     cfg = EngineVsVllmConfig.smoke() if smoke else EngineVsVllmConfig()
     cfg = replace(cfg, out_md=out, out_json=json_out)
     if repeats is not None:
