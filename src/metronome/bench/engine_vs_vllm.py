@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from metronome.bench.engine.flops import linear_weights
 from metronome.bench.vllm_bench import SLIDING, STOCK, VllmBenchConfig, _text_ids, _vllm_engine
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
@@ -178,7 +179,7 @@ def _pair(cfg: EngineVsVllmConfig, model, length: int, ours_policy: ResidencyPol
                           "prefill_s": prefill_s[name], "prefill_sessions": cfg.prefill_sessions,
                           "torch_threads": _threads(threads[name]),
                           "vllm_start_s": vllm_start_s})
-        if name_has_profile(length, cfg):
+        if length == min(cfg.lengths):  # GEMMs do not depend on L: measure them once per N
             for cell in cells:
                 if cell["system"] == OURS:
                     cell["gemm"] = gemm_efficiency(ours, sids[OURS][:cell["sessions"]],
@@ -190,22 +191,13 @@ def _pair(cfg: EngineVsVllmConfig, model, length: int, ours_policy: ResidencyPol
             ours.close(sid)
 
 
-def name_has_profile(length: int, cfg: EngineVsVllmConfig) -> bool:
-    """The GEMM share is measured once per N: at the shortest L (the GEMMs do not depend on L)."""
-    return length == min(cfg.lengths)
-
-
-def _weights(model) -> list[torch.Tensor]:
-    return [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-
-
 def gemm_peak_gflops(model, rows: int, repeats: int = 5) -> dict:
     """torch's best throughput for the step's projection shapes at `rows` rows: F.linear on
     the plain weights and oneDNN on prepacked ones, all layers in a row (weights from memory,
     as in a step), best of `repeats`."""
     from metronome.model.linear import Projection
 
-    weights = _weights(model)
+    weights = linear_weights(model)[:-1]  # the projections (lm_head last, left out)
     flops = 2 * rows * sum(w.numel() for w in weights)
     out = {}
     for name, packed in (("f_linear", False), ("onednn_prepacked", True)):
@@ -235,9 +227,8 @@ def gemm_efficiency(engine, sids: list[int], model, threads: int) -> dict:
     while engine.has_work:
         engine.step()
     gemm_ms = prof["aten_ms"]["matmul"]
-    head_flops = 2 * rows * model.lm_head.numel()
-    layer_flops = 2 * rows * sum(w.numel() for w in _weights(model))
-    achieved = (layer_flops + head_flops) / (gemm_ms / 1e3) / 1e9 if gemm_ms else None
+    flops = 2 * rows * sum(w.numel() for w in linear_weights(model))  # lm_head included
+    achieved = flops / (gemm_ms / 1e3) / 1e9 if gemm_ms else None
     peak = gemm_peak_gflops(model, rows)
     best = max(peak.values())
     return {"rows": rows, "step_gemm_ms": gemm_ms, "step_wall_ms": prof["wall_ms"],
