@@ -55,22 +55,22 @@ def build_batch(
         num_paged += 1
     assert all(w.num_tokens > paged_max_chunk_tokens for w in work[num_paged:]), \
         "work must be in paged_first order"
-    positions, sink_positions, slot_ids, logits_rows = [], [], [], []
+    positions, window_starts, sink_positions, slot_ids, logits_rows = [], [], [], [], []
     any_rolling_sinks = False
     row = 0
     for w in work:
         table, policy = w.session.table, w.session.spec.policy
         blocks = table.logical_to_block_id
+        rolling_sinks = policy.positions is Positions.ROLLING and policy.sink_tokens > 0
+        any_rolling_sinks |= rolling_sinks
         for p in range(w.start_position, w.start_position + w.num_tokens):
+            start = policy.window_start(p, block_size)
             positions.append(p)
+            window_starts.append(start)
             slot_ids.append(blocks[p // block_size] * block_size + p % block_size)
-            if policy.positions is Positions.ROLLING and policy.sink_tokens:
-                any_rolling_sinks = True
-                # the query's slot in the StreamingLLM cache: sinks first, then the window
-                start = policy.window_start(p, block_size)
-                sink_positions.append(min(start, policy.sink_tokens) + p - start)
-            else:
-                sink_positions.append(p)
+            # rolling: the query's slot in the StreamingLLM cache, sinks first, then the window
+            sink_positions.append(min(start, policy.sink_tokens) + p - start if rolling_sinks
+                                  else p)
         if w.logits_rows == "all":
             logits_rows.extend(range(row, row + w.num_tokens))
         elif w.logits_rows == "last":
@@ -86,17 +86,20 @@ def build_batch(
         sink_positions=int_tensor(sink_positions) if any_rolling_sinks else None,
         slot_ids=int_tensor(slot_ids),
         logits_index=int_tensor(logits_rows),
-        paged=_paged(work[:num_paged], block_size) if num_paged else None,
+        paged=_paged(work[:num_paged], block_size, positions, window_starts) if num_paged
+        else None,
         dense=_dense(work[num_paged:], block_size) if num_paged < len(work) else None,
     )
 
 
-def _paged(work: list[PlannedWork], block_size: int) -> PagedAttention:
+def _paged(work: list[PlannedWork], block_size: int, positions: list[int],
+           window_starts: list[int]) -> PagedAttention:
     """Block tables and per-query visibility bounds for the paged kernel (plain lists: a
-    decode step has one token per session, and torch ops per session would cost more)."""
+    decode step has one token per session, and torch ops per session would cost more).
+    `positions`, `window_starts`: the step's, per token; this part's tokens lead them."""
     max_blocks = max(len(w.session.table.logical_to_block_id) for w in work)
     block_ids, block_logical, num_blocks, sink_tokens, sink_blocks = [], [], [], [], []
-    token_session, token_positions, token_window_start = [], [], []
+    token_session = []
     for b, w in enumerate(work):
         table, policy = w.session.table, w.session.spec.policy
         blocks = table.logical_to_block_id
@@ -107,16 +110,13 @@ def _paged(work: list[PlannedWork], block_size: int) -> PagedAttention:
         sink_tokens.append(policy.sink_tokens)
         rolling = policy.positions is Positions.ROLLING and policy.sink_tokens
         sink_blocks.append(min(table.num_sink_blocks, len(blocks)) if rolling else 0)
-        for p in range(w.start_position, w.start_position + w.num_tokens):
-            token_session.append(b)
-            token_positions.append(p)
-            token_window_start.append(policy.window_start(p, block_size))
-    sessions = len(work)
+        token_session.extend([b] * w.num_tokens)
+    sessions, num_tokens = len(work), len(token_session)
     return PagedAttention(
-        num_tokens=len(token_session),
+        num_tokens=num_tokens,
         token_session=torch.tensor(token_session, dtype=torch.int64),
-        token_positions=torch.tensor(token_positions, dtype=torch.int64),
-        token_window_start=torch.tensor(token_window_start, dtype=torch.int64),
+        token_positions=torch.tensor(positions[:num_tokens], dtype=torch.int64),
+        token_window_start=torch.tensor(window_starts[:num_tokens], dtype=torch.int64),
         block_ids=torch.tensor(block_ids, dtype=torch.int64).view(sessions, max_blocks),
         block_logical=torch.tensor(block_logical, dtype=torch.int64).view(sessions, max_blocks),
         num_blocks=torch.tensor(num_blocks, dtype=torch.int64),

@@ -32,6 +32,10 @@ class PagedAttention:
     # (Bp,) int64: leading blocks scored against the rolling sink query (0: absolute positions)
     sink_blocks: torch.Tensor
 
+    def __post_init__(self) -> None:
+        # read by every layer: once here, not a tensor reduction per layer
+        self.has_sink_blocks = bool(self.sink_blocks.any())
+
     def check(self, num_pool_blocks: int) -> None:
         """The index ranges the kernel trusts (it does no bounds checks of its own)."""
         sessions = self.block_ids.shape[0]

@@ -161,7 +161,7 @@ class LlamaModel:
         """The compiled kernel over the first `paged.num_tokens` rows, reading K/V in place."""
         n = paged.num_tokens
         q_sink = None
-        if sink_rope is not None and bool(paged.sink_blocks.any()):
+        if sink_rope is not None and paged.has_sink_blocks:
             q_sink = rope.apply(q[:n], sink_rope[0][:n], sink_rope[1][:n]).contiguous()
         with record_function(PAGED_ATTENTION_EVENT):  # a named span for torch.profiler
             return kernel.paged_attention(
