@@ -7,7 +7,9 @@ import pytest
 
 from metronome.runtime.local import RunConfig, run_local
 
-SESSIONS = (1, 4, 12)
+# 1 vs 8 vs 24: with the paged kernel a decode step of 4 sessions costs what one of 1 does
+# (the weights' reads dominate), so 1 vs 4 left p50 within noise (488 vs 483 ms measured)
+SESSIONS = (1, 8, 24)
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +17,7 @@ def runs(tmp_path_factory):
     out = {}
     # Sessions spread wide enough that the latency steps stand out of the noise. The frame
     # period is sized to the machine: one session's latency at 1 s frames is measured first,
-    # and the period is at least 6x it, so that 4 sessions are a small load anywhere (a
+    # and the period is at least 6x it, so that 8 sessions are a small load anywhere (a
     # 2-core AMD EPYC in fp32 answers one session in ~0.25 s; CI machines have been 4x
     # slower than that). The frames' deadline is the period.
     period_s = 1.0
@@ -42,7 +44,8 @@ def test_small_load_meets_every_deadline(runs):
 def test_latency_rises_with_sessions(runs):
     p50 = {n: runs[n]["latency_ms"]["p50"] for n in runs}
     print("wall clock p50 latency ms by sessions:", p50)
-    assert p50[1] < p50[4] < p50[12]
+    low, mid, high = SESSIONS
+    assert p50[low] < p50[mid] < p50[high]
 
 
 def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_model):
