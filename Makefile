@@ -56,8 +56,8 @@ browser-tools:
 # pins conflict with ours, so it has its own venv; the first suite skips those tests).
 test: install prometheus-tools browser-tools vllm-install
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q --ignore=tests/vllm_plugin
-	$(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
+	$(BIN)/python -m pytest -q --ignore=tests/vllm
+	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
 bench: install
 	$(BIN)/metronome bench engine
@@ -86,7 +86,7 @@ vllm-install: $(VLLM_VENV)/.installed
 # The vLLM tests alone (about 12 min here): the plugin (two engine starts, a 5,000-token
 # session) and VllmEngine (token-exact vs native, the streaming workload, the server).
 test-vllm: vllm-install
-	$(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
+	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
 # Metronome on vLLM side by side with stock vLLM and the native engine (~25 min here).
 bench-vllm: vllm-install

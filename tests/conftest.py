@@ -1,12 +1,25 @@
-"""Shared fixtures: a tiny random Llama for fast exact tests, and the bundled SmolLM2."""
+"""Shared fixtures: a tiny random Llama for fast exact tests, and the bundled SmolLM2; the
+`cluster` and `vllm` markers, given by folder (tests/cluster, tests/vllm)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import load_model, random_model
+
+FOLDER_MARKERS = {"cluster": pytest.mark.cluster, "vllm": pytest.mark.vllm}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        folder = Path(item.fspath).relative_to(here).parts[0]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
 
 
 @pytest.fixture(scope="session")

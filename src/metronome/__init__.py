@@ -33,8 +33,8 @@ _EXPORTS = {
     "Listeners": "metronome.runtime.ports",
     "EnginePort": "metronome.runtime.ports",
     "WallDriver": "metronome.runtime.wall",
-    "VirtualDriver": "metronome.runtime.virtual",
-    "StepCostModel": "metronome.runtime.cost_model",
+    "VirtualDriver": "metronome.sim.virtual",
+    "StepCostModel": "metronome.sim.cost_model",
     "ServerConfig": "metronome.serve.config",
     "create_app": "metronome.serve.app",
 }

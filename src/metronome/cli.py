@@ -97,7 +97,7 @@ def run(
     out: str = typer.Option("out/run", help="folder for frames.csv and summary.json"),
 ) -> None:
     """Run a local workload of real-time sessions on the engine; print the summary."""
-    from metronome.runtime.local import RunConfig, run_local
+    from metronome.sim.local import RunConfig, run_local
 
     try:
         config = RunConfig(

@@ -16,7 +16,8 @@ from rich.table import Table
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
-from metronome.model.weights import load_model, load_tokenizer, resolve_dtype
+from metronome.model.dtypes import resolve_dtype
+from metronome.model.weights import load_model, load_tokenizer
 
 FRAMES = [
     "User: Hi! Can you tell me a fact about the ocean?\nAssistant:",

@@ -19,22 +19,23 @@ from pathlib import Path
 
 from metronome.admission.controller import AdmissionController
 from metronome.admission.limits import AIMDLimit
-from metronome.harness.admission import log, summarize, virtual_runs
-from metronome.plots import plot_cap_history
-from metronome.runtime.cost_model import PACKAGED_STEP_COST, StepCostModel
+from metronome.results.plots import plot_cap_history
+from metronome.sim.admission import log, summarize, virtual_runs
+from metronome.sim.cost_model import PACKAGED_STEP_COST, StepCostModel
 
 
 async def _wall_run(duration_s: float, arrival_every_s: float, engine_path: str = "fast"
                     ) -> dict:
     from metronome.engine.engine import Engine, EngineConfig, for_engine_path
     from metronome.kv.residency import ResidencyPolicy
-    from metronome.model.weights import load_model, load_tokenizer, resolve_dtype
-    from metronome.runtime.local import text_source
+    from metronome.model.dtypes import resolve_dtype
+    from metronome.model.weights import load_model, load_tokenizer
     from metronome.runtime.ports import Listeners
     from metronome.runtime.profile import SessionProfile
-    from metronome.runtime.recorder import RunRecorder
     from metronome.runtime.wall import WallDriver
-    from metronome.runtime.workload import Workload, schedule
+    from metronome.sim.local import text_source
+    from metronome.sim.recorder import RunRecorder
+    from metronome.sim.workload import Workload, schedule
 
     model = load_model("bundled", resolve_dtype("auto"))
     engine = Engine(model, for_engine_path(model, EngineConfig(block_size=16, pool_tokens=65536),

@@ -29,7 +29,7 @@ server itself gives (1001 drain timeout, 1008, 1011, 1013) pass through the prox
 """
 
 TESTED = """\
-## Failure and scale-down (tests, not this command: `tests/test_cluster.py`)
+## Failure and scale-down (tests, not this command: `tests/cluster/test_cluster.py`)
 - kill -9 of a replica: its session's socket drops within 2 s (1006, see below), the other
   replica's session stays open, a new session is admitted on the survivor, and Ray's
   replacement reports in `GET /v1/cluster`;

@@ -28,7 +28,7 @@ from metronome.bench.engine.report import markdown
 from metronome.bench.engine.step_cost import fit_step_cost, step_cost_path
 from metronome.bench.engine.summary import summarize
 from metronome.bench.engine.wait_policy import measuring_policy, run_child
-from metronome.model.weights import DTYPES
+from metronome.model.dtypes import DTYPES
 
 
 def run(out_md: str, out_json: str, smoke: bool, repeats: int) -> dict:

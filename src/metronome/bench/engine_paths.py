@@ -44,7 +44,8 @@ class EnginePathsConfig:
 
 
 def run(cfg: EnginePathsConfig) -> dict:
-    from metronome.model.weights import load_model, resolve_dtype
+    from metronome.model.dtypes import resolve_dtype
+    from metronome.model.weights import load_model
 
     started = time.perf_counter()
     dtype = resolve_dtype("auto")

@@ -26,18 +26,18 @@ from statistics import fmean
 import torch
 
 from metronome.bench.engine.machine import machine
-from metronome.harness.scenario import Scenario, sweep_n_star
-from metronome.harness.search import largest_passing
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.plan.budget import kv_budget
 from metronome.plan.planner import PlanInputs, make_plan
-from metronome.runtime.cost_model import PACKAGED_STEP_COST, StepCostModel
 from metronome.runtime.frame import FrameStatus
 from metronome.runtime.ports import Listeners
-from metronome.runtime.recorder import RunRecorder
-from metronome.runtime.workload import Workload, schedule
+from metronome.sim.cost_model import PACKAGED_STEP_COST, StepCostModel
+from metronome.sim.recorder import RunRecorder
+from metronome.sim.scenario import Scenario, sweep_n_star
+from metronome.sim.search import largest_passing
+from metronome.sim.workload import Workload, schedule
 
 # Cheap enough that frames never queue: memory runs measure blocks, not the deadline.
 FAST_COST = StepCostModel(fixed_s=0.02, per_token_s=1e-5, per_context_token_s=1e-8)
@@ -155,7 +155,7 @@ def t_sat_rows(model, pool_blocks: int) -> list[dict]:
 def run_check(cost: StepCostModel, out_dir: str) -> dict:
     """`metronome run --clock virtual --policy unbounded` on SmolLM2 (packaged step cost):
     8 sessions from t = 0 into a 4096-token pool; the first stall against the planner."""
-    from metronome.runtime.local import RunConfig, run_local
+    from metronome.sim.local import RunConfig, run_local
 
     config = RunConfig(sessions=8, duration_s=80.0, ramp_s=0.0, policy="unbounded",
                        pool_tokens=4096, clock="virtual", cost_model=vars(cost), out=out_dir)

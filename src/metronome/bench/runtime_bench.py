@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from metronome.runtime.local import RunConfig, run_local
+from metronome.sim.local import RunConfig, run_local
 
 COMMAND = "metronome bench runtime"
 

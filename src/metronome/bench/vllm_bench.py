@@ -259,13 +259,13 @@ def stream_stock(cfg: VllmBenchConfig, console: Console) -> dict:
 def stream_metronome(cfg: VllmBenchConfig, policy: str, console: Console) -> dict:
     """Metronome on vLLM: the same workload under the beat (wall clock)."""
     from metronome.model.weights import bundled_model_dir, load_tokenizer
-    from metronome.runtime.local import text_source
     from metronome.runtime.observer import RuntimeObserver
     from metronome.runtime.ports import Listeners
     from metronome.runtime.profile import SessionProfile
-    from metronome.runtime.recorder import RunRecorder
     from metronome.runtime.wall import WallDriver
-    from metronome.runtime.workload import Workload, schedule
+    from metronome.sim.local import text_source
+    from metronome.sim.recorder import RunRecorder
+    from metronome.sim.workload import Workload, schedule
     from metronome.vllm.engine import VllmEngine, VllmEngineConfig
 
     bound = ResidencyPolicy.parse(policy)

@@ -18,13 +18,13 @@ import torch
 
 from metronome.admission.limits import StaticLimit
 from metronome.experiments.common import ExperimentContext, cost_model, fmt
-from metronome.harness.admission import virtual_runs
-from metronome.harness.scenario import Scenario, run_controlled
-from metronome.harness.search import largest_passing
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
-from metronome.plots import plot_cap_history as plot_run
+from metronome.results.plots import plot_cap_history as plot_run
 from metronome.runtime.frame import FrameStatus
+from metronome.sim.admission import virtual_runs
+from metronome.sim.scenario import Scenario, run_controlled
+from metronome.sim.search import largest_passing
 
 NAME = "admission"
 REQUIRED_FIELDS = ("bounded", "unbounded", "sweep", "memory_sweep", "paper")

@@ -28,14 +28,14 @@ from statistics import fmean, median
 import torch
 
 from metronome.experiments.common import ExperimentContext, cost_model, fmt
-from metronome.harness.scenario import Scenario
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
-from metronome.runtime.cost_model import StepCostModel
 from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.runtime.ports import Listeners
-from metronome.runtime.recorder import RunRecorder
-from metronome.runtime.workload import Workload, schedule
+from metronome.sim.cost_model import StepCostModel
+from metronome.sim.recorder import RunRecorder
+from metronome.sim.scenario import Scenario
+from metronome.sim.workload import Workload, schedule
 from metronome.stats import percentile
 
 NAME = "cliff"
@@ -171,7 +171,7 @@ def _series(results, perceived, steps, end_s: float) -> dict:
 def wall_check(ctx: ExperimentContext, wl: CliffWorkload, policy: str, seed: int) -> dict:
     """The same seed on the wall clock with the real SmolLM2 (bf16, Hamlet text): does the
     virtual picture (same pool, same arrivals) hold when every step takes its real time?"""
-    from metronome.runtime.local import RunConfig, run_local
+    from metronome.sim.local import RunConfig, run_local
 
     name = "wall_" + policy.split(":")[0]
     config = RunConfig(sessions=wl.sessions, duration_s=wl.session_s,

@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from metronome.runtime.cost_model import PACKAGED_STEP_COST, StepCostModel
+from metronome.sim.cost_model import PACKAGED_STEP_COST, StepCostModel
 
 # Keys every summary.json has, whatever the experiment.
 COMMON_FIELDS = ("experiment", "scale", "seed", "clock", "elapsed_s", "plots", "command")
@@ -111,7 +111,7 @@ def cost_model(path: str | Path | None = None) -> tuple[StepCostModel, str]:
         hint = " (the package data was not installed)" if path is None else ""
         raise FileNotFoundError(f"step cost model not found: {chosen}{hint}")
     cost, calibration = StepCostModel.load(chosen)
-    name = "packaged metronome/runtime/step_cost.json" if path is None else str(chosen)
+    name = "packaged metronome/sim/step_cost.json" if path is None else str(chosen)
     source = f"{name}: {calibration.describe()}"
     print(f"step cost model: {source}", file=sys.stderr, flush=True)
     return cost, source

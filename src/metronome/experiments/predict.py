@@ -32,12 +32,12 @@ import torch
 
 from metronome.engine.types import WorkStatus
 from metronome.experiments.common import ExperimentContext, cost_model, fmt
-from metronome.harness.scenario import Scenario
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.observe.forecast import SaturationForecaster
 from metronome.runtime.ports import Listeners, StepReport
-from metronome.runtime.workload import Workload, schedule
+from metronome.sim.scenario import Scenario
+from metronome.sim.workload import Workload, schedule
 
 NAME = "predict"
 REQUIRED_FIELDS = ("configs", "errors", "paper")

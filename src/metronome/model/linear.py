@@ -26,7 +26,7 @@ def packing_supported(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return True
     if dtype == torch.bfloat16:
-        from metronome.model.weights import native_bf16
+        from metronome.model.dtypes import native_bf16
 
         return native_bf16()
     return False

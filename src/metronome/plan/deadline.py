@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from metronome.plan.schedule import FrameSchedule
-from metronome.runtime.cost_model import StepCostModel
+from metronome.sim.cost_model import StepCostModel
 
 
 @dataclass(frozen=True)

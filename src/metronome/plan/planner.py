@@ -24,7 +24,7 @@ from metronome.plan.memory import (
     t_sat_token_level_s,
 )
 from metronome.plan.schedule import FrameSchedule, mean_visible_context_tokens
-from metronome.runtime.cost_model import StepCostModel
+from metronome.sim.cost_model import StepCostModel
 
 
 @dataclass(frozen=True)

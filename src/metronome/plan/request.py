@@ -9,7 +9,7 @@ from pathlib import Path
 from metronome.kv.residency import ResidencyPolicy
 from metronome.plan.budget import kv_budget, model_config, parse_bytes
 from metronome.plan.planner import PlanInputs
-from metronome.runtime.cost_model import PACKAGED_STEP_COST, StepCostModel
+from metronome.sim.cost_model import PACKAGED_STEP_COST, StepCostModel
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class PlanRequest:
         return cost, source
 
     def inputs(self) -> PlanInputs:
-        from metronome.model.weights import resolve_dtype
+        from metronome.model.dtypes import resolve_dtype
 
         cfg = model_config(self.model)
         dtype = resolve_dtype(self.dtype)

@@ -80,7 +80,8 @@ def _engine(config: ServerConfig, model: LlamaModel | None, tokenizer):
 
 def _load(config: ServerConfig):
 
-    from metronome.model.weights import load_model, load_tokenizer, resolve_dtype
+    from metronome.model.dtypes import resolve_dtype
+    from metronome.model.weights import load_model, load_tokenizer
 
     dtype = resolve_dtype(config.dtype)
     return load_model(config.model, dtype), load_tokenizer(config.model)

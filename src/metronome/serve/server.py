@@ -50,7 +50,7 @@ def uvicorn_config(app, config: ServerConfig, log_level: str = "info") -> uvicor
 
 
 def serve_forever(config: ServerConfig, log_level: str = "info") -> None:
-    from metronome.model.weights import resolve_dtype
+    from metronome.model.dtypes import resolve_dtype
 
     base = f"{config.host}:{config.port}"
     dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")

@@ -240,7 +240,8 @@ class VllmEngine:
                   block_size: int = DEFAULT_VLLM_BLOCK_SIZE, dtype: str = "auto",
                   **options) -> VllmEngine:
         """Start vLLM on a Metronome model name ('bundled' or a Hugging Face directory)."""
-        from metronome.model.weights import resolve_dtype, resolve_model_dir
+        from metronome.model.dtypes import resolve_dtype
+        from metronome.model.weights import resolve_model_dir
 
         if model.startswith("preset:"):
             raise ValueError("the vLLM engine needs real weights: 'bundled' or a Hugging Face "

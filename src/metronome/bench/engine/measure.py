@@ -15,8 +15,9 @@ from metronome.bench.engine.hf import HfRun, load_hf
 from metronome.bench.engine.ours import OursRun
 from metronome.bench.engine.plan import HF_SYSTEM, KEY_FIELDS, Key, Plan, label, progress
 from metronome.bench.engine.timing import time_interleaved
+from metronome.model.dtypes import DTYPES
 from metronome.model.llama import LlamaModel
-from metronome.model.weights import DTYPES, load_model
+from metronome.model.weights import load_model
 
 
 @dataclass

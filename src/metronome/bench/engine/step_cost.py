@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from metronome.bench.engine.plan import HF_SYSTEM
-from metronome.runtime.cost_model import Calibration, StepCostModel
+from metronome.sim.cost_model import Calibration, StepCostModel
 
 
 def fit_step_cost(results: dict, results_path: str | Path) -> tuple[StepCostModel, Calibration]:

@@ -1,0 +1,100 @@
+"""Virtual-clock driver: deterministic discrete-event time, real engine steps.
+
+The engine really runs every step (real tokens, real KV pool); only time is virtual:
+each step takes what the `StepCostModel` says. Runs much faster than real time and gives
+the same answer every run, for tests and experiments. The beat, the step report and the
+idle rule are the same code as on the wall clock (`runtime.driver`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+from metronome.engine.session import SessionSpec
+from metronome.engine.types import PreparedInput
+from metronome.runtime.driver import Driver, EngineCommandsBase
+from metronome.runtime.ports import EnginePort, Listeners, StepReport
+from metronome.sim.cost_model import StepCostModel
+
+
+class DirectCommands(EngineCommandsBase):
+    """`EngineCommands` applied at once (the virtual driver owns the only thread); each
+    command tells the driver, for the idle rule."""
+
+    def __init__(self, engine: EnginePort, on_command: Callable[[], None]) -> None:
+        super().__init__(engine)
+        self.on_command = on_command
+
+    def open_session(self, spec: SessionSpec, session_id: int | None = None) -> int:
+        self.on_command()
+        return self.engine.open_session(spec, session_id)
+
+    def submit_prepared(self, session_id: int, prepared: PreparedInput,
+                        max_new_tokens: int = 0) -> None:
+        self.on_command()
+        self.engine.submit_prepared(session_id, prepared, max_new_tokens)
+
+    def cancel_generation(self, session_id: int) -> None:
+        self.on_command()
+        self.engine.cancel_generation(session_id)
+
+    def close(self, session_id: int) -> None:
+        self.on_command()
+        self.engine.close(session_id)
+
+
+class EventHeap:
+    """The virtual clock: a `Timer` whose callbacks run in time order, ties in call order."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self._heap: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+
+    def call_at(self, at_s: float, callback: Callable[[float], None]) -> None:
+        heapq.heappush(self._heap, (max(at_s, self.now_s), next(self._seq), callback))
+
+    def next_time_s(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def run_next(self) -> None:
+        at_s, _, callback = heapq.heappop(self._heap)
+        self.now_s = at_s
+        callback(at_s)
+
+
+class VirtualDriver(Driver):
+    def __init__(self, engine: EnginePort, cost_model: StepCostModel,
+                 listeners: Listeners) -> None:
+        self.cost_model = cost_model
+        self.clock = EventHeap()
+        super().__init__(engine, DirectCommands(engine, self.on_command), self.clock,
+                         listeners)
+        self._busy = False  # a step has started and its end is on the clock
+
+    @property
+    def now_s(self) -> float:
+        return self.clock.now_s
+
+    def run_until(self, until_s: float) -> None:
+        """Advance virtual time to `until_s`, stepping the engine whenever it may."""
+        while True:
+            if not self._busy and self.should_step:
+                self._start_step()
+            next_s = self.clock.next_time_s()
+            if next_s is None or next_s > until_s:
+                break
+            self.clock.run_next()
+        self.clock.now_s = max(self.clock.now_s, until_s)
+
+    def _start_step(self) -> None:
+        started_s = self.clock.now_s
+        report = self.run_step(started_s, lambda result: started_s + self.cost_model.step_s(result))
+        self._busy = True
+        self.clock.call_at(report.finished_s, lambda _t: self._finish_step(report))
+
+    def _finish_step(self, report: StepReport) -> None:
+        self._busy = False
+        self.deliver(report)

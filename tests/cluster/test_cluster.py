@@ -1,0 +1,268 @@
+"""`metronome serve --replicas 2` on a local Ray cluster (loopback, the tiny preset model,
+one torch thread per replica): sessions placed by admission headroom, a full replica
+skipped, every replica full refused as the plain server refuses, the cluster view and the
+replica label on metrics, kill -9 of a replica, and scale-down's drain. One cluster for the
+module: Ray's start is the slow part; the kill and drain tests run last, in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
+
+from metronome.load.speech import SPEECH_DIR, speech_stream
+from tests.served import free_port, server_process
+from tests.streamer import SpeechStreamer
+
+pytest.importorskip("ray.serve", reason="the cluster extra (make install) is not installed")
+
+pytestmark = pytest.mark.wall_clock
+
+CAP = 2  # sessions per replica (static admission)
+DRAIN_TIMEOUT_S = 6.0
+METRONOME = str(Path(sys.executable).parent / "metronome")
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
+def view(url: str) -> dict:
+    return httpx.get(url + "/v1/cluster", timeout=5).json()
+
+
+def actives(url: str) -> list[int]:
+    return sorted(r["active_sessions"] for r in view(url)["replicas"])
+
+
+def live(url: str) -> dict[str, dict]:
+    """The replicas reporting, by id (a killed one is listed `unreachable` for a while)."""
+    return {r["replica"]: r for r in view(url)["replicas"] if r["status"] != "unreachable"}
+
+
+def live_actives(url: str) -> list[int]:
+    return sorted(r["active_sessions"] for r in live(url).values())
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The cluster's URL and the Ray address its launcher printed."""
+    port = free_port()
+    command = [METRONOME, "serve", "--replicas", "2", "--model", "preset:tiny", "--port",
+               str(port), "--admission", "static", "--admission-cap", str(CAP),
+               "--stats-period-s", "0.25", "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
+               "--log-level", "warning"]
+    banner = tmp_path_factory.mktemp("cluster") / "stdout.txt"
+    with banner.open("w") as out, server_process(command, port, stdout=out) as url:
+        wait_for(lambda: view(url)["replicas_live"] == 2, 60, "both replicas' reports")
+        ray_address = wait_for(lambda: re.findall(r"Ray at (\S+)", banner.read_text()), 10,
+                               "the launcher's banner")[0]
+        yield url, ray_address
+
+
+@pytest.fixture(scope="module")
+def cluster(launched):
+    return launched[0]
+
+
+def open_session(ws_url: str):
+    ws = connect(ws_url, open_timeout=10)
+    assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
+    return ws
+
+
+def test_sessions_split_by_headroom_and_all_full_is_refused_with_retry_after(cluster):
+    ws_url = cluster.replace("http", "ws") + "/v1/realtime"
+    # back to back, faster than the replicas report: the router counts its own placements
+    sessions = []
+    try:
+        for _ in range(2 * CAP):
+            sessions.append(open_session(ws_url))
+        wait_for(lambda: actives(cluster) == [CAP, CAP], 10, f"{CAP} sessions on each")
+        with pytest.raises(InvalidStatus) as refused:  # every replica full
+            connect(ws_url, open_timeout=10)
+        response = refused.value.response
+        assert response.status_code == 503 and response.headers["Retry-After"] == "2"
+        assert json.loads(response.body)["error"]["code"] == "server_at_capacity"
+        sessions.pop().close()  # room on one replica only: the next session finds it
+        wait_for(lambda: actives(cluster) == [CAP - 1, CAP], 10, "the close reported")
+        sessions.append(open_session(ws_url))
+        wait_for(lambda: actives(cluster) == [CAP, CAP], 10, "the full one skipped")
+    finally:
+        for ws in sessions:
+            ws.close()
+    wait_for(lambda: actives(cluster) == [0, 0], 10, "every session closed")
+
+
+def test_cluster_view_lists_each_replica_and_metrics_carry_its_label(cluster):
+    listed = view(cluster)
+    assert listed["status"] == "ok" and listed["cap"] == 2 * CAP
+    ids = {r["replica"] for r in listed["replicas"]}
+    assert len(ids) == 2
+    for replica in listed["replicas"]:
+        assert replica["cap"] == CAP and replica["kv_pool"]["num_blocks"] == 65536 // 16
+        assert replica["status"] == "ok" and replica["kv_stall"] == "ok"
+    text = httpx.get(cluster + "/metrics", timeout=5).text
+    labelled = [line for line in text.splitlines() if line.startswith(
+        "metronome_admission_cap{")]
+    assert len(labelled) == 1 and any(f'replica="{i}"' in labelled[0] for i in ids)
+
+
+async def _sdk_duplex(url: str) -> list:
+    """The official SDK's realtime client, as in test_serve_integration (no key here; the
+    tiny model has no tokenizer: frames and responses, no text)."""
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=url.replace("http", "ws") + "/v1")
+    async with client.realtime.connect(model="metronome") as conn:
+        assert (await conn.recv()).type == "session.created"
+        await conn.session.update(session={
+            "type": "realtime", "output_modalities": ["text"],
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+        assert (await conn.recv()).type == "session.updated"
+        pcm = speech_stream(SPEECH_DIR, 24000, 2.0)
+        for offset in range(0, len(pcm), 9600):  # 100 ms appends at real-time pace
+            await conn.input_audio_buffer.append(
+                audio=base64.b64encode(pcm[offset: offset + 9600]).decode())
+            await asyncio.sleep(0.1)
+        events = []
+        while sum(e.type == "response.done" for e in events) < 2:
+            events.append(await asyncio.wait_for(conn.recv(), 30))
+        return events
+
+
+def test_openai_sdk_realtime_client_through_the_cluster_entry_point(cluster):
+    events = asyncio.run(_sdk_duplex(cluster))
+    done = [e for e in events if e.type == "response.done"]
+    assert [d.response.status for d in done] == ["completed", "completed"]
+    assert [e.type for e in events].count("response.created") == 2
+
+
+
+def closed_within(ws, timeout_s: float) -> bool:
+    try:
+        while True:
+            ws.recv(timeout=timeout_s)
+    except ConnectionClosed:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_kill_9_of_a_replica_ends_only_its_sessions_and_ray_replaces_it(cluster):
+    ws_url = cluster.replace("http", "ws") + "/v1/realtime"
+    sessions = [open_session(ws_url), open_session(ws_url)]  # one on each
+    try:
+        wait_for(lambda: actives(cluster) == [1, 1], 10, "one session on each replica")
+        before = {r["replica"]: r for r in view(cluster)["replicas"]}
+        victim = next(iter(before.values()))
+        os.kill(victim["pid"], signal.SIGKILL)
+        closed = [closed_within(ws, 2.0) for ws in sessions]
+        assert sorted(closed) == [False, True]  # its session's socket drops (no close
+        # frame: Ray's proxy sends none), the other replica's session stays open
+        survivor = open_session(ws_url)  # new sessions go to the live replica meanwhile
+        survivor.close()
+        replaced = wait_for(lambda: [r for r in view(cluster)["replicas"] if r["replica"]
+                                     not in before and r["status"] == "ok"], 90,
+                            "Ray's replacement replica reporting")
+        assert len(replaced) == 1 and replaced[0]["active_sessions"] == 0
+    finally:
+        for ws in sessions:
+            ws.close()
+
+
+class DrainedStreamer(SpeechStreamer):
+    """A SpeechStreamer that notes when and how its socket closed."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.closed_at_s: float | None = None
+
+    def _send(self) -> None:
+        try:
+            super()._send()
+        except ConnectionClosed:
+            pass
+
+    def _receive(self) -> None:
+        try:
+            super()._receive()
+        except ConnectionClosed:
+            pass
+        self.closed_at_s = time.monotonic()
+
+    def stop(self) -> int:
+        if self.closed_at_s is None:
+            return super().stop()
+        self._stop.set()
+        self._sender.join()
+        return 0
+
+    def frames_after(self, t_s: float) -> int:
+        return sum(1 for f in self.frames if f["received_at_s"] >= t_s)
+
+
+class Stamped(list):
+    def append(self, frame: dict) -> None:  # the client's clock at each frame result
+        super().append(frame | {"received_at_s": time.monotonic()})
+
+
+def test_scale_2_to_1_drains_a_replica_until_its_drain_timeout(launched):
+    url, ray_address = launched
+    ws_url = url.replace("http", "ws") + "/v1/realtime"
+    wait_for(lambda: len(live(url)) == 2, 90, "two live replicas (the kill test's "
+             "replacement)")
+    streamers = []
+    for on_each in ([0, 1], [1, 1]):  # the second after the first is reported: the other
+        streamers.append(DrainedStreamer(ws_url))
+        streamers[-1].frames = Stamped()
+        streamers[-1].start()
+        wait_for(lambda on_each=on_each: live_actives(url) == on_each, 10,
+                 f"sessions {on_each}")
+    scaled = subprocess.run([METRONOME, "cluster", "scale", "1", "--ray-address",
+                             ray_address], timeout=60, capture_output=True, text=True)
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    draining = wait_for(lambda: [r for r in live(url).values() if r["draining"]], 10,
+                        "a replica draining")[0]
+    seen_at_s = time.monotonic()
+    assert draining["active_sessions"] == 1
+    late = [open_session(ws_url) for _ in range(CAP - 1)]  # new sessions: the other one
+    try:
+        wait_for(lambda: sum(live_actives(url)) == 1 + CAP, 5, "the new sessions reported")
+        assert live(url)[draining["replica"]]["active_sessions"] == 1  # none of them
+        cut = wait_for(lambda: [s for s in streamers if s.closed_at_s], DRAIN_TIMEOUT_S + 5,
+                       "the drain timeout's close")
+        assert len(cut) == 1
+        cut, kept = cut[0], next(s for s in streamers if s is not cut[0])
+        assert (cut.ws.close_code, cut.ws.close_reason) == (1001,
+                                                            "server draining: drain timeout")
+        # not cut before the drain timeout (seen draining up to a drain check late), and
+        # served all along: a frame result each second up to the close
+        assert cut.closed_at_s - seen_at_s >= DRAIN_TIMEOUT_S - 1.5
+        assert cut.frames_after(seen_at_s) >= DRAIN_TIMEOUT_S - 2
+        assert [e["code"] for e in cut.errors] == ["server_draining"]
+        wait_for(lambda: draining["replica"] not in live(url), 15, "the drained one gone")
+        time.sleep(1.5)
+        assert kept.closed_at_s is None and kept.frames_after(cut.closed_at_s) >= 1
+        assert not kept.late_frames and kept.errors == []
+    finally:
+        for ws in late:
+            ws.close()
+        for streamer in streamers:
+            streamer.stop()

@@ -1,0 +1,187 @@
+"""The fast path against the reference path: the compiled paged-attention kernel (KV read in
+place) vs the dense gather + SDPA path, and prepacked oneDNN projections vs `F.linear`.
+
+The naive-reference tests of the bound's semantics run on every path too
+(`test_attention_semantics.py`); here the two engine paths are compared directly on long,
+churned histories (blocks scattered through the pool, windows sliding, sessions closing and
+reopening), on the bundled model, in bfloat16, and the kernel's and the engine's refusals.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from metronome.engine.engine import Engine, EngineConfig
+from metronome.engine.session import SessionSpec
+from metronome.kv.residency import ResidencyPolicy
+from metronome.model import native
+from metronome.model.config import TINY_LLAMA
+from metronome.model.weights import random_model
+
+POLICIES = ["unbounded", "window:24", "sinks_window:4:24", "sinks_window:4:24@rolling",
+            "sinks_window:9:8@rolling", "window:13@rolling"]
+
+
+def churned_run(model, attention, paged_max, seed, block_size=4, rounds=14):
+    """Sessions under every policy, fed random chunks and decoding, some closed and new ones
+    opened mid-way so the pool's free list is shuffled. Returns (logits, tokens) per step."""
+    engine = Engine(model, EngineConfig(block_size=block_size, pool_tokens=8192,
+                                        max_chunk_tokens=8, attention=attention,
+                                        paged_max_chunk_tokens=paged_max))
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+
+    def open_one(policy):
+        return engine.open_session(SessionSpec(policy=ResidencyPolicy.parse(policy),
+                                               stop_token_ids=(), return_logits=True))
+
+    sids = [open_one(p) for p in POLICIES]
+    log = []
+    for r in range(rounds):
+        if r in (5, 9):  # close two sessions, open two: their blocks come back shuffled
+            for sid in rng.sample(sids, 2):
+                engine.close(sid)
+                sids.remove(sid)
+                sids.append(open_one(rng.choice(POLICIES)))
+        for sid in sids:
+            n = rng.choice([1, 1, 2, 5, 8, 13])
+            engine.submit(sid, [rng.randrange(vocab) for _ in range(n)],
+                          max_new_tokens=rng.choice([0, 1, 3]))
+        while engine.has_work:
+            for step in engine.step().sessions:
+                log.append((step.session_id, step.logits, tuple(step.new_token_ids)))
+    return log
+
+
+@pytest.mark.parametrize("paged_max", [16, 2])  # every chunk paged; a mix of both paths
+def test_paged_kernel_matches_dense_path_on_churned_histories(paged_kernel, paged_max):
+    paged_kernel()
+    model = random_model(TINY_LLAMA, torch.float32, seed=3)
+    dense = churned_run(model, "dense", 0, seed=11)
+    paged = churned_run(model, "paged", paged_max, seed=11)
+    assert [(s, t) for s, _, t in dense] == [(s, t) for s, _, t in paged]
+    for (_, want, _), (_, got, _) in zip(dense, paged, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_kernel_matches_dense_path_in_bfloat16(paged_kernel):
+    paged_kernel()
+    model = random_model(TINY_LLAMA, torch.bfloat16, seed=3)
+    dense = churned_run(model, "dense", 0, seed=5, rounds=8)
+    paged = churned_run(model, "paged", 16, seed=5, rounds=8)
+    for (sid_d, want, _), (sid_p, got, _) in zip(dense, paged, strict=True):
+        assert sid_d == sid_p
+        # bf16 rounds every product; the kernel accumulates in float32, SDPA in bf16 blocks
+        torch.testing.assert_close(got, want, atol=6e-2, rtol=5e-2)
+
+
+def test_bundled_model_decodes_the_same_tokens_on_both_paths(smollm2, paged_kernel):
+    """Real text, a bound that slides during decode: greedy tokens equal, logits close."""
+    from metronome.model.weights import load_tokenizer
+
+    paged_kernel()
+    tokenizer = load_tokenizer()
+    ids = tokenizer.encode("To be, or not to be, that is the question: whether 'tis nobler "
+                           "in the mind to suffer the slings and arrows").ids
+    results = {}
+    for attention in ("dense", "paged"):
+        engine = Engine(smollm2, EngineConfig(block_size=16, pool_tokens=4096,
+                                              attention=attention))
+        sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 32),
+                                              stop_token_ids=(), return_logits=True))
+        engine.submit(sid, ids, max_new_tokens=40)
+        tokens, logits = [], []
+        while engine.has_work:
+            for step in engine.step().sessions:
+                tokens += step.new_token_ids
+                logits.append(step.logits[-1])
+        results[attention] = (tokens, torch.stack(logits))
+    assert results["dense"][0] == results["paged"][0]
+    torch.testing.assert_close(results["paged"][1], results["dense"][1], atol=2e-3, rtol=1e-3)
+
+
+def test_packed_projections_match_plain_linear(tiny_model):
+    model = random_model(TINY_LLAMA, torch.float32, seed=4)
+    assert model.packed_linear, "float32 projections are prepacked wherever oneDNN is built in"
+    x = torch.randn(7, model.config.hidden_size)
+    for packed, plain in ((model.projections[0].qkv, torch.nn.functional.linear(
+            x, model.layers[0].qkv, model.layers[0].qkv_bias)),
+            (model.lm_head_projection, torch.nn.functional.linear(x, model.lm_head))):
+        torch.testing.assert_close(packed(x), plain, atol=1e-5, rtol=1e-5)
+    assert model.lm_head_projection(x[:0]).shape == (0, model.config.vocab_size)
+    runs = {}
+    for enabled in (True, False):
+        model.use_packed_linear(enabled)
+        runs[enabled] = churned_run(model, "dense", 0, seed=2, rounds=6)
+    model.use_packed_linear(True)
+    for (_, want, t1), (_, got, t2) in zip(runs[False], runs[True], strict=True):
+        assert t1 == t2
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_refuses_bad_shapes_with_a_reason(paged_kernel):
+    kernel = paged_kernel()
+    q = torch.randn(2, 4, 8)
+    kv = torch.zeros(2, 16, 8)
+    ints = torch.zeros(2, dtype=torch.int64)
+    tables = torch.zeros(2, 1, dtype=torch.int64)
+    good = (q, None, kv, kv, ints, ints, ints, tables, tables, torch.ones(2, dtype=torch.int64),
+            ints, ints, 4, 0.5)
+    assert kernel.paged_attention(*good).shape == (2, 32)
+    bad = {
+        "q must be contiguous": (q.transpose(0, 1),),
+        "share a dtype": (q.double(),),
+        "query heads must be a multiple": (torch.randn(2, 3, 8),),
+        "slots must be whole blocks": (q, None, torch.zeros(2, 15, 8), torch.zeros(2, 15, 8)),
+        "per-token tensors": (q, None, kv, kv, ints[:1]),
+    }
+    for reason, head in bad.items():
+        with pytest.raises(RuntimeError, match=reason):
+            kernel.paged_attention(*head, *good[len(head):])
+
+
+def test_engine_config_refuses_an_unknown_attention_mode():
+    with pytest.raises(ValueError, match="attention must be one of auto, paged, dense"):
+        EngineConfig(attention="flash")
+    with pytest.raises(ValueError, match="paged_max_chunk_tokens must be >= 0"):
+        EngineConfig(paged_max_chunk_tokens=-1)
+
+
+def test_without_the_kernel_auto_falls_back_and_paged_says_why(monkeypatch, tiny_model):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is None
+    assert "disabled by METRONOME_NATIVE_ATTENTION=0" in native.unavailable_reason()
+    engine = Engine(tiny_model, EngineConfig(block_size=4, pool_tokens=256))
+    assert engine.kernel is None and engine.paged_max_chunk_tokens == 0
+    sid = engine.open_session(SessionSpec(stop_token_ids=()))
+    engine.submit(sid, [1, 2, 3], max_new_tokens=2)
+    while engine.has_work:
+        engine.step()
+    assert engine.sessions[sid].table.num_tokens == 4  # 3 input + 1 fed-back sampled token
+    with pytest.raises(RuntimeError, match="attention='paged' but disabled by"):
+        Engine(tiny_model, EngineConfig(block_size=4, pool_tokens=256, attention="paged"))
+
+
+def test_the_build_cache_is_named_after_this_cpu():
+    assert native.build_dir().name == f"paged_attention_{native._cpu_tag()}"
+    assert len(native._cpu_tag()) == 10
+
+
+def test_engine_paths_select_the_fast_or_the_reference_code():
+    from metronome.engine.engine import for_engine_path
+    from metronome.sim.local import RunConfig
+
+    model = random_model(TINY_LLAMA, torch.float32, seed=4)
+    base = EngineConfig(block_size=4, pool_tokens=256)
+    reference = for_engine_path(model, base, "reference")
+    assert reference.attention == "dense" and not model.packed_linear
+    fast = for_engine_path(model, base, "fast")
+    assert fast.attention == "auto" and model.packed_linear
+    with pytest.raises(ValueError, match="engine path must be one of fast, reference"):
+        for_engine_path(model, base, "turbo")
+    with pytest.raises(ValueError, match="engine_path must be one of fast, reference"):
+        RunConfig(engine_path="turbo")
