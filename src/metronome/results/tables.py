@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -20,6 +21,20 @@ def ratio(num: float | None, den: float | None, spec: str = ".2f") -> str:
     if num is None or not den:
         return "-"
     return format(num / den, spec) + "x"
+
+
+def pct(share: float | None, spec: str = ".1f") -> str:
+    """A share as a percentage ('12.3 %'); '-' when missing or NaN."""
+    if share is None or math.isnan(share):
+        return "-"
+    return format(100 * share, spec) + " %"
+
+
+def times(value: float | None, spec: str = ".2f") -> str:
+    """A ratio already divided, as 'N.NN×'; '-' when missing or NaN."""
+    if value is None or math.isnan(value):
+        return "-"
+    return format(value, spec) + "×"
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
