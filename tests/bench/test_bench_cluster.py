@@ -3,9 +3,9 @@ canned load summaries (the command itself takes minutes: Ray starts twice)."""
 
 from __future__ import annotations
 
-from metronome.bench import cluster_bench
-from metronome.bench.cluster_bench import ClusterBenchConfig, capacity
-from metronome.bench.cluster_report import plot, report
+from metronome.bench.cluster_bench import plot, report
+from metronome.bench.served.cluster import capacity, capacity_step
+from metronome.results.context import RunContext
 
 
 def load_summary(completed: int, refused: int, goodput: float) -> dict:
@@ -13,25 +13,18 @@ def load_summary(completed: int, refused: int, goodput: float) -> dict:
             "goodput_server": goodput, "latency_ms": {"client": {"p95": 100.0}}}
 
 
-class FakeServer:
-    replicas = 1
-
-
-def test_the_ladder_stops_at_the_first_step_over_one_percent_or_refused(monkeypatch):
+def test_the_ladder_stops_at_the_first_step_over_one_percent_or_refused():
     by_offered = {8: load_summary(8, 0, 1.0), 12: load_summary(12, 0, 0.995),
                   16: load_summary(14, 2, 1.0), 20: load_summary(20, 0, 1.0)}
-    monkeypatch.setattr(cluster_bench, "_load", lambda server, n, *_: by_offered[n])
-    result = capacity(ClusterBenchConfig(ladder=(8, 12, 16, 20)), FakeServer())
+    result = capacity((8, 12, 16, 20), 2, lambda n: capacity_step(by_offered[n], n, 0.01))
     # 16 offered: AIMD refused 2, the 14 admitted held; the ladder stops there
     assert [s["offered"] for s in result["steps"]] == [8, 12, 16]
     assert result["held_sessions"] == 14
 
 
-def test_past_the_first_step_that_misses_it_bisects_back(monkeypatch):
-    monkeypatch.setattr(cluster_bench, "_load", lambda server, n, *_: load_summary(
-        n, 0, 1.0 if n <= 9 else 0.98))  # holds up to 9 sessions
-    result = capacity(ClusterBenchConfig(ladder=(4, 8, 12, 16), bisect_steps=2),
-                      FakeServer())
+def test_past_the_first_step_that_misses_it_bisects_back():
+    result = capacity((4, 8, 12, 16), 2, lambda n: capacity_step(load_summary(
+        n, 0, 1.0 if n <= 9 else 0.98), n, 0.01))  # holds up to 9 sessions
     assert [(s["offered"], s["holds"]) for s in result["steps"]] == [
         (4, True), (8, True), (12, False), (10, False), (9, True)]
     assert result["held_sessions"] == 9
@@ -47,29 +40,56 @@ def canned_result() -> dict:
     step = {"offered": 20, "admitted": 20, "refused": 0, "failed": 0, "frames": 400,
             "miss_share": 0.0, "client_p95_ms": 120.0, "holds": True}
     return {
-        "command": "metronome bench cluster", "elapsed_s": 600.0,
-        "config": {"smoke": False, "repeats": 1, "output_tokens_per_frame": 32},
-        "machine": {"cpus": 2, "memory_gib": 24.0, "python": "3.11", "torch": "2",
-                    "ray": "2.60.0"},
-        "proxy_hop": {"runs": runs, "summary": summary, "sessions": 4, "duration_s": 15.0},
+        "command": "metronome bench cluster", "elapsed_s": 600.0, "scale": "full",
+        "plots": ["cluster.png"],
+        "provenance": {"commit": "abc", "ray": "2.60.0", "machine": {
+            "cpu_model": "cpu", "logical_cpus": 2, "memory_gib": 24.0, "torch": "2",
+            "torch_threads": 2}},
+        "config": {"repeats": 1, "output_tokens_per_frame": 32, "miss_limit_share": 0.01,
+                   "ladder": [20], "bisect_steps": 2, "step_duration_s": 20.0, "ramp_s": 4.0,
+                   "goal_ratio": 1.8},
+        "server_commands": {"plain": "metronome serve", "1": "metronome serve --replicas 1"},
+        "workload": {"admission_cap_start": 57, "frame_period_s": 1.0,
+                     "admission_interval_s": 2.0, "torch_threads_per_server": 1,
+                     "torch_threads_per_replica": 1, "load_chunk_ms": 100.0,
+                     "load_sample_rate_hz": 24000},
+        "proxy_hop": {"runs": runs, "summary": summary, "sessions": 4, "duration_s": 15.0,
+                      "ramp_s": 1.0, "repeats": 1},
         "capacity": [{"replicas": 1, "steps": [step], "held_sessions": 20},
                      {"replicas": 2, "steps": [step | {"offered": 38, "admitted": 38}],
                       "held_sessions": 38}],
         "capacity_ratio": 1.9,
         "footprint": {"start_s": 19.0, "processes": 13, "rss_mib": 2000.0,
                       "rss_mib_by_process": {"ServeReplica": 750.0, "launcher": 330.0},
-                      "idle_cpu_share_of_machine": 0.125, "exit_s": 4.4},
+                      "idle_window_s": 5.0, "idle_cpu_share_of_machine": 0.125, "exit_s": 4.4},
     }
 
 
 def test_report_puts_the_hop_the_capacity_and_the_footprint_side_by_side(tmp_path):
     result = canned_result()
-    text = report(result, "cluster.png")
+    text = report(result)
     assert "| p50, median of runs | 25.0 | 29.5 | +4.5 |" in text
     assert "| p95, min of runs | 30.0 | 38.0 | +8.0 |" in text
     assert "Held: 20 sessions with 1 replica, 38 with 2: 1.90x (goal >= 1.8x)." in text
     assert "| 2 | 38 | 38 | 0 | 400 | 0.0% | 120 | yes |" in text
     assert "2,000 MiB: ServeReplica 750, launcher 330" in text
     assert "## Close reason on replica death" in text and "Smoke size" not in text
-    plot(result, tmp_path / "cluster.png")
+    assert text.splitlines()[2].startswith("Machine: cpu, 2 logical CPUs")
+    plot(RunContext("cluster", out_json=tmp_path / "cluster.json"), result["proxy_hop"],
+          result["capacity"])
     assert (tmp_path / "cluster.png").stat().st_size > 10_000
+
+
+def test_report_numbers_come_from_the_result():
+    """Workload constants are read from the result, not baked into the prose."""
+    result = canned_result()
+    result["config"] |= {"miss_limit_share": 0.05, "output_tokens_per_frame": 7,
+                         "goal_ratio": 1.5}
+    result["workload"] |= {"admission_interval_s": 3.0, "frame_period_s": 0.5}
+    result["footprint"]["idle_window_s"] = 9.0
+    result["provenance"]["ray"] = "2.61.0"
+    text = report(result)
+    assert "<= 5% deadline misses" in text and "7 output tokens a frame" in text
+    assert "control interval (3 s)" in text and "0.5 s frames" in text
+    assert "(goal >= 1.5x)" in text and "CPU while idle (9 s)" in text
+    assert "this run used Ray 2.61.0: a different version" in text

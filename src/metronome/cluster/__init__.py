@@ -6,6 +6,6 @@ the replica it was routed to. Modules: `config` (the cluster options), `headroom
 replica a new session goes to, pure), `router` (that ranking as Ray Serve's request router),
 `board` (the replicas' reports behind `GET /v1/cluster`), `replica` (the deployment class),
 `launch` (start Ray, deploy, wait; `metronome cluster scale`). Only
-`metronome serve --replicas` and `metronome cluster` import this package:
-the plain server never imports Ray.
+`metronome serve --replicas` and `metronome cluster` import this package (and `bench
+cluster`, for `config`'s defaults): the plain server never imports Ray.
 """
