@@ -10,8 +10,8 @@ once the clients stop, it waits for the server to be idle and samples again. The
 compares the run's end with its start, after a warm-up: RSS within `max(16 MiB, 2 %)`, the
 idle fd count back where it started, no KV block held once every session has closed.
 
-Writes the JSON (samples and verdict), a markdown report with the command and the machine,
-and a PNG plot. `duration_s` of a few seconds is the smoke size a test runs.
+The report (and its plot) reads only the result. `duration_s` of a few seconds is the smoke
+size a test runs.
 """
 
 from __future__ import annotations
@@ -21,15 +21,10 @@ import base64
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import httpx
 import psutil
@@ -37,30 +32,53 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from metronome.bench.served.server import ServerProcess, served_facts
 from metronome.load.speech import SPEECH_DIR, speech_stream
+from metronome.results.context import RunContext
+from metronome.results.provenance import describe
+from metronome.serve.config import ServerConfig
 
+NAME = "soak"
 RATE_HZ = 24000
 CHUNK_S = 0.1
-STARTUP_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = 300.0  # a first start converts the bundled model
 BAD_KINDS = ("abrupt", "garbage", "oversized_text", "no_read", "silent")
+FDS_ALLOWED_GROWTH = 2  # idle fds may end this many above where they started
 
 
 @dataclass(frozen=True)
-class SoakConfig:
-    duration_s: float = 1800.0
-    sessions: int = 3  # good clients churning at once (plus one bad client)
-    model: str = "bundled"
-    pool_tokens: int = 8192
-    sample_s: float = 5.0
-    session_s: tuple[float, float] = (3.0, 10.0)  # each good session streams this long
-    seed: int = 0
-    out_md: str = "docs/results/soak.md"
-    out_json: str = "docs/results/soak.json"
+class Config:
+    duration_s: float = field(default=1800.0, metadata={
+        "help": "how long clients churn (a few seconds: the smoke size)"})
+    sessions: int = field(default=3, metadata={
+        "help": "good clients at once (plus one bad client)"})
+    model: str = field(default="bundled", metadata={
+        "help": "'bundled', a HF directory, or preset:NAME[:L]"})
+    pool_tokens: int = field(default=8192, metadata={"help": "the server's KV pool in tokens"})
+    sample_s: float = field(default=5.0, metadata={"help": "seconds between samples"})
+    session_s: tuple[float, float] = field(default=(3.0, 10.0), metadata={
+        "help": "each good session streams between these many seconds"})
+    idle_timeout_s: float = field(default=5.0, metadata={
+        "help": "the server's idle timeout (closes the silent bad client)"})
 
-    def serve_args(self, port: int) -> list[str]:
-        return ["serve", "--port", str(port), "--model", self.model,
-                "--pool-tokens", str(self.pool_tokens), "--admission", "off",
-                "--idle-timeout-s", "5", "--log-level", "warning"]
+    def __post_init__(self) -> None:
+        if self.duration_s < 1.0 or self.sessions < 1 or self.pool_tokens < 16 or (
+                self.sample_s < 0.1) or not 0 < self.session_s[0] <= self.session_s[1]:
+            raise ValueError(f"need duration_s >= 1, sessions >= 1, pool_tokens >= 16, "
+                             f"sample_s >= 0.1 and 0 < session_s[0] <= session_s[1]: {self}")
+
+    @classmethod
+    def smoke(cls) -> Config:
+        return cls(duration_s=6.0, sessions=2, sample_s=1.0)
+
+    def server_config(self) -> ServerConfig:
+        return ServerConfig(model=self.model, pool_tokens=self.pool_tokens, admission="off",
+                            idle_timeout_s=self.idle_timeout_s)
+
+    def serve_args(self) -> list[str]:
+        return ["--model", self.model, "--pool-tokens", str(self.pool_tokens),
+                "--admission", "off", "--idle-timeout-s", f"{self.idle_timeout_s:g}",
+                "--log-level", "warning"]
 
 
 @dataclass
@@ -83,37 +101,27 @@ class ClientCounts:
     errors: Counter = field(default_factory=Counter)  # error event codes
 
 
-def run(config: SoakConfig) -> dict:
-    """The whole soak: server up, clients churning, samples, verdict, files written."""
-    port = _free_port()
-    command = [sys.executable, "-c", "from metronome.cli import app; app()",
-               *config.serve_args(port)]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
+def run(ctx: RunContext, cfg: Config) -> dict:
+    """The whole soak: server up, clients churning, samples, verdict, plot."""
+    ctx.record(**served_facts(cfg.server_config()), nice=os.nice(0))
+    server = ServerProcess.start(cfg.serve_args(), timeout_s=STARTUP_TIMEOUT_S)
     try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_ready(server, base)
-        result = asyncio.run(_soak(config, server.pid, base, f"ws://127.0.0.1:{port}"
-                                   "/v1/realtime"))
+        result = asyncio.run(_soak(cfg, ctx.seed, server.process.pid, server.url,
+                                   server.ws_url))
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    result |= {"command": "metronome bench soak " + " ".join(_cli_args(config)),
-               "server_command": "OMP_NUM_THREADS=1 metronome " + " ".join(
-                   config.serve_args(port)),
-               "config": asdict(config), "machine": _machine()}
-    result["verdict"] = verdict(result["samples"], config)
-    _write(result, config)
+        server.stop()
+    ctx.record(load_avg_1m_end=round(os.getloadavg()[0], 2))
+    result |= {"config": asdict(cfg), "server_command": server.command,
+               "bad_kinds": list(BAD_KINDS)}
+    result["verdict"] = verdict(result["samples"], cfg)
+    plot(ctx, result["samples"])
     return result
 
 
-async def _soak(config: SoakConfig, pid: int, base: str, url: str) -> dict:
+async def _soak(config: Config, seed: int, pid: int, base: str, url: str) -> dict:
     process = psutil.Process(pid)
     counts = ClientCounts()
-    rng = random.Random(config.seed)
+    rng = random.Random(seed)
     speech = speech_stream(SPEECH_DIR, RATE_HZ, 30.0)
     samples: list[Sample] = []
     async with httpx.AsyncClient(base_url=base, timeout=10) as http:
@@ -134,7 +142,7 @@ async def _soak(config: SoakConfig, pid: int, base: str, url: str) -> dict:
                                          "idle_end"))
     return {"samples": [asdict(s) for s in samples], "clients": {
         "sessions": dict(counts.by_outcome), "frames": dict(counts.frames),
-        "errors": dict(counts.errors)}, "elapsed_s": time.monotonic() - started}
+        "errors": dict(counts.errors)}, "clients_s": time.monotonic() - started}
 
 
 # ---- clients --------------------------------------------------------------------------------
@@ -162,7 +170,7 @@ async def _read(ws, counts: ClientCounts) -> None:
         return
 
 
-async def _good_loop(url, speech, rng, counts, stop_at: float, config: SoakConfig) -> None:
+async def _good_loop(url, speech, rng, counts, stop_at: float, config: Config) -> None:
     while time.monotonic() < stop_at:
         seconds = rng.uniform(*config.session_s)
         outcome = await _guarded(_good_session(url, _chunks(speech, seconds, rng), counts))
@@ -282,28 +290,8 @@ async def _wait_idle(http: httpx.AsyncClient, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(server: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"metronome serve exited with {server.returncode} at startup")
-        try:
-            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"metronome serve was not ready within {STARTUP_TIMEOUT_S:g} s")
-
-
 # ---- the verdict ------------------------------------------------------------------------------
-def verdict(samples: list[dict], config: SoakConfig) -> dict:
+def verdict(samples: list[dict], config: Config) -> dict:
     """Flat or not, for RSS, fds and blocks, with the numbers behind each."""
     load = [s for s in samples if s["phase"] == "load"]
     warm_s = min(60.0, 0.1 * config.duration_s)
@@ -324,7 +312,8 @@ def verdict(samples: list[dict], config: SoakConfig) -> dict:
                 "flat": abs(rss_end - rss_start) <= rss_allowed},
         "fds": {"idle_start": fds_start, "idle_end": fds_end,
                 "max_under_load": max(s["open_fds"] for s in load),
-                "flat": fds_end <= fds_start + 2},
+                "allowed_growth": FDS_ALLOWED_GROWTH,
+                "flat": fds_end <= fds_start + FDS_ALLOWED_GROWTH},
         "blocks": {"max_used_under_load": max(s["used_blocks"] for s in load),
                    "used_when_idle_at_end": used_end, "flat": used_end == 0},
         "threads": {"idle_start": idle_start[-1]["threads"],
@@ -342,40 +331,9 @@ def _slope(points: list[tuple[float, float]]) -> float | None:
     return None if var == 0 else cov / var * 3600
 
 
-# ---- output -----------------------------------------------------------------------------------
-def _cli_args(config: SoakConfig) -> list[str]:
-    return ["--duration-s", f"{config.duration_s:g}", "--sessions", str(config.sessions),
-            "--model", config.model, "--pool-tokens", str(config.pool_tokens),
-            "--sample-s", f"{config.sample_s:g}"]
-
-
-def _machine() -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()
-             if ln.startswith("model name")]
-    import torch
-
-    return {"cpu_model": names[0] if names else "", "logical_cpus": os.cpu_count(),
-            "memory_gib": psutil.virtual_memory().total / (1 << 30),
-            "python": sys.version.split()[0], "torch": torch.__version__,
-            "nice": os.nice(0), "load_avg_1m_end": os.getloadavg()[0]}
-
-
-def _write(result: dict, config: SoakConfig) -> None:
-    out_json, out_md = Path(config.out_json), Path(config.out_md)
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(result, indent=2))
-    plot = out_md.with_suffix(".png")
-    _plot(result["samples"], plot)
-    out_md.write_text(_report(result, plot.name))
-
-
-def _plot(samples: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+# ---- output: the plot in the run, the report from the result alone ---------------------------
+def plot(ctx: RunContext, samples: list[dict]) -> None:
+    plt, save = ctx.figure("soak.png")
     t = [s["t_s"] / 60 for s in samples]
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
     for ax, key, label in zip(axes, ("rss_mib", "open_fds", "used_blocks"),
@@ -386,44 +344,45 @@ def _plot(samples: list[dict], path: Path) -> None:
     axes[0].set_ylim(bottom=0)
     axes[-1].set_xlabel("minutes since the clients started (before 0: idle; last: idle again)")
     fig.suptitle("metronome bench soak: churning sessions against metronome serve")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig)
 
 
-def _report(result: dict, plot_name: str) -> str:
-    v, m, c = result["verdict"], result["machine"], result["clients"]
+def report(result: dict) -> str:
+    v, c, cfg, prov = result["verdict"], result["clients"], result["config"], result["provenance"]
     rss, fds, blocks = v["rss"], v["fds"], v["blocks"]
     yes = {True: "flat", False: "NOT flat"}
     slope = rss["slope_mib_per_h"]
+    nice = f"nice -n {prov['nice']} " if prov["nice"] else ""
+    low_s, high_s = cfg["session_s"]
     lines = [
         "# Soak: does `metronome serve` stay flat under churning sessions?", "",
-        f"Command: `nice -n 19 {result['command']}` (the server: "
-        f"`{result['server_command']}`), {result['elapsed_s'] / 60:.1f} min of clients.", "",
-        f"Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, "
-        f"{m['memory_gib']:.0f} GiB, Python {m['python']}, torch {m['torch']}; the bench ran "
-        f"at nice {m['nice']} beside other work (1-min load {m['load_avg_1m_end']:.1f} at the "
-        "end), so this measures flatness, not latency.", "",
-        "Clients: " + f"{result['config']['sessions']} good clients churning (open, stream "
-        "speech at real-time pace for 3-10 s, close, repeat) and one bad client cycling "
-        f"through {', '.join(BAD_KINDS)}.", "",
+        describe(prov), "",
+        f"Command: `{nice}{result['command']}` (the server: `{result['server_command']}`), "
+        f"{result['clients_s'] / 60:.1f} min of clients. The bench ran at nice {prov['nice']} "
+        f"(1-min load {prov['machine']['load_avg_1m_start']:.1f} at the start, "
+        f"{prov['load_avg_1m_end']:.1f} at the end), so this measures flatness, not "
+        "latency.", "",
+        f"Clients: {cfg['sessions']} good clients churning (open, stream speech at real-time "
+        f"pace for {low_s:g}-{high_s:g} s, close, repeat) and one bad client cycling through "
+        f"{', '.join(result['bad_kinds'])}; samples every {cfg['sample_s']:g} s.", "",
         "| what | start | end | verdict |", "|---|---|---|---|",
         f"| server RSS (MiB, median of the first / last quarter after {v['warm_up_s']:g} s) | "
         f"{rss['start_mib']:.1f} | {rss['end_mib']:.1f} | {yes[rss['flat']]} "
         f"({rss['growth_mib']:+.1f} MiB, allowed ±{rss['allowed_mib']:.0f}; slope "
         f"{'n/a' if slope is None else f'{slope:+.1f} MiB/h'}; max {rss['max_mib']:.1f}) |",
         f"| open fds (idle before / after) | {fds['idle_start']} | {fds['idle_end']} | "
-        f"{yes[fds['flat']]} (max under load {fds['max_under_load']}) |",
+        f"{yes[fds['flat']]} (allowed +{fds['allowed_growth']}; max under load "
+        f"{fds['max_under_load']}) |",
         f"| KV blocks used (idle at the end) | - | {blocks['used_when_idle_at_end']:g} | "
         f"{yes[blocks['flat']]} (max under load {blocks['max_used_under_load']:g}) |",
         f"| threads (idle before / after) | {v['threads']['idle_start']} | "
         f"{v['threads']['idle_end']} | |", "",
-        f"![RSS, fds and blocks over the run]({plot_name})", "",
+        *(f"![RSS, fds and blocks over the run]({name})" for name in result["plots"]), "",
         "Sessions by client kind and outcome: " + ", ".join(
             f"{k} {n}" for k, n in sorted(c["sessions"].items())) + ".", "",
         "Frames by status (as clients saw them): " + ", ".join(
             f"{k} {n}" for k, n in sorted(c["frames"].items())) + "; error events: " + ", ".join(
             f"{k} {n}" for k, n in sorted(c["errors"].items())) + ".", "",
-        "Raw samples and the verdict: `soak.json` beside this file.", "",
+        "Raw samples and the verdict: the JSON beside this file.", "",
     ]
     return "\n".join(lines)
