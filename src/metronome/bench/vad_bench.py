@@ -10,35 +10,60 @@
    imported, and the VAD thread's name; for contrast, a fresh interpreter before and after
    `import silero_vad`.
 
-Writes JSON and a markdown report with the command and the machine.
+The report reads every setting and constant from the result.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from metronome.audio.silero import SileroState, SileroVad
+from metronome.audio.silero import CHUNK_SAMPLES, SILERO_RATE_HZ, SileroState, SileroVad
 from metronome.audio.turn_detector import SpeechStarted, SpeechStopped
-from metronome.audio.vad import VadStream
-from metronome.bench.engine.machine import machine
-from metronome.load.speech import SENTENCES, speech_spans_ms, to_pcm16, utterances
+from metronome.audio.vad import CHUNK_MS, VadStream
+from metronome.load.speech import (
+    GATE_BRIDGE_MS,
+    GATE_WINDOW_MS,
+    SENTENCES,
+    SILENCE_LEVEL,
+    speech_spans_ms,
+    to_pcm16,
+    utterances,
+)
+from metronome.results.context import RunContext
+from metronome.results.provenance import describe
 
-COMMAND = "metronome bench vad"
-RATES_HZ = (16000, 24000, 48000)
-PAUSES_S = [0.7, 1.2, 1.0]
-APPEND_MS = 20
-THRESHOLD, SILENCE_DURATION_MS = 0.5, 500  # OpenAI's server_vad defaults
-TOLERANCE_MS = 100.0
+NAME = "vad"
+OPENAI_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500}  # server_vad's
+
+
+@dataclass(frozen=True)
+class Config:
+    rates_hz: tuple[int, ...] = field(default=(16000, 24000, 48000), metadata={
+        "help": "input sample rates, each fixture at each"})
+    pauses_s: tuple[float, ...] = field(default=(0.7, 1.2, 1.0), metadata={
+        "help": "silence before, between and after the fixture's two utterances"})
+    append_ms: int = field(default=20, metadata={"help": "audio per append"})
+    threshold: float = field(default=OPENAI_DEFAULTS["threshold"], metadata={
+        "help": "server_vad threshold"})
+    silence_duration_ms: int = field(default=OPENAI_DEFAULTS["silence_duration_ms"],
+                                     metadata={"help": "server_vad silence_duration_ms"})
+    tolerance_ms: float = field(default=100.0, metadata={
+        "help": "the largest boundary error that passes"})
+
+    @classmethod
+    def smoke(cls) -> Config:
+        return cls(rates_hz=(16000,))
 
 
 class TimedSilero:
@@ -55,16 +80,17 @@ class TimedSilero:
         return probability
 
 
-def boundaries(model: TimedSilero) -> tuple[list[dict], float, int]:
+def boundaries(cfg: Config, model: TimedSilero) -> tuple[list[dict], float, int]:
     """Rows of (rate, fixture, turn) with the truth, the VAD's and the error; the time spent
     in pushes and the chunks they judged."""
     rows, push_s, num_chunks = [], 0.0, 0
-    for rate_hz in RATES_HZ:
+    for rate_hz in cfg.rates_hz:
         for name in sorted(SENTENCES):
-            samples = utterances([name, name], rate_hz, PAUSES_S)
+            samples = utterances([name, name], rate_hz, list(cfg.pauses_s))
             truth = speech_spans_ms(samples, rate_hz)
-            stream, pcm = VadStream(rate_hz, THRESHOLD, SILENCE_DURATION_MS), to_pcm16(samples)
-            step, events = round(rate_hz * APPEND_MS / 1000) * 2, []
+            stream = VadStream(rate_hz, cfg.threshold, cfg.silence_duration_ms)
+            pcm = to_pcm16(samples)
+            step, events = round(rate_hz * cfg.append_ms / 1000) * 2, []
             started = time.perf_counter()
             for i in range(0, len(pcm), step):
                 events += stream.push(model, pcm[i:i + step])
@@ -133,53 +159,64 @@ def _ms_stats(seconds: list[float]) -> dict:
             "mean_ms": statistics.fmean(ms), "calls": len(ms)}
 
 
-def run(out_md: str, out_json: str) -> dict:
+def run(ctx: RunContext, cfg: Config) -> dict:
+    ctx.record(model="Silero VAD (ONNX Runtime)", dtype="float32",
+               engine_path="not used (the network runs in ONNX Runtime)")
     threads_at_start = torch.get_num_threads()
     load_started = time.perf_counter()
     model = TimedSilero(SileroVad())
     load_ms = (time.perf_counter() - load_started) * 1e3
-    rows, push_s, num_chunks = boundaries(model)
+    rows, push_s, num_chunks = boundaries(cfg, model)
+    ctx.keep("boundaries", rows)
     errors = [abs(r[k]) for r in rows if "error" not in r for k in ("start_error_ms",
                                                                     "end_error_ms")]
-    result = {
-        "command": COMMAND, "machine": machine("default"),
-        "settings": {"threshold": THRESHOLD, "silence_duration_ms": SILENCE_DURATION_MS,
-                     "append_ms": APPEND_MS, "pauses_s": PAUSES_S},
+    push_per_chunk_ms = push_s * 1e3 / num_chunks
+    return {
+        "config": asdict(cfg),
+        "gate": {"window_ms": GATE_WINDOW_MS, "level_dbfs": 20 * math.log10(SILENCE_LEVEL),
+                 "bridge_ms": GATE_BRIDGE_MS},
+        "chunk": {"samples": CHUNK_SAMPLES, "rate_hz": SILERO_RATE_HZ, "ms": CHUNK_MS},
+        "openai_defaults": OPENAI_DEFAULTS,
         "boundaries": rows,
         "max_abs_error_ms": max(errors) if errors else None,
-        "within_tolerance": bool(errors) and max(errors) <= TOLERANCE_MS
+        "within_tolerance": bool(errors) and max(errors) <= cfg.tolerance_ms
         and all("error" not in r for r in rows),
         "cost": {"model_load_ms": load_ms, "network_per_chunk": _ms_stats(model.call_s),
-                 "push_per_chunk_ms": push_s * 1e3 / num_chunks,
-                 "realtime_share_of_one_core": push_s * 1e3 / num_chunks / 32.0},
+                 "push_per_chunk_ms": push_per_chunk_ms,
+                 "realtime_share_of_one_core": push_per_chunk_ms / CHUNK_MS},
         "threads": {"bench_process_at_start": threads_at_start,
                     "bench_process_after_vad": torch.get_num_threads(),
                     "server": server_threads(), "silero_vad_package": package_import_threads()},
     }
-    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_json).write_text(json.dumps(result, indent=2))
-    Path(out_md).write_text(report(result, Path(out_json).name))
-    print(json.dumps({k: result[k] for k in ("max_abs_error_ms", "within_tolerance", "cost",
-                                             "threads")}, indent=2))
-    return result
 
 
-def report(result: dict, json_name: str) -> str:
-    m, cost, threads = result["machine"], result["cost"], result["threads"]
+def _layout(pauses_s: list[float]) -> str:
+    """The fixture's layout, e.g. "0.7 s silence + speech + 1.2 s + speech + 1.0 s"."""
+    parts = [f"{pauses_s[0]:g} s silence"]
+    for pause in pauses_s[1:]:
+        parts += ["speech", f"{pause:g} s"]
+    return " + ".join(parts)
+
+
+def report(result: dict) -> str:
+    cfg, cost, threads = result["config"], result["cost"], result["threads"]
     server, package = threads["server"], threads["silero_vad_package"]
-    network = cost["network_per_chunk"]
+    network, gate, chunk = cost["network_per_chunk"], result["gate"], result["chunk"]
+    openai = {k: cfg[k] for k in result["openai_defaults"]} == result["openai_defaults"]
+    defaults_note = " (OpenAI's defaults)" if openai else ""
     lines = [
         "# Server VAD: Silero on the espeak-ng fixtures", "",
-        f"Command: `{result['command']}`. Written by the command; do not edit by hand.", "",
-        f"Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, "
-        f"{m['memory_gib']:.0f} GiB, Python {m['python']}, torch {m['torch']} "
-        f"(1-min load {m['load_avg_1m_start']:.1f} at the start).", "",
-        f"Settings: threshold {result['settings']['threshold']}, silence_duration_ms "
-        f"{result['settings']['silence_duration_ms']} (OpenAI's defaults), "
-        f"{result['settings']['append_ms']} ms appends. Each fixture twice, as "
-        "0.7 s silence + speech + 1.2 s + speech + 1.0 s. Truth: an energy gate (10 ms "
-        "windows over -40 dBFS, gaps under 300 ms bridged), no VAD. Errors are signed: "
-        "positive, the VAD is late.", "",
+        describe(result["provenance"]), "",
+        f"Command: `{result['command']}`. Written by the command; do not edit by hand. "
+        f"1-min load {result['provenance']['machine']['load_avg_1m_start']:.1f} at the "
+        "start.", "",
+        f"Settings: threshold {cfg['threshold']}, silence_duration_ms "
+        f"{cfg['silence_duration_ms']}{defaults_note}, {cfg['append_ms']} ms appends, at "
+        f"{', '.join(map(str, cfg['rates_hz']))} Hz. Each "
+        f"fixture twice, as {_layout(cfg['pauses_s'])}. Truth: an energy gate "
+        f"({gate['window_ms']:g} ms windows over {gate['level_dbfs']:.0f} dBFS, gaps under "
+        f"{gate['bridge_ms']:g} ms bridged), no VAD. Errors are signed: positive, the VAD is "
+        "late.", "",
         "## Boundaries", "",
         "| rate (Hz) | fixture | turn | true start (ms) | VAD start | error | true end (ms) "
         "| VAD end | error |",
@@ -194,13 +231,16 @@ def report(result: dict, json_name: str) -> str:
                      f"{r['start_error_ms']:+.0f} | {r['true_end_ms']:.0f} | "
                      f"{r['vad_end_ms']:.0f} | {r['end_error_ms']:+.0f} |")
     verdict = "within" if result["within_tolerance"] else "NOT within"
+    largest = result["max_abs_error_ms"]
     lines += [
-        "", f"Largest error: {result['max_abs_error_ms']:.0f} ms ({verdict} "
-        f"{TOLERANCE_MS:.0f} ms).", "",
+        "", f"Largest error: {'-' if largest is None else f'{largest:.0f}'} ms ({verdict} "
+        f"{cfg['tolerance_ms']:.0f} ms).", "",
         "## Cost", "",
-        f"- network per 512-sample chunk (32 ms of audio): median {network['median_ms']:.3f} "
-        f"ms, p99 {network['p99_ms']:.3f} ms, mean {network['mean_ms']:.3f} ms over "
-        f"{network['calls']} chunks (ONNX Runtime, 1 thread)",
+        f"- network per {chunk['samples']}-sample chunk ({chunk['ms']:g} ms of audio at "
+        f"{chunk['rate_hz']} Hz): median {network['median_ms']:.3f} ms, p99 "
+        f"{network['p99_ms']:.3f} ms, mean {network['mean_ms']:.3f} ms over "
+        f"{network['calls']} chunks (ONNX Runtime, with `audio.silero.SileroVad`'s "
+        "single-threaded session options)",
         f"- a whole push per chunk (decode, resample, network, rules): "
         f"{cost['push_per_chunk_ms']:.3f} ms, {cost['realtime_share_of_one_core']:.1%} of "
         "one core per real-time stream",
@@ -214,6 +254,6 @@ def report(result: dict, json_name: str) -> str:
         f"events: {', '.join(server['speech_events'])}",
         f"- for contrast, a fresh interpreter: {package['before_import']} before `import "
         f"silero_vad`, {package['after_import']} after (why the package is never imported)",
-        "", f"Raw results: `{json_name}` beside this file.", "",
+        "", "Raw results: the JSON beside this file.", "",
     ]
     return "\n".join(lines)
