@@ -1,17 +1,20 @@
-"""`metronome bench engine --smoke`: the benchmark runs end to end and writes its fields.
+"""`metronome bench engine --smoke` and `engine-paths --smoke`: the benchmarks run end to
+end and write their fields.
 
-Checks structure, not values (timings are the benchmark's business, not a test's). Runs in a
-subprocess: the bench sets OpenMP's wait policy before torch loads, which an in-process call
-after conftest has imported torch could not do.
+Checks structure, not values (timings are the benchmark's business, not a test's). The
+engine bench measures in a child process of its own (OpenMP's wait policy is set there,
+before torch loads), so it runs in this process like any bench.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from metronome.bench import engine_bench, engine_paths
+from metronome.results.context import RunContext, execute
+from metronome.sim.cost_model import StepCostModel
 
 pytestmark = pytest.mark.model
 
@@ -22,16 +25,15 @@ ROW_FIELDS = {"step_ms_min", "step_ms_median", "tokens_per_s", "resident_tokens_
 
 def test_bench_engine_smoke(tmp_path):
     md, js = tmp_path / "engine.md", tmp_path / "engine.json"
-    code = ("from metronome.bench.engine_bench import run; "
-            f"run(out_md={str(md)!r}, out_json={str(js)!r}, smoke=True, repeats=2)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ctx = RunContext(engine_bench.NAME, js, command="metronome bench engine --smoke")
+    returned = execute(engine_bench, ctx, engine_bench.Config.smoke())
     res = json.loads(js.read_text())
-    assert json.loads(done.stdout) == res  # the same JSON goes to stdout
+    assert json.loads(json.dumps(returned)) == res  # what the run returns is what it wrote
 
-    assert res["command"] == "metronome bench engine" and res["smoke"] is True
-    assert res["machine"]["omp_wait_policy"].startswith("PASSIVE")
+    assert res["command"] == "metronome bench engine --smoke" and res["scale"] == "smoke"
+    assert res["provenance"]["omp_wait_policy"].startswith("PASSIVE")
+    assert res["provenance"]["dtype"] == res["dtype"]["chosen"]
+    assert res["provenance"]["engine_path"].startswith("fast")
     assert res["dtype"]["chosen"] in {"float32", "bfloat16"}
     assert {r["dtype"] for r in res["dtype"]["rows"]} == {"float32", "bfloat16"}
     assert {r["system"] for r in res["grid"]} == SYSTEMS
@@ -52,15 +54,20 @@ def test_bench_engine_smoke(tmp_path):
     for heading in ("fp32 vs bf16", "Ours / transformers", "Where the step goes",
                     "Achieved FLOP/s", "OpenMP wait policy", "Goals"):
         assert heading in text
-    assert "`metronome bench engine`" in text
+    assert "`metronome bench engine --smoke`" in text
+    assert "Step cost model" in text
+
+    model, calibration = StepCostModel.load(tmp_path / "engine_step_cost.json")
+    assert model.fixed_s == res["step_cost"]["fixed_s"]
+    assert calibration.source == str(js) and calibration.command == res["command"]
+    assert calibration.dtype == res["dtype"]["chosen"]
+    assert calibration.engine_path == res["provenance"]["engine_path"]
 
 
 def test_bench_engine_paths_smoke(tmp_path):
     """`metronome bench engine-paths --smoke`: both paths timed and profiled per cell."""
-    from metronome.bench.engine_paths import EnginePathsConfig, run
-
     md, js = tmp_path / "paths.md", tmp_path / "paths.json"
-    res = run(EnginePathsConfig.smoke(out_md=str(md), out_json=str(js)))
+    res = execute(engine_paths, RunContext(engine_paths.NAME, js), engine_paths.Config.smoke())
     assert {(r["path"], r["policy"]) for r in res["rows"]} == {
         (p, s) for p in ("reference", "fast") for s in ("unbounded", "sinks_window:4:32")}
     for row in res["rows"]:
@@ -70,3 +77,4 @@ def test_bench_engine_paths_smoke(tmp_path):
     saved = json.loads(js.read_text())["rows"]
     assert [r["step_ms_median"] for r in saved] == [r["step_ms_median"] for r in res["rows"]]
     assert "## Step time" in md.read_text()
+    assert res["provenance"]["dtype"] in {"float32", "bfloat16"}

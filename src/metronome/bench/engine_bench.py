@@ -1,78 +1,116 @@
-"""`metronome bench engine`: the entry points of the engine step benchmark. What it measures
-and how: `metronome.bench.engine`.
+"""`metronome bench engine`: the engine step benchmark, and the step cost calibration the
+virtual clock runs on (written beside the JSON as `<name>_step_cost.json`; the packaged
+`sim/step_cost.json` is a copy of one). What it measures and how: `metronome.bench.engine`.
 
 A run is three kinds of process:
 
-    run           this process: chooses the OpenMP wait policy, logs it, starts the child
-    measure_main  a child with that policy in its environment: measures, writes engine.json,
-                  engine.md and the fitted step cost model, prints the JSON on stdout
+    run           this process: chooses the OpenMP wait policy, starts the measuring child,
+                  then summarizes its rows and fits the step cost model
+    measure_main  a child with that policy in its environment: measures, writing its rows
+                  to a file as each stage finishes (what an interrupted run keeps)
     probe_main    the wait-policy probe's children, one per policy: a few rows as JSON
 
 Importing this module changes nothing: OpenMP reads its wait policy once, when torch loads,
 so the policy reaches the measurement only through a child's environment
-(`metronome.bench.engine.wait_policy`).
+(`metronome.bench.engine.wait_policy`). `calibration_only` measures just the rows the cost
+model is fitted from.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
+import tempfile
 from pathlib import Path
 
-from metronome.bench.engine.machine import machine
-from metronome.bench.engine.measure import Bench, compare_dtypes, measure_flatness, measure_grid
-from metronome.bench.engine.plan import make_plan, progress
-from metronome.bench.engine.probe import probe_rows, wait_policy_probe
+from metronome.bench.engine.plan import Config
 from metronome.bench.engine.report import markdown
-from metronome.bench.engine.step_cost import fit_step_cost, step_cost_path
-from metronome.bench.engine.summary import summarize
-from metronome.bench.engine.wait_policy import measuring_policy, run_child
-from metronome.model.dtypes import DTYPES
+from metronome.results.context import RunContext
+
+NAME = "engine"
 
 
-def run(out_md: str, out_json: str, smoke: bool, repeats: int) -> dict:
-    """Measure in a child process under the bench's wait policy; it prints the results as
-    JSON and writes them to `out_json` and `out_md`, the step cost model beside them."""
+def run(ctx: RunContext, cfg: Config) -> dict:
+    """Measure in a child process under the bench's wait policy, then derive the results
+    and write the step cost model beside the JSON."""
+    from metronome.bench.engine.facts import BUNDLED_MODEL
+    from metronome.bench.engine.step_cost import calibration, fit_step_cost, step_cost_path
+    from metronome.bench.engine.summary import summarize
+    from metronome.bench.engine.wait_policy import measuring_policy, run_child
+    from metronome.results.provenance import provenance
+
     policy_env, omp_wait_policy = measuring_policy(os.environ)
+    ctx.record(model=BUNDLED_MODEL, omp_wait_policy=omp_wait_policy)
     settings = " ".join(f"{k}={v}" for k, v in policy_env.items())
-    progress(f"OpenMP wait policy {omp_wait_policy}: measuring in a child process with "
-             f"{settings}")
-    code = ("from metronome.bench.engine_bench import measure_main; "
-            f"measure_main({str(out_md)!r}, {str(out_json)!r}, {smoke!r}, {repeats!r}, "
-            f"{omp_wait_policy!r})")
-    run_child(code, policy_env, capture=False)
-    return json.loads(Path(out_json).read_text())
+    ctx.log(f"OpenMP wait policy {omp_wait_policy}: measuring in a child process with "
+            f"{settings}")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_path = Path(tmp) / "measured.json"
+        code = ("from metronome.bench.engine_bench import measure_main; "
+                "from metronome.bench.engine.plan import Config; "
+                f"measure_main({cfg!r}, {str(rows_path)!r})")
+        try:
+            run_child(code, policy_env, capture=False)
+        finally:  # what the child finished survives it, in the partial JSON if it died
+            measured = json.loads(rows_path.read_text()) if rows_path.exists() else {}
+            for key, value in measured.items():
+                ctx.keep(key, value)
+    ctx.record(dtype=measured["dtype"]["chosen"], engine_path=measured["engine_path"],
+               transformers=measured["transformers"])
+    results = summarize(cfg, measured)
+    cost = fit_step_cost(results["grid"], results["dtype"]["chosen"])
+    cost_path = step_cost_path(ctx.out_json)
+    fitted = calibration(ctx.out_json, provenance(**ctx.facts), ctx.command,
+                         f"{results['finished_utc']} UTC")
+    cost.save(cost_path, fitted)
+    ctx.log(f"step cost model {cost} -> {cost_path}")
+    return results | {"step_cost": {"path": str(cost_path), "fixed_s": cost.fixed_s,
+                                    "per_token_s": cost.per_token_s,
+                                    "per_context_token_s": cost.per_context_token_s,
+                                    "calibration": fitted.describe()}}
 
 
-def measure_main(out_md: str, out_json: str, smoke: bool, repeats: int,
-                 omp_wait_policy: str) -> None:
-    """The measuring child: `omp_wait_policy` names the policy its environment sets."""
-    started = time.perf_counter()
-    plan = make_plan(smoke, repeats)
-    machine_facts = machine(omp_wait_policy)
-    bench = Bench(plan)
-    dtype_choice = compare_dtypes(bench)
-    chosen = dtype_choice["chosen"]
+def report(result: dict) -> str:
+    return markdown(result)
+
+
+def measure_main(cfg: Config, rows_path: str) -> None:
+    """The measuring child: writes what it measured to `rows_path` after each stage."""
+    import transformers
+
+    from metronome.bench.engine.facts import dtype_name, engine_path
+    from metronome.bench.engine.measure import Bench, compare_dtypes, measure_flatness, measure_grid
+    from metronome.bench.engine.probe import wait_policy_probe
+    from metronome.model.dtypes import DTYPES, resolve_dtype
+
+    measured: dict = {"transformers": transformers.__version__}
+
+    def keep(key: str, value) -> None:
+        measured[key] = value
+        Path(rows_path).write_text(json.dumps(measured))
+
+    bench = Bench(cfg)
+    if cfg.calibration_only:
+        chosen = dtype_name(resolve_dtype("auto"))
+        keep("dtype", {"chosen": chosen, "rule": "what `auto` resolves to on this CPU (the "
+                       "dtype served by default)", "ours_geomean_step_ms": {}, "rows": []})
+    else:
+        keep("dtype", compare_dtypes(bench))
+        chosen = measured["dtype"]["chosen"]
     for dtype in DTYPES:
         if dtype != chosen:
             bench.drop_dtype(dtype)
-    measured = {"dtype": dtype_choice, "grid": measure_grid(bench, chosen),
-                "flat": measure_flatness(bench, chosen)}
+    keep("engine_path", engine_path("fast", bench.model(chosen)))
+    keep("grid", list(measure_grid(bench, chosen).values()))
+    if cfg.calibration_only:
+        return
+    keep("flat", list(measure_flatness(bench, chosen).values()))
     bench.drop_dtype(chosen)  # the probe's child processes load their own
-    measured["wait_policy"] = wait_policy_probe(plan, smoke, chosen)
-    results = summarize(plan, measured, machine_facts, smoke)
-    results["elapsed_s"] = time.perf_counter() - started
-    text = json.dumps(results, indent=1)
-    for path, content in ((out_json, text + "\n"), (out_md, markdown(results))):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(content)
-    cost, calibration = fit_step_cost(results, out_json)
-    cost.save(step_cost_path(out_json), calibration)
-    progress(f"step cost model {cost} -> {step_cost_path(out_json)}")
-    print(text)
+    keep("wait_policy", wait_policy_probe(cfg, chosen))
 
 
-def probe_main(smoke: bool, repeats: int, dtype: str) -> None:
+def probe_main(cfg: Config, dtype: str) -> None:
     """A wait-policy probe child: the probe rows as JSON on stdout."""
-    print(json.dumps(probe_rows(make_plan(smoke, repeats), dtype)))
+    from metronome.bench.engine.probe import probe_rows
+
+    print(json.dumps(probe_rows(cfg, dtype)))

@@ -7,9 +7,10 @@ attends to) drive KV gathers and attention. `calibrate` fits the constants by le
 from real steps of a real engine, so virtual-clock experiments inherit that machine's shape.
 
 A fitted model is stored as a small JSON file (`save` / `load`): the three constants and a
-`Calibration` saying where they were measured. `PACKAGED_STEP_COST` ships with the package:
-`metronome bench engine`'s SmolLM2 decode steps (docs/results/engine.json) on the project's
-2-core CPU; each bench run writes its own beside its results.
+`Calibration` saying where, on what and by which command they were measured.
+`PACKAGED_STEP_COST` ships with the package: `metronome bench engine`'s SmolLM2 decode steps
+(docs/results/engine.json) on the project's 2-core CPU (its calibration says which); each
+bench run writes its own beside its results.
 """
 
 from __future__ import annotations
@@ -28,15 +29,24 @@ PACKAGED_STEP_COST = Path(__file__).with_name("step_cost.json")
 
 @dataclass(frozen=True)
 class Calibration:
-    """Where a cost model's constants were measured; stored beside them."""
+    """Where a cost model's constants were measured, and how; stored beside them. Files
+    written before the command, engine path and commit were recorded load with None there."""
 
-    source: str  # the measurement fitted, e.g. "docs/results/engine.json (metronome bench engine)"
+    source: str  # the result fitted, e.g. "docs/results/engine.json"
     machine: str  # CPU model and logical CPUs
     date: str  # when the measurement finished, UTC
-    dtype: str  # the model dtype of the measured steps
+    dtype: str  # the model dtype of the measured steps, as resolved
+    command: str | None = None  # the command that measured it, e.g. "metronome bench engine"
+    engine_path: str | None = None  # the engine path as it ran (see metronome bench engine)
+    commit: str | None = None  # the git commit measured at ("-dirty": with local changes)
 
     def describe(self) -> str:
-        return f"{self.source}, {self.machine}, {self.dtype}, {self.date}"
+        def known(value: str | None) -> str:
+            return "unknown" if value is None else value
+
+        return (f"{self.source} (command {known(self.command)}), {self.machine}, {self.dtype}, "
+                f"engine path {known(self.engine_path)}, commit {known(self.commit)}, "
+                f"{self.date}")
 
 
 @dataclass(frozen=True)

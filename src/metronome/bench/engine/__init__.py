@@ -1,5 +1,6 @@
 """Engine step benchmark (`metronome bench engine`): one batched decode step, ours (unbounded,
-sinks+window) vs transformers. `metronome.bench.engine_bench` is the entry point.
+sinks+window) vs transformers, and the step cost calibration fitted from it.
+`metronome.bench.engine_bench` is the entry point.
 
 What one measurement is: N sessions, each already L tokens long, each feed one token and
 sample one (greedy) in a single batched step. We report step latency (min / median over
@@ -23,16 +24,18 @@ engine step) and achieved FLOP/s against a plain `torch.matmul` over the same li
 
 Modules, in the order a run uses them:
 
-    plan          what one run measures (the grid or the CI smoke size), keys and labels
+    plan          what one run measures (`Config`: the grid or the CI smoke size), keys
     wait_policy   the OpenMP wait policy: set for the measuring process, and probed
     timing        timed calls, interleaved round-robin, and their statistics
     ours          our engine with N synthetic sessions of L tokens
-    transformers  the same step through Hugging Face transformers
+    hf            the same step through Hugging Face transformers
     profiling     where one step goes: torch.profiler split and our engine's phases
-    flops         step FLOPs and the plain-matmul reference
+    flops         step FLOPs and the plain-matmul reference (the linears: linear_weights)
     measure       configurations side by side within the memory budget; the run's groups
-    machine       what the run ran on
+    probe         the wait-policy probe, one child process per policy
+    facts         what the run ran on: model, dtype, engine path as it ran
     summary       measured rows -> ratios, flatness, overhead, goals, limits
     report        the summary as markdown
-    step_cost     the virtual clock's step cost model fitted from the measured rows
+    step_cost     the virtual clock's step cost model fitted from the measured rows, and
+                  its calibration (machine, dtype, engine path, commit, command, date)
 """

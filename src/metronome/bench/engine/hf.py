@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from metronome.bench.engine.plan import Plan
+from metronome.bench.engine.plan import Config
 from metronome.bench.engine.profiling import profile_steps
 from metronome.model.weights import bundled_model_dir
 
@@ -26,7 +26,7 @@ class HfRun:
     """
 
     def __init__(self, hf_model, kv_bytes_per_token: int, sessions: int, tokens: int,
-                 plan: Plan) -> None:
+                 plan: Config) -> None:
         self.model, self.plan = hf_model, plan
         self.kv_bytes_per_token = kv_bytes_per_token
         self.cache = self._filled_cache(hf_model, sessions, tokens)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from metronome.bench.engine.flops import add_flops, matmul_reference_ms
 from metronome.bench.engine.hf import HfRun, load_hf
 from metronome.bench.engine.ours import OursRun
-from metronome.bench.engine.plan import HF_SYSTEM, KEY_FIELDS, Key, Plan, label, progress
+from metronome.bench.engine.plan import HF_SYSTEM, KEY_FIELDS, Config, Key, label, progress
 from metronome.bench.engine.timing import time_interleaved
 from metronome.model.dtypes import DTYPES
 from metronome.model.llama import LlamaModel
@@ -41,7 +41,7 @@ def packs(contenders: list[Contender], budget_bytes: int) -> list[list[Contender
 class Bench:
     """Models per dtype; measures groups of configurations side by side."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Config) -> None:
         self.plan = plan
         self._models: dict[str, LlamaModel] = {}
         self._hf_models: dict[str, object] = {}
@@ -139,13 +139,16 @@ def compare_dtypes(bench: Bench) -> dict:
 
 
 def measure_grid(bench: Bench, dtype: str) -> dict[Key, dict]:
-    """Per (N, L): both policies and transformers side by side (the ratio groups)."""
+    """Per (N, L): both policies and transformers side by side (the ratio groups); only
+    our policies, unprofiled, for a calibration-only run."""
     plan, rows = bench.plan, {}
+    systems = list(plan.policies) if plan.calibration_only else plan.systems
     for sessions in plan.sessions:
         for tokens in plan.session_tokens:
-            focus = sessions == plan.focus_sessions and tokens in plan.focus_tokens
+            focus = (sessions == plan.focus_sessions and tokens in plan.focus_tokens
+                     and not plan.calibration_only)
             rows.update(bench.side_by_side(
-                [(dtype, system, sessions, tokens) for system in plan.systems], detail=focus))
+                [(dtype, system, sessions, tokens) for system in systems], detail=focus))
     return rows
 
 

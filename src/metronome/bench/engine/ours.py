@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from metronome.bench.engine.plan import BLOCK_SIZE_TOKENS, Plan
+from metronome.bench.engine.plan import BLOCK_SIZE_TOKENS, Config
 from metronome.bench.engine.profiling import phase_split, profile_steps
 from metronome.engine.engine import Engine, EngineConfig, for_engine_path
 from metronome.engine.session import SessionSpec
@@ -17,7 +17,7 @@ class OursRun:
     """Our engine with N sessions of L tokens (synthetic history), each decoding every step."""
 
     def __init__(self, model: LlamaModel, policy: ResidencyPolicy, sessions: int, tokens: int,
-                 plan: Plan, engine_path: str = "fast") -> None:
+                 plan: Config, engine_path: str = "fast") -> None:
         self.plan, self.sessions = plan, sessions
         pool_tokens = self.pool_tokens(policy, sessions, tokens, plan)
         config = EngineConfig(block_size=BLOCK_SIZE_TOKENS, pool_tokens=pool_tokens,
@@ -35,7 +35,7 @@ class OursRun:
             self.session_ids.append(sid)
 
     @staticmethod
-    def pool_tokens(policy: ResidencyPolicy, sessions: int, tokens: int, plan: Plan) -> int:
+    def pool_tokens(policy: ResidencyPolicy, sessions: int, tokens: int, plan: Config) -> int:
         """Pool sized for this configuration: full history, or the policy's bound, plus slack."""
         block = BLOCK_SIZE_TOKENS
         if not policy.bounded:

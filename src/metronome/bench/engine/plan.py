@@ -1,4 +1,5 @@
-"""What one engine-bench run measures (`Plan`), and how its configurations are named.
+"""What one engine-bench run measures (`Config`: the command's options), and how its
+configurations are named.
 
 A configuration is a `Key` (dtype, system, sessions, session_tokens); a system is a
 residency policy of ours or `HF_SYSTEM`.
@@ -7,11 +8,10 @@ residency policy of ours or `HF_SYSTEM`.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from metronome.kv.residency import ResidencyPolicy
 
-COMMAND = "metronome bench engine"
 MIB = 1 << 20
 GIB = 1 << 30
 BLOCK_SIZE_TOKENS = 16
@@ -22,20 +22,47 @@ KEY_FIELDS = ("dtype", "system", "sessions", "session_tokens")
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What one run measures: the full grid, or the CI smoke size (same code path)."""
+class Config:
+    """What one run measures: the full grid, or the CI smoke size (same code path). The
+    full size's budgets are for a 24 GiB machine that other work shares."""
 
-    sessions: tuple[int, ...]
-    session_tokens: tuple[int, ...]
-    sink_tokens: int
-    window_tokens: int
-    repeats: int
-    warmup_steps: int
-    focus_sessions: int  # N of the dtype comparison, overhead split and profile
-    focus_tokens: tuple[int, ...]  # L of those
-    kv_budget_bytes: int  # cap on one configuration's KV (our pool or a transformers cache)
-    side_by_side_budget_bytes: int  # cap on the KV of configurations measured together
-    probe_busy_core: bool  # wait-policy probe also with one core busy (slow under spinning)
+    sessions: tuple[int, ...] = field(default=(1, 8, 32, 64),
+                                      metadata={"help": "sessions decoding in one step (N)"})
+    session_tokens: tuple[int, ...] = field(default=(1024, 4096, 8192), metadata={
+        "help": "tokens of history per session (L)"})
+    sink_tokens: int = field(default=4, metadata={"help": "the bounded policy's sinks"})
+    window_tokens: int = field(default=512, metadata={"help": "the bounded policy's window"})
+    repeats: int = field(default=5, metadata={"help": "timed steps per configuration"})
+    warmup_steps: int = field(default=2, metadata={"help": "untimed steps before timing"})
+    focus_sessions: int = field(default=32, metadata={
+        "help": "N of the dtype comparison, overhead split and profile"})
+    focus_tokens: tuple[int, ...] = field(default=(1024, 4096), metadata={
+        "help": "L of the dtype comparison, overhead split and profile"})
+    kv_budget_gib: float = field(default=6.0, metadata={
+        "help": "cap on one configuration's KV (our pool or a transformers cache)"})
+    side_by_side_budget_gib: float = field(default=8.0, metadata={
+        "help": "cap on the KV of configurations measured together"})
+    probe_busy_core: bool = field(default=True, metadata={
+        "help": "wait-policy probe also with one core busy (slow under spinning)"})
+    calibration_only: bool = field(default=False, metadata={
+        "help": "measure only what the step cost model is fitted from: our policies over "
+                "the (N, L) grid in the dtype `auto` resolves to (no transformers, no dtype "
+                "comparison, no profile, no wait-policy probe)"})
+
+    @classmethod
+    def smoke(cls) -> Config:
+        """CI size: seconds, same code path."""
+        return cls(sessions=(1, 4), session_tokens=(64, 256), window_tokens=32, repeats=2,
+                   warmup_steps=1, focus_sessions=4, focus_tokens=(64, 256), kv_budget_gib=1,
+                   side_by_side_budget_gib=1, probe_busy_core=False)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return int(self.kv_budget_gib * GIB)
+
+    @property
+    def side_by_side_budget_bytes(self) -> int:
+        return int(self.side_by_side_budget_gib * GIB)
 
     @property
     def policies(self) -> dict[str, ResidencyPolicy]:
@@ -54,18 +81,6 @@ class Plan:
     def decode_steps(self) -> int:
         """Steps a session must be able to take: warm-up, timed, phase split, profiled."""
         return self.warmup_steps + 3 * self.repeats
-
-
-def make_plan(smoke: bool, repeats: int) -> Plan:
-    if smoke:  # CI size: seconds, same code path
-        return Plan(sessions=(1, 4), session_tokens=(64, 256), sink_tokens=4, window_tokens=32,
-                    repeats=2, warmup_steps=1, focus_sessions=4, focus_tokens=(64, 256),
-                    kv_budget_bytes=GIB, side_by_side_budget_bytes=GIB, probe_busy_core=False)
-    # 24 GiB machine: no single KV above 6 GiB, no group above 8 GiB (other work shares it)
-    return Plan(sessions=(1, 8, 32, 64), session_tokens=(1024, 4096, 8192), sink_tokens=4,
-                window_tokens=512, repeats=repeats, warmup_steps=2, focus_sessions=32,
-                focus_tokens=(1024, 4096), kv_budget_bytes=6 * GIB,
-                side_by_side_budget_bytes=8 * GIB, probe_busy_core=True)
 
 
 def policy_name(policy: ResidencyPolicy) -> str:

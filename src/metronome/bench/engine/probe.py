@@ -10,19 +10,19 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from metronome.bench.engine.measure import Bench
-from metronome.bench.engine.plan import HF_SYSTEM, KEY_FIELDS, Key, Plan, label, progress
+from metronome.bench.engine.plan import HF_SYSTEM, KEY_FIELDS, Config, Key, label, progress
 from metronome.bench.engine.wait_policy import WAIT_POLICIES, run_child
 
 PROBE_FIELDS = (*KEY_FIELDS, "step_ms_median", "step_ms_min", "load_avg_1m")
 
 
-def probe_keys(plan: Plan, dtype: str) -> list[Key]:
+def probe_keys(plan: Config, dtype: str) -> list[Key]:
     tokens, sessions = plan.focus_tokens[0], plan.focus_sessions
     return [(dtype, plan.bounded_policy, 1, tokens), (dtype, "unbounded", sessions, tokens),
             (dtype, plan.bounded_policy, sessions, tokens), (dtype, HF_SYSTEM, sessions, tokens)]
 
 
-def probe_rows(plan: Plan, dtype: str) -> list[dict]:
+def probe_rows(plan: Config, dtype: str) -> list[dict]:
     """What one probe child measures (in its own process, under its own policy)."""
     rows = Bench(plan).side_by_side(probe_keys(plan, dtype))
     return [{f: row[f] for f in PROBE_FIELDS} for row in rows.values()]
@@ -39,13 +39,14 @@ def one_core_busy():
         busy.wait()
 
 
-def probe_child(smoke: bool, repeats: int, dtype: str, policy_env: dict) -> list[dict]:
+def probe_child(plan: Config, dtype: str, policy_env: dict) -> list[dict]:
     code = ("from metronome.bench.engine_bench import probe_main; "
-            f"probe_main({smoke!r}, {repeats!r}, {dtype!r})")
+            "from metronome.bench.engine.plan import Config; "
+            f"probe_main({plan!r}, {dtype!r})")
     return json.loads(run_child(code, policy_env, capture=True))
 
 
-def wait_policy_probe(plan: Plan, smoke: bool, dtype: str) -> list[dict]:
+def wait_policy_probe(plan: Config, dtype: str) -> list[dict]:
     """A few configurations under each OpenMP wait policy, as found and with one core busy.
 
     Each policy runs in its own child process (the policy is fixed when torch loads);
@@ -58,7 +59,7 @@ def wait_policy_probe(plan: Plan, smoke: bool, dtype: str) -> list[dict]:
     for condition, make_context in conditions.items():
         with make_context():
             for policy, env in WAIT_POLICIES.items():
-                for row in probe_child(smoke, plan.repeats, dtype, env):
+                for row in probe_child(plan, dtype, env):
                     rows.append({**row, "condition": condition, "wait_policy": policy})
                     key = tuple(row[f] for f in KEY_FIELDS)
                     progress(f"wait policy {policy}, {condition}: {label(key)}: median "

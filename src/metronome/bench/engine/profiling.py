@@ -12,22 +12,55 @@ from metronome.engine.engine import Engine
 from metronome.model.llama import PAGED_ATTENTION_EVENT
 
 TOP_OPS = 6
-# aten ops grouped for the "where does the step go" split (self CPU time, profiler)
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-              "aten::linear", "mkldnn::_linear_pointwise"}
-# fused attention: torch's SDPA, and our compiled kernel (a named span: it is not an aten op)
-ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", PAGED_ATTENTION_EVENT}
+# Kinds of the "where does the step go" split (self CPU time under torch.profiler).
+# attention: torch's SDPA (any of its kernels) and our compiled kernel (a named span: it is
+# not an aten op), with every op run inside them, and batched matmuls (bmm/baddbmm, and an
+# aten::matmul that dispatches to one): the dense path's explicit scores and values, eager
+# attention in transformers. matmul: the 2-D GEMMs, i.e. the projections and lm_head (a
+# model's linears are never batched, so nothing of attention lands here).
+ATTENTION_OPS = {"aten::scaled_dot_product_attention",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_attention_math", PAGED_ATTENTION_EVENT}
+BATCHED_MATMUL_OPS = {"aten::bmm", "aten::baddbmm"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear",
+            "mkldnn::_linear_pointwise"}
 COPY_OPS = {"aten::copy_", "aten::index_select", "aten::index_copy_", "aten::cat",
             "aten::clone", "aten::contiguous", "aten::_to_copy"}
+KINDS = ("matmul", "attention", "copy_gather", "other_aten")
+
+
+def _counted(event) -> bool:
+    return event.name.startswith(("aten::", "mkldnn::")) or event.name in ATTENTION_OPS
+
+
+def _in_attention(event) -> bool:
+    """The op is attention, runs inside an attention op, or is a matmul that batches."""
+    if event.name == "aten::matmul" and any(c.name in BATCHED_MATMUL_OPS
+                                            for c in event.cpu_children):
+        return True
+    while event is not None:
+        if event.name in ATTENTION_OPS or event.name in BATCHED_MATMUL_OPS:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def kind_of(event) -> str:
+    if _in_attention(event):
+        return "attention"
+    if event.name in GEMM_OPS:
+        return "matmul"
+    return "copy_gather" if event.name in COPY_OPS else "other_aten"
 
 
 def profile_steps(step: Callable[[], object], num_steps: int) -> dict:
-    """Steps under torch.profiler: op self CPU time by kind vs. wall time, per step.
+    """Steps under torch.profiler: op self CPU time by kind (see `KINDS`) vs. wall time,
+    per step.
 
-    Ops are aten's and oneDNN's, plus the span around our paged-attention kernel; kinds are
-    matmul (the projections), attention (SDPA or the paged kernel), copy/gather, other.
-    `outside_aten_share` = 1 - (sum of op self time) / wall: Python, dispatch and glue.
-    Profiler bookkeeping adds a few us per op, so this share is an upper bound.
+    Ops are aten's and oneDNN's, plus the span around our paged-attention kernel; each op
+    is classified with its place in the call tree (an op inside SDPA is attention, whatever
+    its name). `outside_aten_share` = 1 - (sum of op self time) / wall: Python, dispatch and
+    glue. Profiler bookkeeping adds a few us per op, so this share is an upper bound.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -36,17 +69,16 @@ def profile_steps(step: Callable[[], object], num_steps: int) -> dict:
         for _ in range(num_steps):
             step()
         wall_ms = (time.perf_counter() - start) * 1e3 / num_steps
-    by_kind_ms = {"matmul": 0.0, "attention": 0.0, "copy_gather": 0.0, "other_aten": 0.0}
-    op_ms, aten_calls = {}, 0
-    for event in prof.key_averages():
-        if not event.key.startswith(("aten::", "mkldnn::")) and event.key not in ATTENTION_OPS:
+    by_kind_ms = dict.fromkeys(KINDS, 0.0)
+    op_ms: dict[str, float] = {}
+    aten_calls = 0
+    for event in prof.events():
+        if not _counted(event):
             continue
-        kind = "matmul" if event.key in MATMUL_OPS else (
-            "attention" if event.key in ATTENTION_OPS else (
-                "copy_gather" if event.key in COPY_OPS else "other_aten"))
-        by_kind_ms[kind] += event.self_cpu_time_total / 1e3 / num_steps
-        op_ms[event.key] = event.self_cpu_time_total / 1e3 / num_steps
-        aten_calls += event.count
+        self_ms = event.self_cpu_time_total / 1e3 / num_steps
+        by_kind_ms[kind_of(event)] += self_ms
+        op_ms[event.name] = op_ms.get(event.name, 0.0) + self_ms
+        aten_calls += 1
     aten_ms = sum(by_kind_ms.values())
     return {
         "wall_ms": wall_ms,

@@ -1,5 +1,6 @@
-"""The virtual clock's step cost model (`runtime.cost_model.StepCostModel`) fitted from the
-bench's results, and where a run writes it (beside its JSON)."""
+"""The virtual clock's step cost model (`sim.cost_model.StepCostModel`) fitted from the
+bench's rows, its calibration (where, on what and by which command it was measured), and
+where a run writes it (beside its JSON)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,27 @@ from metronome.bench.engine.plan import HF_SYSTEM
 from metronome.sim.cost_model import Calibration, StepCostModel
 
 
-def fit_step_cost(results: dict, results_path: str | Path) -> tuple[StepCostModel, Calibration]:
-    """Fit from the bench's results (as in engine.json, read from `results_path`): our decode
-    steps (not transformers'), in the dtype the bench chose: input tokens = N, context =
-    N x attended keys per session, step time = the median step."""
-    dtype = results["dtype"]["chosen"]
+def fit_step_cost(grid: list[dict], dtype: str) -> StepCostModel:
+    """Fit from the bench's grid rows: our decode steps (not transformers'), in `dtype`:
+    input tokens = N, context = N x attended keys per session, step time = the median step."""
     samples = [
         (row["sessions"], row["sessions"] * row["attended_tokens"], row["step_ms_median"] / 1e3)
-        for row in results["grid"]
-        if row.get("status") == "ok" and row["system"] != HF_SYSTEM
-        and row.get("dtype", dtype) == dtype
+        for row in grid
+        if row.get("status") == "ok" and row["system"] != HF_SYSTEM and row["dtype"] == dtype
     ]
     if len(samples) < 3:
-        raise ValueError(f"{results_path}: too few engine rows to fit a cost model")
-    m = results["machine"]
-    command = results["command"] + (" --smoke" if results["smoke"] else "")
-    calibration = Calibration(source=f"{results_path} ({command})",
-                              machine=f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs",
-                              date=f"{results['finished_utc']} UTC", dtype=dtype)
-    return StepCostModel.fit(samples), calibration
+        raise ValueError(f"too few engine rows ({len(samples)}) to fit a cost model")
+    return StepCostModel.fit(samples)
+
+
+def calibration(source: str | Path, provenance: dict, command: str, date: str) -> Calibration:
+    """Where a fit came from: the result it was fitted from (`source`), the run's provenance
+    (machine, dtype, engine path, commit), the command and when it finished."""
+    m = provenance["machine"]
+    return Calibration(source=str(source), command=command,
+                       machine=f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs",
+                       dtype=provenance["dtype"], engine_path=provenance["engine_path"],
+                       commit=provenance["commit"], date=date)
 
 
 def step_cost_path(results_path: str | Path) -> Path:

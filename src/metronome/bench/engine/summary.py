@@ -9,7 +9,8 @@ import os
 from dataclasses import asdict
 from datetime import UTC, datetime
 
-from metronome.bench.engine.plan import COMMAND, HF_SYSTEM, Key, Plan, label
+from metronome.bench.engine.plan import HF_SYSTEM, KEY_FIELDS, Config, Key, label
+from metronome.results.tables import pct, times
 
 OVERHEAD_GOAL_SHARE = 0.10
 FLAT_GOAL_SHARE = 0.10
@@ -21,7 +22,7 @@ def ok_row(rows: dict[Key, dict], key: Key) -> dict | None:
     return row if row is not None and row["status"] == "ok" else None
 
 
-def ratio_rows(grid: dict[Key, dict], plan: Plan, dtype: str) -> list[dict]:
+def ratio_rows(grid: dict[Key, dict], plan: Config, dtype: str) -> list[dict]:
     """Our step time over transformers' for the same (N, L), per policy (median and min)."""
     out = []
     for sessions in plan.sessions:
@@ -39,7 +40,7 @@ def ratio_rows(grid: dict[Key, dict], plan: Plan, dtype: str) -> list[dict]:
     return out
 
 
-def flatness_rows(rows: dict[Key, dict], plan: Plan, dtype: str, systems: list[str],
+def flatness_rows(rows: dict[Key, dict], plan: Config, dtype: str, systems: list[str],
                   measured: str) -> list[dict]:
     """Per N and system: step time at each L, absolute and relative to the shortest L."""
     out = []
@@ -60,7 +61,7 @@ def flatness_rows(rows: dict[Key, dict], plan: Plan, dtype: str, systems: list[s
     return out
 
 
-def overhead_rows(grid: dict[Key, dict], plan: Plan, dtype: str) -> list[dict]:
+def overhead_rows(grid: dict[Key, dict], plan: Config, dtype: str) -> list[dict]:
     """Profile split (and, for ours, the phase split) at the focus configurations."""
     out = []
     for tokens in plan.focus_tokens:
@@ -145,7 +146,8 @@ def limits(grid: dict[Key, dict], dtype: str, overhead: list[dict]) -> list[str]
                         for name, ms in o["profile"]["top_ops_ms"])
         lines.append(
             f"{o['system']}, N={o['sessions']}, L={o['session_tokens']}: copies/gathers "
-            f"{pct(share['copy_gather'])} of a profiled step, matmul {pct(share['matmul'])}, "
+            f"{pct(share['copy_gather'])} of a profiled step, GEMMs (projections, lm_head) "
+            f"{pct(share['matmul'])}, "
             f"attention {pct(share.get('attention', 0.0))}, "
             f"other aten {pct(share['other_aten'])}, outside aten "
             f"{pct(o['profile']['outside_aten_share'])} "
@@ -169,34 +171,34 @@ def wait_policy_limits(table: list[dict]) -> list[str]:
     return lines
 
 
-def pct(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{100 * x:.1f} %"
+def keyed(rows: list[dict]) -> dict[Key, dict]:
+    """Rows as the measuring child wrote them (a list) -> by configuration."""
+    return {tuple(r[f] for f in KEY_FIELDS): r for r in rows}
 
 
-def times(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{x:.2f}×"
-
-
-def summarize(plan: Plan, measured: dict, machine: dict, smoke: bool) -> dict:
-    """The bench's results (engine.json): the measured rows and everything derived from them."""
-    dtype_choice, grid, flat = measured["dtype"], measured["grid"], measured["flat"]
+def summarize(plan: Config, measured: dict) -> dict:
+    """The bench's results (engine.json): the measured rows and everything derived from them.
+    `measured` is the measuring child's: rows as lists, the dtype choice, the probe rows."""
+    dtype_choice, grid = measured["dtype"], keyed(measured["grid"])
     chosen = dtype_choice["chosen"]
+    common = {"config": {**asdict(plan), "policies": list(plan.policies)},
+              "systems": plan.systems if not plan.calibration_only else list(plan.policies),
+              "dtype": dtype_choice, "grid": measured["grid"],
+              "load_avg_1m_end": os.getloadavg()[0],
+              "finished_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M")}
+    if plan.calibration_only:
+        return common
+    flat = keyed(measured["flat"])
     flatness = (flatness_rows(flat, plan, chosen, [plan.bounded_policy],
                               "all lengths side by side")
                 + flatness_rows(grid, plan, chosen, ["unbounded", HF_SYSTEM],
                                 "one length at a time, side by side with the other systems"))
     ratios, overhead = ratio_rows(grid, plan, chosen), overhead_rows(grid, plan, chosen)
     wait_policy = wait_policy_table(measured["wait_policy"])
-    return {
-        "command": COMMAND, "smoke": smoke,
-        "plan": {**asdict(plan), "policies": list(plan.policies)},
-        "machine": machine, "systems": plan.systems, "dtype": dtype_choice,
-        "grid": list(grid.values()), "flat": list(flat.values()),
-        "ratios": ratios, "flatness": flatness, "overhead": overhead,
-        "wait_policy": wait_policy,
+    return common | {
+        "flat": measured["flat"], "ratios": ratios, "flatness": flatness,
+        "overhead": overhead, "wait_policy": wait_policy,
         "goals": [goal_flat(flatness, plan.bounded_policy), goal_ratio(ratios, "unbounded"),
                   goal_ratio(ratios, plan.bounded_policy), goal_overhead(overhead)],
         "limits": limits(grid, chosen, overhead) + wait_policy_limits(wait_policy),
-        "load_avg_1m_end": os.getloadavg()[0],
-        "finished_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
     }

@@ -1,0 +1,29 @@
+"""What a bench ran on, in the words its result records (`RunContext.record`): the model,
+the dtype as resolved, and the engine path as it actually ran (the fast path falls back to
+dense attention where the paged kernel cannot be built, and to `F.linear` where oneDNN
+cannot prepack the dtype)."""
+
+from __future__ import annotations
+
+import torch
+
+from metronome.model.llama import LlamaModel
+from metronome.model.weights import BUNDLED_NAME
+
+BUNDLED_MODEL = f"{BUNDLED_NAME} (bundled)"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_path(path: str, model: LlamaModel) -> str:
+    """`path` ("fast" or "reference") and what it ran with on this machine and `model`."""
+    from metronome.model import native
+
+    if path == "reference":
+        return "reference (dense attention, F.linear)"
+    attention = ("paged kernel" if native.kernel() is not None
+                 else f"dense attention: {native.unavailable_reason()}")
+    linear = "prepacked oneDNN projections" if model.packed_linear else "F.linear"
+    return f"fast ({attention}, {linear})"
