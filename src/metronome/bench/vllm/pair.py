@@ -1,0 +1,181 @@
+"""`metronome bench engine-vs-vllm`'s measurement: one native engine and one vLLM engine
+alive together at one context length, both prefilling the same real text (timed), then
+rounds of pure decode steps at each N in alternating order; and our decode step's GEMMs
+against torch's peak for the same shapes."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from metronome.bench.engine.flops import linear_weights
+from metronome.bench.engine.profiling import profile_steps
+from metronome.bench.vllm.engines import native_engine, text_ids, vllm_engine
+from metronome.bench.vllm.names import OURS
+from metronome.engine.session import SessionSpec
+from metronome.kv.residency import ResidencyPolicy
+
+
+def _threads(wanted: int) -> int:
+    """Set torch's threads if they differ (vLLM's CPU worker replaces set_num_threads with a
+    warning after it binds its threads); returns the count in effect."""
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    return torch.get_num_threads()
+
+
+def _prefill(engine, sids: list[int], length: int, ids: list[int]) -> float:
+    started = time.perf_counter()
+    for k, sid in enumerate(sids):
+        offset = (k * 997) % length
+        engine.submit_prepared(sid, engine.prepare_input(ids[offset:offset + length], None), 0)
+    while engine.has_work:
+        engine.step()
+    return time.perf_counter() - started
+
+
+def _decode_steps(engine, sids: list[int], steps: int, threads: int) -> list[float]:
+    """Pure decode steps of these sessions (each feeds one token, samples one): step ms."""
+    _threads(threads)
+    for sid in sids:
+        engine.submit_prepared(sid, engine.prepare_input([13], None), steps + 1)
+    times = []
+    while engine.has_work:
+        t0 = time.perf_counter()
+        result = engine.step()
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        if result.num_input_tokens == len(sids):
+            times.append(elapsed_ms)
+    return times[1:] or times  # the first step of a batch warms it up
+
+
+def _pool_tokens(cfg, length: int, policy: ResidencyPolicy, top: int, sessions: int) -> int:
+    decode_tokens = cfg.decode_steps * sessions * cfg.repeats * 2 + 64
+    if policy.bounded:  # the window plus vLLM's in-flight reserve
+        per_session = cfg.sink_tokens + cfg.window_tokens + 2048 + 64
+    else:
+        per_session = length + decode_tokens
+    return -(-top * per_session // cfg.block_size) * cfg.block_size
+
+
+def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kind: str,
+                 log: Callable[[str], None]) -> list[dict]:
+    """Both systems at one L: prefill (timed), then `cfg.repeats` alternating rounds of
+    decode steps at every N; one cell per system and N. GEMMs once per N (at the smallest
+    L: they do not depend on L)."""
+    sessions = cfg.sessions_at(length)
+    top = max(sessions)
+    pool = _pool_tokens(cfg, length, ours_policy, top, len(sessions))
+    decode_tokens = cfg.decode_steps * len(sessions) * cfg.repeats * 2 + 64
+    log(f"[bold]L={length:,} {ours_policy} vs {vllm_kind}[/]: KV pool {pool:,} tokens each, "
+        f"N up to {top}")
+    started = time.perf_counter()
+    vllm = vllm_engine(vllm_kind, cfg.bound, cfg.block_size, max(cfg.sessions), pool,
+                       max_len=length + max(1024, decode_tokens + 64),
+                       max_step_tokens=cfg.max_step_tokens,
+                       max_chunk_tokens=cfg.max_chunk_tokens)
+    vllm_start_s = time.perf_counter() - started
+    threads = {vllm_kind: torch.get_num_threads(), OURS: os.cpu_count() or 1}
+    ours = native_engine(model, cfg.block_size, pool, max_chunk_tokens=cfg.max_chunk_tokens,
+                         max_step_tokens=cfg.max_step_tokens)
+    engines = {OURS: ours, vllm_kind: vllm}
+    specs = {OURS: SessionSpec(policy=ours_policy, stop_token_ids=()),
+             vllm_kind: SessionSpec(policy=ResidencyPolicy.unbounded(), stop_token_ids=())}
+    sids = {name: [e.open_session(specs[name]) for _ in range(top)] for name, e in engines.items()}
+    ids = text_ids(length * 2)
+    prefill_s = {}
+    try:
+        for name in (OURS, vllm_kind):
+            _threads(threads[name])
+            prefill_s[name] = _prefill(engines[name], sids[name][:cfg.prefill_sessions], length,
+                                       ids)
+            log(f"  prefill {cfg.prefill_sessions} x {length:,}: {name} {prefill_s[name]:.1f} s")
+        for sid in sids[OURS][cfg.prefill_sessions:]:
+            assert ours.fast_forward(sid, length), "pool sized too small"
+        rest = sids[vllm_kind][cfg.prefill_sessions:]
+        if rest:
+            log(f"  vLLM prefills the other {len(rest)} sessions (untimed)...")
+            _prefill(vllm, rest, length, ids)
+        steps = {(name, n): [] for name in engines for n in sessions}
+        for rnd in range(cfg.repeats):
+            order = (OURS, vllm_kind) if rnd % 2 == 0 else (vllm_kind, OURS)
+            for n in sessions:
+                for name in order:
+                    steps[(name, n)].append(_decode_steps(engines[name], sids[name][:n],
+                                                          cfg.decode_steps, threads[name]))
+                line = "  ".join(f"{name} {statistics.median(steps[(name, n)][-1]):7.1f}"
+                                 for name in (OURS, vllm_kind))
+                log(f"  round {rnd + 1}/{cfg.repeats} N={n:3d}: ms/step {line}")
+        cells = []
+        for (name, n), rounds in steps.items():
+            medians = [statistics.median(r) for r in rounds]
+            median_ms = statistics.median(medians)
+            cells.append({"system": name, "pair": vllm_kind, "policy":
+                          str(ours_policy) if name == OURS else vllm_kind,
+                          "sessions": n, "context_tokens": length,
+                          "step_ms_median": median_ms, "step_ms_min": min(min(r) for r in rounds),
+                          "round_medians_ms": medians,
+                          "decode_tokens_per_s": n / median_ms * 1e3,
+                          "prefill_s": prefill_s[name], "prefill_sessions": cfg.prefill_sessions,
+                          "torch_threads": _threads(threads[name]),
+                          "vllm_start_s": vllm_start_s})
+        if length == min(cfg.lengths):  # GEMMs do not depend on L: measure them once per N
+            for cell in cells:
+                if cell["system"] == OURS:
+                    cell["gemm"] = gemm_efficiency(ours, sids[OURS][:cell["sessions"]],
+                                                   model, threads[OURS])
+        return cells
+    finally:
+        vllm.shutdown()
+        for sid in sids[OURS]:
+            ours.close(sid)
+
+
+def gemm_peak_gflops(model, rows: int, repeats: int = 5) -> dict:
+    """torch's best throughput for the step's GEMM shapes at `rows` rows (every weight of
+    `linear_weights`: the projections and lm_head), with F.linear on the plain weights and
+    oneDNN on prepacked ones, all in a row (weights from memory, as in a step), best of
+    `repeats` after one warm-up."""
+    from metronome.model.linear import Projection
+
+    weights = linear_weights(model)
+    flops = 2 * rows * sum(w.numel() for w in weights)
+    out = {}
+    for name, packed in (("f_linear", False), ("onednn_prepacked", True)):
+        projections = [Projection(w, None, packed) for w in weights]
+        inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
+        best = float("inf")
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for p, x in zip(projections, inputs, strict=True):
+                p(x)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = flops / best / 1e9
+    return out
+
+
+def gemm_efficiency(engine, sids: list[int], model, threads: int) -> dict:
+    """Our decode step's GEMM throughput against torch's peak, both over the same weights
+    (`linear_weights`: the projections and lm_head): the step's FLOPs in them over the
+    profiled time of its GEMMs (the profile's matmul kind, which holds exactly those)."""
+    _threads(threads)
+    rows = len(sids)
+    for sid in sids:
+        engine.submit_prepared(sid, engine.prepare_input([13], None), 4)
+    engine.step()  # warm
+    prof = profile_steps(engine.step, 2)
+    while engine.has_work:
+        engine.step()
+    gemm_ms = prof["aten_ms"]["matmul"]
+    flops = 2 * rows * sum(w.numel() for w in linear_weights(model))
+    achieved = flops / (gemm_ms / 1e3) / 1e9 if gemm_ms else None
+    peak = gemm_peak_gflops(model, rows)
+    best = max(peak.values())
+    return {"rows": rows, "step_gemm_ms": gemm_ms, "step_wall_ms": prof["wall_ms"],
+            "achieved_gflops": achieved, "peak_gflops": peak,
+            "share_of_peak": achieved / best if achieved else None,
+            "profile": prof}
