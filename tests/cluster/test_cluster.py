@@ -2,7 +2,9 @@
 one torch thread per replica): sessions placed by admission headroom, a full replica
 skipped, every replica full refused as the plain server refuses, the cluster view and the
 replica label on metrics, kill -9 of a replica, and scale-down's drain. One cluster for the
-module: Ray's start is the slow part; the kill and drain tests run last, in that order.
+module (Ray's start is the slow part), but no test relies on another: each first waits for
+two idle replicas (`settle`), scaling back to two after a scale-down and waiting out a
+killed replica's replacement, so any test runs alone or in any order.
 """
 
 from __future__ import annotations
@@ -78,9 +80,34 @@ def launched(tmp_path_factory):
         yield url, ray_address
 
 
-@pytest.fixture(scope="module")
+def scale(ray_address: str, replicas: int) -> None:
+    scaled = subprocess.run([METRONOME, "cluster", "scale", str(replicas), "--ray-address",
+                             ray_address], timeout=60, capture_output=True, text=True)
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
+
+
+def settle(launched, every_listed: bool) -> str:
+    """The cluster's URL once two live replicas report no session, whatever ran before: a
+    replica scaled away is scaled back, a killed one's replacement waited for. With
+    `every_listed`, also until a killed replica no longer shows in the view (it is listed
+    `unreachable` until FORGET_AFTER_S after its last report)."""
+    from metronome.cluster.replica import FORGET_AFTER_S
+
+    url, ray_address = launched
+    if len(live(url)) < 2:
+        scale(ray_address, 2)  # a no-op while Ray replaces a killed replica
+    wait_for(lambda: len(live(url)) == 2 and live_actives(url) == [0, 0], 120,
+             "two live replicas, idle")
+    if every_listed:
+        wait_for(lambda: [r["status"] for r in view(url)["replicas"]] == ["ok", "ok"],
+                 FORGET_AFTER_S + 30, "only the two live replicas listed")
+    return url
+
+
+@pytest.fixture
 def cluster(launched):
-    return launched[0]
+    """Two idle replicas and no other listed."""
+    return settle(launched, every_listed=True)
 
 
 def open_session(ws_url: str):
@@ -147,12 +174,11 @@ async def _sdk_duplex(url: str) -> list:
         return events
 
 
-def test_openai_sdk_realtime_client_through_the_cluster_entry_point(cluster):
-    events = asyncio.run(_sdk_duplex(cluster))
+def test_openai_sdk_realtime_client_through_the_cluster_entry_point(launched):
+    events = asyncio.run(_sdk_duplex(settle(launched, every_listed=False)))
     done = [e for e in events if e.type == "response.done"]
     assert [d.response.status for d in done] == ["completed", "completed"]
     assert [e.type for e in events].count("response.created") == 2
-
 
 
 def closed_within(ws, timeout_s: float) -> bool:
@@ -224,10 +250,8 @@ class Stamped(list):
 
 
 def test_scale_2_to_1_drains_a_replica_until_its_drain_timeout(launched):
-    url, ray_address = launched
+    url, ray_address = settle(launched, every_listed=False), launched[1]
     ws_url = url.replace("http", "ws") + "/v1/realtime"
-    wait_for(lambda: len(live(url)) == 2, 90, "two live replicas (the kill test's "
-             "replacement)")
     streamers = []
     for on_each in ([0, 1], [1, 1]):  # the second after the first is reported: the other
         streamers.append(DrainedStreamer(ws_url))
@@ -235,9 +259,7 @@ def test_scale_2_to_1_drains_a_replica_until_its_drain_timeout(launched):
         streamers[-1].start()
         wait_for(lambda on_each=on_each: live_actives(url) == on_each, 10,
                  f"sessions {on_each}")
-    scaled = subprocess.run([METRONOME, "cluster", "scale", "1", "--ray-address",
-                             ray_address], timeout=60, capture_output=True, text=True)
-    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    scale(ray_address, 1)
     draining = wait_for(lambda: [r for r in live(url).values() if r["draining"]], 10,
                         "a replica draining")[0]
     seen_at_s = time.monotonic()

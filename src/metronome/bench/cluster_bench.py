@@ -105,7 +105,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     finally:
         plain.stop()
     try:
-        capacities = [_capacity(ctx, cfg, one, 1)]
+        capacities = [_measure_capacity(ctx, cfg, one, 1)]
     finally:
         one.stop()
     ctx.log("starting a 2-replica cluster")
@@ -113,7 +113,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     commands["2"] = two.command
     try:
         ray_footprint = measure.footprint(two, cfg.idle_window_s)
-        capacities.append(_capacity(ctx, cfg, two, 2))
+        capacities.append(_measure_capacity(ctx, cfg, two, 2))
     finally:
         ray_footprint["exit_s"] = two.stop()
     held = [c["held_sessions"] for c in capacities]
@@ -130,7 +130,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             "footprint": ray_footprint}
 
 
-def _capacity(ctx: RunContext, cfg: Config, server: ServerProcess, replicas: int) -> dict:
+def _measure_capacity(ctx: RunContext, cfg: Config, server: ServerProcess, replicas: int) -> dict:
     def step(offered: int) -> dict:
         ctx.log(f"capacity, {replicas} replica(s): {offered} sessions offered")
         row = measure.capacity_step(measure.load(server, offered, cfg.step_duration_s,
