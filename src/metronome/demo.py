@@ -18,6 +18,7 @@ from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.dtypes import resolve_dtype
 from metronome.model.weights import load_model, load_tokenizer
+from metronome.workload_defaults import DEMO_POOL_TOKENS
 
 FRAMES = [
     "User: Hi! Can you tell me a fact about the ocean?\nAssistant:",
@@ -40,7 +41,7 @@ def run_demo(model: str, num_sessions: int, num_frames: int, policy: str, dtype:
     with console.status("loading model"):
         llm = load_model(model, torch_dtype)
         tokenizer = load_tokenizer(model)
-    engine = Engine(llm, EngineConfig(pool_tokens=16384))
+    engine = Engine(llm, EngineConfig(pool_tokens=DEMO_POOL_TOKENS))
     console.print(
         f"model [bold]{llm.config.name}[/] ({dtype}), {num_sessions} sessions, policy "
         f"[bold]{residency}[/], pool {engine.pool.num_blocks} blocks x {engine.config.block_size}"

@@ -1,31 +1,73 @@
 """`metronome bench admission`: the AIMD controller against the offline N* sweep.
 
 1. Virtual clock (deterministic): engine steps are real steps of our engine on a tiny random
-   Llama; step *time* comes from the cost model fitted from `metronome bench engine`
-   (SmolLM2, this CPU), so the latency curve is SmolLM2's. Bounded (sinks_window 4+128):
-   offline sweep for N* (largest N with steady p95 latency <= 0.8 x deadline), then AIMD
-   with sessions arriving faster than capacity. Unbounded with a pool that fills: the same
-   controller over-admits while latency is flat, then sessions stall.
-2. Wall clock on the real SmolLM2 (bf16): AIMD with arrivals faster than capacity.
-Writes JSON, PNG plots and `docs/results/admission.md`.
+   Llama; step *time* comes from the packaged cost model (calibrated with `metronome bench
+   engine`), so the latency curve is the calibrated model's. Bounded: offline sweep for N*
+   (largest N with steady p95 latency <= target x deadline), then AIMD with sessions
+   arriving faster than capacity. Unbounded with a pool that fills: the same controller
+   over-admits while latency is flat, then sessions stall.
+2. Wall clock on the bundled SmolLM2 (dtype auto: the one resolved is recorded): AIMD with
+   arrivals faster than capacity, optionally again on the engine's reference path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from metronome.admission.controller import AdmissionController
 from metronome.admission.limits import AIMDLimit
+from metronome.results.context import RunContext
 from metronome.results.plots import plot_cap_history
-from metronome.sim.admission import log, summarize, virtual_runs
+from metronome.results.provenance import describe
+from metronome.results.tables import fmt, md_table
+from metronome.sim.admission import log, summarize, virtual_runs, workload_sentence
 from metronome.sim.cost_model import PACKAGED_STEP_COST, StepCostModel
+from metronome.workload_defaults import (
+    BLOCK_SIZE_TOKENS,
+    EXPERIMENT_POLICY_SPEC,
+    FRAME_PERIOD_S,
+    INPUT_TOKENS_PER_FRAME,
+    OUTPUT_TOKENS_PER_FRAME,
+    POOL_TOKENS,
+)
+
+NAME = "admission"
+WALL_SESSION_S = 30.0
+WALL_JITTER = 0.3
 
 
-async def _wall_run(duration_s: float, arrival_every_s: float, engine_path: str = "fast"
-                    ) -> dict:
+@dataclass(frozen=True)
+class Config:
+    duration_s: float = field(default=240.0, metadata={
+        "help": "virtual clock: length of each AIMD run"})
+    sweep_max_sessions: int = field(default=256, metadata={
+        "help": "virtual clock: largest N the offline N* sweep may try"})
+    wall: bool = field(default=True, metadata={
+        "help": "also run the wall-clock SmolLM2 experiment"})
+    wall_duration_s: float = field(default=150.0, metadata={
+        "help": "wall clock: length of the AIMD run"})
+    wall_arrival_every_s: float = field(default=0.5, metadata={
+        "help": "wall clock: a session arrives this often (faster than capacity)"})
+    compare_reference: bool = field(default=False, metadata={
+        "help": "run the wall-clock experiment again on the engine's reference path "
+                "(before/after)"})
+
+    @classmethod
+    def smoke(cls) -> Config:
+        return cls(duration_s=60.0, sweep_max_sessions=64, wall_duration_s=40.0)
+
+
+def wall_workload(cfg: Config) -> dict:
+    return {"policy": EXPERIMENT_POLICY_SPEC, "frame_period_s": FRAME_PERIOD_S,
+            "input_tokens_per_frame": INPUT_TOKENS_PER_FRAME,
+            "output_tokens_per_frame": OUTPUT_TOKENS_PER_FRAME, "session_s": WALL_SESSION_S,
+            "jitter": WALL_JITTER, "arrival_every_s": cfg.wall_arrival_every_s,
+            "duration_s": cfg.wall_duration_s, "pool_tokens": POOL_TOKENS,
+            "block_size": BLOCK_SIZE_TOKENS}
+
+
+async def _wall_run(ctx: RunContext, w: dict, engine_path: str) -> dict:
     from metronome.engine.engine import Engine, EngineConfig, for_engine_path
     from metronome.kv.residency import ResidencyPolicy
     from metronome.model.dtypes import resolve_dtype
@@ -38,18 +80,21 @@ async def _wall_run(duration_s: float, arrival_every_s: float, engine_path: str 
     from metronome.sim.workload import Workload, schedule
 
     model = load_model("bundled", resolve_dtype("auto"))
-    engine = Engine(model, for_engine_path(model, EngineConfig(block_size=16, pool_tokens=65536),
-                                           engine_path))
+    ctx.record(model=model.config.name, dtype=str(model.dtype).removeprefix("torch."))
+    engine = Engine(model, for_engine_path(model, EngineConfig(
+        block_size=w["block_size"], pool_tokens=w["pool_tokens"]), engine_path))
     engine.warm_up()
     recorder = RunRecorder()
     controller = AdmissionController(AIMDLimit(initial_cap=2), lambda: len(driver.beat.sessions))
     driver = WallDriver(engine, Listeners.of(recorder, controller))
     results = recorder.results
-    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
-                             policy=ResidencyPolicy.sinks_window(4, 128))
-    workload = Workload(int(duration_s / arrival_every_s), 30.0, arrival_spread_s=duration_s,
-                        duration_jitter=0.3)
-    source = text_source(load_tokenizer(), model.config.vocab_size, 12)
+    profile = SessionProfile(frame_period_s=w["frame_period_s"],
+                             max_output_tokens_per_frame=w["output_tokens_per_frame"],
+                             policy=ResidencyPolicy.parse(w["policy"]))
+    duration_s = w["duration_s"]
+    workload = Workload(int(duration_s / w["arrival_every_s"]), w["session_s"],
+                        arrival_spread_s=duration_s, duration_jitter=w["jitter"])
+    source = text_source(load_tokenizer(), model.config.vocab_size, w["input_tokens_per_frame"])
     schedule(workload, profile, driver.beat, driver.timer, source, gate=controller.try_admit)
     controller.start(driver.timer)
     try:
@@ -68,72 +113,61 @@ async def _wall_run(duration_s: float, arrival_every_s: float, engine_path: str 
     return summarize(Run, None, duration_s / 2)
 
 
-def run(out_md: str, out_json: str, smoke: bool, wall: bool = True,
-        compare_reference: bool = False) -> dict:
-    started = time.time()
+def run(ctx: RunContext, cfg: Config) -> dict:
     cost, calibration = StepCostModel.load(PACKAGED_STEP_COST)
-    results = {"cost_model": vars(cost), "cost_model_source": calibration.describe(),
-               "virtual": virtual_runs(cost, smoke)}
-    if wall:
-        log("wall clock: SmolLM2, AIMD, arrivals faster than capacity")
-        results["wall"] = asyncio.run(_wall_run(40.0 if smoke else 150.0, 0.5))
-        if compare_reference:
-            log("wall clock again on the engine's reference path (dense attention, F.linear)")
-            results["wall_reference"] = asyncio.run(
-                _wall_run(40.0 if smoke else 150.0, 0.5, "reference"))
-    figures = Path(out_md).with_suffix("")
-    figures.mkdir(parents=True, exist_ok=True)
-    v = results["virtual"]
-    plot_cap_history("virtual clock, bounded (sinks_window 4+128)", v["bounded"],
-                     v["bounded"]["n_star"], figures / "virtual_bounded.png")
+    v = virtual_runs(cost, cfg.duration_s, cfg.sweep_max_sessions)
+    result = {"cost_model": vars(cost), "cost_model_source": calibration.describe(),
+              "virtual": v}
+    ctx.keep("virtual", v)
+    policy = v["workload"]["bounded_policy"]
+    plot_cap_history(f"virtual clock, bounded ({policy})", v["bounded"], v["bounded"]["n_star"],
+                     ctx.plot_path("admission_virtual_bounded.png"))
     plot_cap_history("virtual clock, unbounded KV, pool fills", v["unbounded"], None,
-                     figures / "virtual_unbounded.png")
-    if wall:
-        plot_cap_history("wall clock, SmolLM2, bounded", results["wall"], None,
-                         figures / "wall.png")
-    if "wall_reference" in results:
-        plot_cap_history("wall clock, SmolLM2, bounded, reference engine path",
-                         results["wall_reference"], None, figures / "wall_reference.png")
-    results["elapsed_s"] = time.time() - started
-    Path(out_json).write_text(json.dumps(results, indent=2, default=str))
-    Path(out_md).write_text(render(results, figures.name, smoke))
-    return results
+                     ctx.plot_path("admission_virtual_unbounded.png"))
+    if not cfg.wall:
+        return result
+    w = wall_workload(cfg)
+    result["wall_workload"] = w
+    paths = ("fast", "reference") if cfg.compare_reference else ("fast",)
+    ctx.record(engine_path=", ".join(paths))
+    for path in paths:
+        log(f"wall clock: SmolLM2, AIMD, arrivals faster than capacity ({path} path)")
+        key = "wall" if path == "fast" else "wall_reference"
+        result[key] = asyncio.run(_wall_run(ctx, w, path))
+        ctx.keep(key, result[key])
+        plot_cap_history(f"wall clock, {ctx.facts['model']}, {w['policy']}, {path} engine "
+                         "path", result[key], None,
+                         ctx.plot_path(f"admission_{key}.png"))
+    return result
 
 
-TABLE_HEAD = ("| run | swept N* | cap mean in 2nd half (min..max) | time to 90 % of N* | misses "
-              "in 2nd half | stalled frames | goodput | admitted / refused |")
-TABLE_RULE = "|---|---|---|---|---|---|---|---|"
+HEADERS = ("run", "swept N*", "cap mean in 2nd half (min..max)", "time to 90 % of N*",
+           "misses in 2nd half", "stalled frames", "goodput", "admitted / refused")
 
 
-def _f(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def render(r: dict, figures: str, smoke: bool) -> str:
+def report(r: dict) -> str:
     v, cost = r["virtual"], r["cost_model"]
-    b, u = v["bounded"], v["unbounded"]
+    b, u, vw = v["bounded"], v["unbounded"], v["workload"]
+    plots = iter(r["plots"])
     lines = [
         "# Admission: AIMD against the swept N*", "",
-        f"Generated by `metronome bench admission{' --smoke' if smoke else ''}` in "
-        f"{r['elapsed_s']:.0f} s. Written by the command; do not edit by hand.", "",
+        describe(r["provenance"]), "",
+        f"Generated by `{r['command']}` in {r['elapsed_s']:.0f} s. Written by the command; "
+        "do not edit by hand.", "",
         "## Virtual clock", "",
         "Engine steps are real steps of our engine (tiny random Llama); step time comes from "
         f"the packaged step cost model ({r['cost_model_source']}): "
         f"`step_s = {cost['fixed_s']:.4f} + {cost['per_token_s']:.5f} x tokens + "
-        f"{cost['per_context_token_s']:.2e} x context tokens`. Sessions: 1 s frames, 12 input "
-        "+ 4 output tokens, deadline 1 s, ~30 s long (jitter 30 %), arriving every 0.25 s "
-        f"(faster than capacity) for {v['duration_s']:.0f} s. Target: p95 latency <= 0.8 x "
-        "deadline; control interval 2 s.", "",
-        TABLE_HEAD, TABLE_RULE,
-        _row("bounded sinks_window 4+128", b),
-        _row(f"unbounded, pool {v['unbounded_pool_tokens']} tokens", u),
+        f"{cost['per_context_token_s']:.2e} x context tokens`. "
+        f"{workload_sentence(vw, v['duration_s'])}", "",
+        md_table(HEADERS, [_row(f"bounded {vw['bounded_policy']}", b),
+                           _row(f"unbounded, pool {v['unbounded_pool_tokens']} tokens", u)]),
         "", "Offline sweep (fixed N, no admission; steady-state p95 of latency / deadline):", "",
-        "| N | p95 latency / deadline | miss rate |", "|---|---|---|",
+        md_table(("N", "p95 latency / deadline", "miss rate"),
+                 [(s["sessions"], fmt(s["p95_fraction"], ".3f"), fmt(s["miss_rate"], ".3f"))
+                  for s in v["sweep"]]),
+        "", f"![bounded]({next(plots)})", "", f"![unbounded]({next(plots)})", "",
     ]
-    lines += [f"| {s['sessions']} | {s['p95_fraction']:.3f} | {s['miss_rate']:.3f} |"
-              for s in v["sweep"]]
-    lines += ["", f"![bounded]({figures}/virtual_bounded.png)", "",
-              f"![unbounded]({figures}/virtual_unbounded.png)", ""]
     if u.get("saturated_at_s"):
         before = [h for h in u["history"] if h["at_s"] < u["saturated_at_s"]]
         signals = sum(h["misses"] + h["stalled"] for h in before)
@@ -142,20 +176,25 @@ def render(r: dict, figures: str, smoke: bool) -> str:
             f"{before[-1]['cap'] if before else '-'}, after {signals} deadline-miss or stall "
             "signals; afterwards admitted sessions stalled (they are never evicted).")
     if "wall" in r:
-        lines += ["", "## Wall clock, SmolLM2 (dtype auto; bounded 4+128, arrivals every 0.5 s)",
-                  "", TABLE_HEAD, TABLE_RULE, _row("wall clock, fast path", r["wall"])]
+        w, prov = r["wall_workload"], r["provenance"]
+        rows = [_row("wall clock, fast path", r["wall"])]
         if "wall_reference" in r:
-            lines.append(_row("wall clock, reference path (dense attention, F.linear)",
-                              r["wall_reference"]))
-        lines += ["", f"![wall]({figures}/wall.png)", ""]
-        if "wall_reference" in r:
-            lines += [f"![wall, reference path]({figures}/wall_reference.png)", ""]
+            rows.append(_row("wall clock, reference path (dense attention, F.linear)",
+                             r["wall_reference"]))
+        lines += ["", f"## Wall clock, {prov.get('model')} ({prov.get('dtype')}; "
+                  f"{w['policy']}, arrivals every {w['arrival_every_s']:g} s)", "",
+                  f"Sessions: {w['frame_period_s']:g} s frames of "
+                  f"{w['input_tokens_per_frame']} Hamlet tokens + "
+                  f"{w['output_tokens_per_frame']} output tokens, ~{w['session_s']:.0f} s "
+                  f"long (jitter {w['jitter']:.0%}), for {w['duration_s']:.0f} s; pool "
+                  f"{w['pool_tokens']} tokens.", "", md_table(HEADERS, rows), ""]
+        lines += [f"![{name}]({name})\n" for name in plots]
     return "\n".join(lines) + "\n"
 
 
-def _row(name: str, s: dict) -> str:
-    return (f"| {name} | {s['n_star'] or '-'} | {_f(s['steady_cap_mean'], '.1f')} "
-            f"({s['steady_cap_min']}..{s['steady_cap_max']}) | {_f(s['convergence_s'], '.0f')} s "
-            f"| {_f(s['miss_rate_after_convergence'], '.2%')} | {s['stalled_frames']} "
-            f"| {s['goodput']:.1%} | {s['counts'].get('admitted', 0)} / "
-            f"{s['counts'].get('refused:at_capacity', 0)} |")
+def _row(name: str, s: dict) -> tuple:
+    return (name, s["n_star"] or "-",
+            f"{fmt(s['steady_cap_mean'], '.1f')} ({s['steady_cap_min']}..{s['steady_cap_max']})",
+            f"{fmt(s['convergence_s'], '.0f')} s", fmt(s["miss_rate_after_convergence"], ".2%"),
+            s["stalled_frames"], f"{s['goodput']:.1%}",
+            f"{s['counts'].get('admitted', 0)} / {s['counts'].get('refused:at_capacity', 0)}")

@@ -1,37 +1,61 @@
 """`metronome bench runtime`: the beat on the wall clock with the bundled SmolLM2.
 
-For N sessions (1 s frames, Hamlet text, 12 input + 4 output tokens per frame) and each
-policy, one `metronome run`: per-frame latency p50/p95/max, goodput, deadline-met share,
-frames by status, and the runtime's own overhead per step (report building, frame
-attribution, observers) as a share of engine step time. The unbounded runs use a pool that
-fills mid-run, so the silent cliff shows up beside the bounded runs. Writes JSON and
-`docs/results/runtime.md`.
+For N sessions (Hamlet text frames) and each policy, one `metronome run`: per-frame latency
+p50/p95/max, goodput, deadline-met share, frames by status, and the runtime's own overhead
+per step (report building, frame attribution, observers) as a share of engine step time.
+The unbounded runs use a pool that fills mid-run, so the silent cliff shows up beside the
+bounded runs. The dtype is `auto`; the report says which one it resolved to.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import sys
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from metronome.results.context import RunContext
+from metronome.results.provenance import describe
+from metronome.results.tables import fmt, md_table
 from metronome.sim.local import RunConfig, run_local
+from metronome.workload_defaults import (
+    EXPERIMENT_POLICY_SPEC,
+    FRAME_PERIOD_S,
+    INPUT_TOKENS_PER_FRAME,
+    OUTPUT_TOKENS_PER_FRAME,
+    POOL_TOKENS,
+)
 
-COMMAND = "metronome bench runtime"
+NAME = "runtime"
+RUNS_DIR = Path("out/bench-runtime")  # each run's frames.csv and summary.json
 
 
-def configs(smoke: bool, out_dir: Path) -> list[RunConfig]:
-    sessions = (1, 2) if smoke else (1, 4, 8, 16, 24)
-    duration_s = 4.0 if smoke else 30.0
+@dataclass(frozen=True)
+class Config:
+    sessions: tuple[int, ...] = field(default=(1, 4, 8, 16, 24), metadata={
+        "help": "session counts N to run, each with every policy"})
+    duration_s: float = field(default=30.0, metadata={"help": "length of each session"})
+    ramp_s: float = field(default=1.0, metadata={"help": "sessions open over this ramp"})
+    bounded_policy: str = field(default=EXPERIMENT_POLICY_SPEC, metadata={
+        "help": "the bounded runs' policy"})
+    bounded_pool_tokens: int = field(default=POOL_TOKENS, metadata={
+        "help": "the bounded runs' KV pool"})
+    unbounded_pool_tokens: int = field(default=4096, metadata={
+        "help": "the unbounded runs' KV pool (fills mid-run)"})
+
+    @classmethod
+    def smoke(cls) -> Config:
+        return cls(sessions=(1, 2), duration_s=4.0)
+
+
+def configs(cfg: Config) -> list[RunConfig]:
     runs = []
-    for policy, pool_tokens in (("sinks_window:4:128", 65536), ("unbounded", 4096)):
-        for n in sessions:
+    for policy, pool_tokens in ((cfg.bounded_policy, cfg.bounded_pool_tokens),
+                                ("unbounded", cfg.unbounded_pool_tokens)):
+        for n in cfg.sessions:
             runs.append(RunConfig(
-                sessions=n, duration_s=duration_s, ramp_s=1.0, frame_period_s=1.0,
-                tokens_per_frame=12, output_tokens=4, policy=policy, pool_tokens=pool_tokens,
-                clock="wall", out=str(out_dir / f"{policy.split(':')[0]}-n{n}"),
+                sessions=n, duration_s=cfg.duration_s, ramp_s=cfg.ramp_s,
+                frame_period_s=FRAME_PERIOD_S, tokens_per_frame=INPUT_TOKENS_PER_FRAME,
+                output_tokens=OUTPUT_TOKENS_PER_FRAME, policy=policy, pool_tokens=pool_tokens,
+                clock="wall", out=str(RUNS_DIR / f"{policy.split(':')[0]}-n{n}"),
             ))
     return runs
 
@@ -40,7 +64,7 @@ def row(config: RunConfig, summary: dict) -> dict:
     latency = summary["latency_ms"]
     return {
         "policy": config.policy, "sessions": config.sessions, "pool_tokens": config.pool_tokens,
-        "frames": summary["frames"], "goodput": summary["goodput"],
+        "dtype": summary["dtype"], "frames": summary["frames"], "goodput": summary["goodput"],
         "deadline_met": summary["deadline_met_fraction"],
         "p50_ms": latency["p50"], "p95_ms": latency["p95"], "max_ms": latency["max"],
         "stalled_kv": summary["frames_by_status"]["stalled_kv"],
@@ -51,45 +75,49 @@ def row(config: RunConfig, summary: dict) -> dict:
     }
 
 
-def run(out_md: str, out_json: str, smoke: bool) -> list[dict]:
-    started = time.time()
+def run(ctx: RunContext, cfg: Config) -> dict:
+    runs = configs(cfg)
     rows = []
-    runs = configs(smoke, Path("out/bench-runtime"))
-    for i, config in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] {config.policy} N={config.sessions}", file=sys.stderr)
-        rows.append(row(config, run_local(config)))
-    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_json).write_text(json.dumps(rows, indent=2))
-    Path(out_md).write_text(render(rows, time.time() - started, smoke))
-    print(json.dumps(rows, indent=2))
-    return rows
+    with ctx.progress("runtime runs", len(runs)) as advance:
+        for config in runs:
+            ctx.log(f"{config.policy} N={config.sessions}")
+            rows.append(row(config, run_local(config, ctx.console)))
+            ctx.keep("rows", rows)
+            advance()
+    first = runs[0]
+    ctx.record(model=first.model, dtype=", ".join(sorted({r["dtype"] for r in rows})),
+               engine_path=first.engine_path)
+    workload = {"frame_period_s": first.frame_period_s,
+                "deadline_s": first.frame_period_s * first.deadline_fraction,
+                "input_tokens_per_frame": first.tokens_per_frame,
+                "output_tokens_per_frame": first.output_tokens, "ramp_s": first.ramp_s,
+                "duration_s": first.duration_s}
+    return {"workload": workload, "rows": rows}
 
 
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+HEADERS = ("policy", "pool tokens", "N", "frames", "goodput", "deadline met", "p50 ms",
+           "p95 ms", "max ms", "stalled_kv", "late", "health", "runtime share", "step p50 ms")
 
 
-def render(rows: list[dict], elapsed_s: float, smoke: bool) -> str:
+def report(result: dict) -> str:
+    w, prov = result["workload"], result["provenance"]
+    rows = [(r["policy"], r["pool_tokens"], r["sessions"], r["frames"], fmt(r["goodput"], ".1%"),
+             fmt(r["deadline_met"], ".1%"), fmt(r["p50_ms"], ".0f"), fmt(r["p95_ms"], ".0f"),
+             fmt(r["max_ms"], ".0f"), r["stalled_kv"], r["late"], r["health"],
+             fmt(r["runtime_share"], ".2%"), fmt(r["step_p50_ms"], ".0f"))
+            for r in result["rows"]]
     lines = [
-        "# Runtime on the wall clock (SmolLM2-135M, bf16)", "",
-        f"Generated by `{COMMAND}{' --smoke' if smoke else ''}` in {elapsed_s:.0f} s on "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
-        f"{platform.python_version()}. Written by the command; do not edit by hand.", "",
-        "Workload: N sessions open over a 1 s ramp, 1 s frames of 12 Hamlet tokens, up to 4 "
-        "output tokens per frame (free-running), deadline = period. Latency: frame complete "
-        "at the server -> result ready. Goodput: frames that produced their output within "
-        "the deadline. Runtime share: the runtime's own time per step (report building, "
-        "frame attribution, observers) / engine step time.", "",
-        "| policy | pool tokens | N | frames | goodput | deadline met | p50 ms | p95 ms "
-        "| max ms | stalled_kv | late | health | runtime share | step p50 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"# Runtime on the wall clock ({prov.get('model')}, {prov.get('dtype')})", "",
+        describe(prov), "",
+        f"Generated by `{result['command']}` in {result['elapsed_s']:.0f} s. Written by the "
+        "command; do not edit by hand.", "",
+        f"Workload: N sessions open over a {w['ramp_s']:g} s ramp, each "
+        f"{w['duration_s']:g} s long: {w['frame_period_s']:g} s frames of "
+        f"{w['input_tokens_per_frame']} Hamlet tokens, up to {w['output_tokens_per_frame']} "
+        f"output tokens per frame (free-running), deadline {w['deadline_s']:g} s. Latency: "
+        "frame complete at the server -> result ready. Goodput: frames that produced their "
+        "output within the deadline. Runtime share: the runtime's own time per step (report "
+        "building, frame attribution, observers) / engine step time.", "",
+        md_table(HEADERS, rows),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['policy']} | {r['pool_tokens']} | {r['sessions']} | {r['frames']} "
-            f"| {fmt(r['goodput'], '.1%')} | {fmt(r['deadline_met'], '.1%')} "
-            f"| {fmt(r['p50_ms'], '.0f')} | {fmt(r['p95_ms'], '.0f')} | {fmt(r['max_ms'], '.0f')} "
-            f"| {r['stalled_kv']} | {r['late']} | {r['health']} "
-            f"| {fmt(r['runtime_share'], '.2%')} | {fmt(r['step_p50_ms'], '.0f')} |"
-        )
     return "\n".join(lines) + "\n"

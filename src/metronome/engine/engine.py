@@ -37,16 +37,16 @@ from metronome.kv.cache import KVCache, num_blocks_for
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.linear import packing_supported
 from metronome.model.llama import LlamaModel
+from metronome.workload_defaults import BLOCK_SIZE_TOKENS, POOL_TOKENS
 
-DEFAULT_POOL_TOKENS = 65536  # the KV pool when nothing else is said: 4,096 blocks of 16
 ATTENTION_MODES = ("auto", "paged", "dense")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE_TOKENS
     # The pool's size: in tokens, or as a memory budget in bytes (at most one of the two;
-    # neither: DEFAULT_POOL_TOKENS).
+    # neither: workload_defaults.POOL_TOKENS).
     pool_tokens: int | None = None
     pool_memory_bytes: int | None = None
     # Input tokens one session may process in one step. Every query in a step is padded to
@@ -92,7 +92,7 @@ class EngineConfig:
         """The pool's size as `num_blocks_for` takes it: tokens or memory bytes."""
         if self.pool_memory_bytes is not None:
             return {"memory_bytes": self.pool_memory_bytes}
-        tokens = DEFAULT_POOL_TOKENS if self.pool_tokens is None else self.pool_tokens
+        tokens = POOL_TOKENS if self.pool_tokens is None else self.pool_tokens
         return {"pool_tokens": tokens}
 
 

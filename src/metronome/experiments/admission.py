@@ -14,21 +14,39 @@ clock version on the real SmolLM2 is `metronome bench admission` (docs/results/a
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from metronome.admission.limits import StaticLimit
-from metronome.experiments.common import ExperimentContext, cost_model, fmt
+from metronome.experiments.common import STEP_COST_HELP, VIRTUAL_CLOCK, cost_model
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
+from metronome.results.context import RunContext
 from metronome.results.plots import plot_cap_history as plot_run
+from metronome.results.provenance import describe
+from metronome.results.tables import fmt
 from metronome.runtime.frame import FrameStatus
-from metronome.sim.admission import virtual_runs
+from metronome.sim.admission import UNBOUNDED_SESSION_S, virtual_runs, workload_sentence
 from metronome.sim.scenario import Scenario, run_controlled
 from metronome.sim.search import largest_passing
 
 NAME = "admission"
 REQUIRED_FIELDS = ("bounded", "unbounded", "sweep", "memory_sweep", "paper")
-UNBOUNDED_SESSION_S = 60.0  # as in harness.admission.virtual_runs
+
+
+@dataclass(frozen=True)
+class Config:
+    duration_s: float = field(default=240.0, metadata={"help": "length of each AIMD run"})
+    sweep_max_sessions: int = field(default=256, metadata={
+        "help": "largest N the offline N* sweep may try"})
+    memory_max_cap: int = field(default=64, metadata={
+        "help": "largest static cap the memory N* sweep may try"})
+    step_cost: str | None = field(default=None, metadata={"help": STEP_COST_HELP})
+
+    @classmethod
+    def smoke(cls) -> Config:
+        return cls(duration_s=60.0, sweep_max_sessions=64)
 
 
 def memory_n_star(scenario: Scenario, duration_s: float, n_max: int, advance) -> tuple[int, list]:
@@ -45,22 +63,25 @@ def memory_n_star(scenario: Scenario, duration_s: float, n_max: int, advance) ->
     return n_star, [{"cap": n, "stalled_frames": table[n]} for n in sorted(table)]
 
 
-def run(ctx: ExperimentContext) -> dict:
-    cost, cost_source = cost_model(ctx.step_cost)
+def run(ctx: RunContext, cfg: Config) -> dict:
+    cost, cost_source = cost_model(cfg.step_cost)
     ctx.log(f"admission: offline N* sweep and AIMD runs (step cost from {cost_source})")
     with ctx.progress("admission: sweep + AIMD runs", 1) as advance:
-        v = virtual_runs(cost, smoke=not ctx.full)
+        v = virtual_runs(cost, cfg.duration_s, cfg.sweep_max_sessions)
         advance()
     model = random_model(TINY_LLAMA, torch.float32)
     unbounded = Scenario(model, cost, policy="unbounded", pool_tokens=v["unbounded_pool_tokens"])
     with ctx.progress("admission: memory N* sweep (unbounded, static caps)", None) as advance:
-        mem_n, mem_table = memory_n_star(unbounded, v["duration_s"], 64, advance)
+        mem_n, mem_table = memory_n_star(unbounded, v["duration_s"], cfg.memory_max_cap,
+                                          advance)
     b, u = v["bounded"], v["unbounded"]
     u_caps = [h["cap"] for h in u["history"]]
     saturated = u["saturated_at_s"]
     cap_at_saturation = next((h["cap"] for h in reversed(u["history"])
                               if saturated is not None and h["at_s"] <= saturated), None)
+    ctx.record(model="tiny random Llama (virtual clock)", dtype="float32")
     summary = {
+        "experiment": NAME, "clock": VIRTUAL_CLOCK, "workload": v["workload"],
         "bounded": b | {"swept_n_star": b["n_star"],
                                 "discovered_n_star": b["steady_cap_mean"],
                                 "discovered_over_swept": (b["steady_cap_mean"] / b["n_star"]
@@ -76,27 +97,24 @@ def run(ctx: ExperimentContext) -> dict:
         "paper": {"bounded": "finds N* ~ 209 (deadline binds; ~500 fit in memory)",
                   "unbounded": "over-admits into the wall"},
     }
-    plot_run("bounded (sinks_window 4+128): AIMD vs swept N*", b, b["n_star"],
+    plot_run(f"bounded ({v['workload']['bounded_policy']}): AIMD vs swept N*", b, b["n_star"],
              ctx.plot_path("aimd_bounded.png"))
     plot_run(f"unbounded, pool {v['unbounded_pool_tokens']} tokens: AIMD over-admits "
              f"(memory N* = {mem_n})", u, mem_n, ctx.plot_path("aimd_unbounded.png"))
-    return ctx.finish(NAME, "virtual (real engine steps, SmolLM2-fitted step times)", summary,
-                      render(ctx, summary))
+    return summary
 
 
-def render(ctx: ExperimentContext, s: dict) -> str:
-    b, u = s["bounded"], s["unbounded"]
+def report(s: dict) -> str:
+    b, u, w = s["bounded"], s["unbounded"], s["workload"]
     lines = [
         "# Admission: AIMD on bounded vs unbounded KV", "",
-        f"Command: `metronome experiment admission --scale {ctx.scale}`. Clock: virtual (real "
-        "engine steps on a tiny random Llama; step time from the cost model fitted to SmolLM2 "
-        f"bf16 on this CPU, `{s['cost_model_source']}`), so the sweeps repeat exactly. "
-        "Sessions: 1 s frames of 12 input + 4 output tokens, deadline 1 s, arriving every "
-        f"0.25 s (faster than capacity) for {s['duration_s']:.0f} s; AIMD target p95 latency "
-        "<= 0.8 x deadline, control interval 2 s.", "",
+        describe(s["provenance"]), "",
+        f"Command: `{s['command']}`. Clock: virtual (real engine steps on a tiny random "
+        f"Llama; step time from the cost model `{s['cost_model_source']}`), so the sweeps "
+        f"repeat exactly. {workload_sentence(w, s['duration_s'])}", "",
         "| | swept N* | AIMD cap, 2nd half mean (min..max) | AIMD / swept | stalled frames |"
         " goodput |", "|---|---|---|---|---|---|",
-        f"| bounded sinks_window 4+128 (latency N*) | {b['swept_n_star']} | "
+        f"| bounded {w['bounded_policy']} (latency N*) | {b['swept_n_star']} | "
         f"{fmt(b['discovered_n_star'], '.1f')} ({b['steady_cap_min']}..{b['steady_cap_max']}) |"
         f" {fmt(b['discovered_over_swept'], '.2f')} | {b['stalled_frames']} | "
         f"{b['goodput']:.1%} |",
@@ -109,9 +127,9 @@ def render(ctx: ExperimentContext, s: dict) -> str:
         f"(over-admission {fmt(u['over_admission'], '.1f')}x); the pool ran dry at t = "
         f"{fmt(u['saturated_at_s'], '.1f')} s with the cap at {u['cap_at_saturation']}. "
         "Its latency signal was flat until then, so nothing told it to stop.", "",
-        "Paper: bounded, AIMD finds N* ~ 209 on a Blackwell GPU (the deadline binds before "
-        "memory); unbounded, it over-admits into the wall. The absolute N* is the machine's: "
-        "here SmolLM2-135M on 2 CPU cores.", "",
+        f"Paper: bounded, AIMD {s['paper']['bounded']}; unbounded, it "
+        f"{s['paper']['unbounded']}. The absolute N* is the machine's and the step cost "
+        "model's.", "",
         "Latency sweep (bounded, fixed N, no admission):", "",
         "| N | p95 latency / deadline | miss rate |", "|---|---|---|",
     ]
@@ -122,3 +140,4 @@ def render(ctx: ExperimentContext, s: dict) -> str:
     lines += [f"| {r['cap']} | {r['stalled_frames']} |" for r in s["memory_sweep"]]
     lines += ["", "![bounded](aimd_bounded.png)", "", "![unbounded](aimd_unbounded.png)", ""]
     return "\n".join(lines)
+

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import fmean, median
 
 import torch
 
-from metronome.experiments.common import ExperimentContext, cost_model, fmt
+from metronome.experiments.common import STEP_COST_HELP, VIRTUAL_CLOCK, cost_model
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
+from metronome.results.context import RunContext
+from metronome.results.provenance import describe
+from metronome.results.tables import fmt
 from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.runtime.ports import Listeners
 from metronome.sim.cost_model import StepCostModel
@@ -37,10 +40,30 @@ from metronome.sim.recorder import RunRecorder
 from metronome.sim.scenario import Scenario
 from metronome.sim.workload import Workload, schedule
 from metronome.stats import percentile
+from metronome.workload_defaults import (
+    BLOCK_SIZE_TOKENS,
+    EXPERIMENT_POLICY_SPEC,
+    INPUT_TOKENS_PER_FRAME,
+    OUTPUT_TOKENS_PER_FRAME,
+)
 
 NAME = "cliff"
 REQUIRED_FIELDS = ("workload", "wall_definition", "runs", "collapsed", "policies")
 WALL_FRAMES = 3  # consecutive stalled_kv frames of one session = it hit the wall
+
+
+@dataclass(frozen=True)
+class Config:
+    runs: int = field(default=20, metadata={"help": "seeds, each run unbounded and bounded "
+                                            "(20 as in the paper)"})
+    wall_check: bool = field(default=True, metadata={
+        "help": "rerun the first seed that hit the wall on the wall clock with SmolLM2 "
+                "(minutes of real time)"})
+    step_cost: str | None = field(default=None, metadata={"help": STEP_COST_HELP})
+
+    @classmethod
+    def smoke(cls) -> Config:
+        return cls(runs=3, wall_check=False)
 
 
 @dataclass(frozen=True)
@@ -49,10 +72,10 @@ class CliffWorkload:
     arrival_spread_s: float = 20.0
     session_s: float = 40.0
     jitter: float = 0.5
-    tokens_per_frame: int = 12
-    output_tokens: int = 4
-    block_size: int = 16
-    bounded_policy: str = "sinks_window:4:128"
+    tokens_per_frame: int = INPUT_TOKENS_PER_FRAME
+    output_tokens: int = OUTPUT_TOKENS_PER_FRAME
+    block_size: int = BLOCK_SIZE_TOKENS
+    bounded_policy: str = EXPERIMENT_POLICY_SPEC
     # First-order t_sat with all sessions growing from the mean arrival:
     # 10 s + 6400 / (16 x 16 tokens/s) = 35 s, inside the durations' spread [20, 60] s.
     pool_tokens: int = 6400
@@ -168,7 +191,7 @@ def _series(results, perceived, steps, end_s: float) -> dict:
     }
 
 
-def wall_check(ctx: ExperimentContext, wl: CliffWorkload, policy: str, seed: int) -> dict:
+def wall_check(ctx: RunContext, wl: CliffWorkload, policy: str, seed: int) -> dict:
     """The same seed on the wall clock with the real SmolLM2 (bf16, Hamlet text): does the
     virtual picture (same pool, same arrivals) hold when every step takes its real time?"""
     from metronome.sim.local import RunConfig, run_local
@@ -184,10 +207,10 @@ def wall_check(ctx: ExperimentContext, wl: CliffWorkload, policy: str, seed: int
     return condense(recorder, policy, seed, config.workload().end_s + 2)
 
 
-def run(ctx: ExperimentContext) -> dict:
+def run(ctx: RunContext, cfg: Config) -> dict:
     wl = CliffWorkload()
-    num_runs = 20 if ctx.full else 3
-    cost, cost_source = cost_model(ctx.step_cost)
+    num_runs = cfg.runs
+    cost, cost_source = cost_model(cfg.step_cost)
     model = random_model(TINY_LLAMA, torch.float32, seed=ctx.seed)
     policies = ("unbounded", wl.bounded_policy)
     seeds = [ctx.seed + k for k in range(num_runs)]
@@ -205,10 +228,12 @@ def run(ctx: ExperimentContext) -> dict:
     collapsed = {p: sum(r["hit_wall"] for r in runs if r["policy"] == p) for p in policies}
     wall_runs: list[dict] = []
     walled = [r["seed"] for r in runs if r["policy"] == "unbounded" and r["hit_wall"]]
-    if ctx.full and walled:  # minutes of real time each: full scale only
+    if cfg.wall_check and walled:  # minutes of real time each
         ctx.log(f"cliff: wall-clock check of seed {walled[0]} on SmolLM2 (real time)")
         wall_runs = [wall_check(ctx, wl, policy, walled[0]) for policy in policies]
+    ctx.record(model="tiny random Llama (virtual clock)", dtype="float32")
     summary = {
+        "experiment": NAME, "clock": VIRTUAL_CLOCK, "num_runs": num_runs,
         "workload": vars(wl) | {"first_order_t_sat_s": wl.first_order_t_sat_s,
                                 "tokens_per_s_per_session": wl.tokens_per_s,
                                 "cost_model": vars(cost), "cost_model_source": cost_source},
@@ -227,12 +252,10 @@ def run(ctx: ExperimentContext) -> dict:
         if r["policy"] == "unbounded":
             panel(ctx, r, "wall_silent_failure_panel.png",
                   f"wall clock, SmolLM2 bf16, unbounded, seed {r['seed']}")
-    report = render(summary, runs, policies, num_runs)
-    return ctx.finish(NAME, "virtual (real engine steps, SmolLM2-fitted step times)", summary,
-                      report)
+    return summary
 
 
-def plots(ctx: ExperimentContext, runs: list[dict], policies, wl: CliffWorkload) -> None:
+def plots(ctx: RunContext, runs: list[dict], policies, wl: CliffWorkload) -> None:
     colors = {"unbounded": "tab:red", wl.bounded_policy: "tab:blue"}
     plt, save = ctx.figure("latency_over_time.png")
     fig, axes = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
@@ -261,7 +284,7 @@ def plots(ctx: ExperimentContext, runs: list[dict], policies, wl: CliffWorkload)
               f"virtual clock, unbounded, seed {walled[0]['seed']}")
 
 
-def panel(ctx: ExperimentContext, r: dict, name: str, title: str) -> None:
+def panel(ctx: RunContext, r: dict, name: str, title: str) -> None:
     """Standard metrics (green) next to goodput and the pool, for one run that hit the wall."""
     s = r["series"]
     plt, save = ctx.figure(name)
@@ -289,15 +312,16 @@ def panel(ctx: ExperimentContext, r: dict, name: str, title: str) -> None:
     save(fig)
 
 
-def render(summary: dict, runs: list[dict], policies, num_runs: int) -> str:
-    wl = summary["workload"]
+def report(summary: dict) -> str:
+    wl, runs, policies = summary["workload"], summary["runs"], summary["policies"]
     lines = [
-        f"# Cliff: {num_runs} runs x {{unbounded, bounded}}", "",
-        f"Command: `{{command}}`. Clock: virtual: the engine runs every step for real (block "
-        f"pool, stalls, tokens) on a tiny random Llama; step time comes from the cost model "
-        f"fitted from `{wl['cost_model_source']}` (SmolLM2 bf16 on this CPU). The pool "
-        "dynamics that decide the cliff do not depend on the weights, and 40 runs finish in "
-        "minutes and repeat exactly.", "",
+        f"# Cliff: {summary['num_runs']} runs x {{unbounded, bounded}}", "",
+        describe(summary["provenance"]), "",
+        f"Command: `{summary['command']}`. Clock: virtual: the engine runs every step for "
+        "real (block pool, stalls, tokens) on a tiny random Llama; step time comes from the "
+        f"cost model `{wl['cost_model_source']}`. The pool dynamics that decide the cliff do "
+        f"not depend on the weights, and the {2 * summary['num_runs']} runs finish in minutes "
+        "and repeat exactly.", "",
         f"Workload: {wl['sessions']} sessions opening uniformly over {wl['arrival_spread_s']:.0f}"
         f" s, each {wl['session_s']:.0f} s x U(1 ± {wl['jitter']}), one 1 s frame each second "
         f"({wl['tokens_per_frame']} input + {wl['output_tokens']} output tokens = "
@@ -310,7 +334,8 @@ def render(summary: dict, runs: list[dict], policies, num_runs: int) -> str:
         f"Hit the wall: {summary['wall_definition']}.", "",
         "| | unbounded | bounded | paper unbounded | paper bounded |", "|---|---|---|---|---|",
         f"| runs that hit the wall | {summary['collapsed'][policies[0]]} | "
-        f"{summary['collapsed'][policies[1]]} | 14/20 | 0/20 |",
+        f"{summary['collapsed'][policies[1]]} | {summary['paper']['unbounded']} | "
+        f"{summary['paper']['bounded']} |",
     ]
     for label, pick, spec in (("goodput, worst run", min, ".3f"),
                               ("goodput, mean over runs", fmean, ".3f")):
@@ -364,5 +389,4 @@ def render(summary: dict, runs: list[dict], policies, num_runs: int) -> str:
                     f"{r['deadline_met_fraction']:.3f} | {r['latency_ms_p95']:.0f} |")
         if any(w["policy"] == "unbounded" for w in summary["wall_check"]):
             lines += ["", "![wall clock panel](wall_silent_failure_panel.png)", ""]
-    return "\n".join(lines).replace("{command}", f"metronome experiment cliff --scale "
-                                    f"{'full' if num_runs == 20 else 'smoke'}") + "\n"
+    return "\n".join(lines) + "\n"

@@ -25,29 +25,45 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import fmean, median
 
 import torch
 
 from metronome.engine.types import WorkStatus
-from metronome.experiments.common import ExperimentContext, cost_model, fmt
+from metronome.experiments.common import STEP_COST_HELP, VIRTUAL_CLOCK, cost_model
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.observe.forecast import SaturationForecaster
+from metronome.results.context import RunContext
+from metronome.results.provenance import describe
+from metronome.results.tables import fmt
 from metronome.runtime.ports import Listeners, StepReport
 from metronome.sim.scenario import Scenario
 from metronome.sim.workload import Workload, schedule
+from metronome.workload_defaults import BLOCK_SIZE_TOKENS, OUTPUT_TOKENS_PER_FRAME
 
 NAME = "predict"
 REQUIRED_FIELDS = ("configs", "errors", "paper")
-BLOCK_SIZE = 16
-OUTPUT_TOKENS = 4
+BLOCK_SIZE = BLOCK_SIZE_TOKENS
+OUTPUT_TOKENS = OUTPUT_TOKENS_PER_FRAME
 MIN_T_SAT_S = 8.0  # shorter saturations are dominated by the 1 s frame granularity
 
 
 @dataclass(frozen=True)
 class Config:
+    trials: int = field(default=40, metadata={"help": "random configurations to run"})
+    step_cost: str | None = field(default=None, metadata={"help": STEP_COST_HELP})
+
+    @classmethod
+    def smoke(cls) -> Config:
+        return cls(trials=3)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One random configuration, run to its first stall."""
+
     sessions: int
     tokens_per_frame: int  # mean input tokens a frame; + OUTPUT_TOKENS = mean KV tokens/s
     pool_tokens: int
@@ -72,12 +88,12 @@ class Config:
                 for _ in range(self.sessions)]
 
 
-def grid(full: bool, seed: int = 0) -> list[Config]:
-    """Random configurations with nominal t_sat in [MIN_T_SAT_S, 240] s."""
+def grid(count: int, seed: int = 0) -> list[Trial]:
+    """`count` random configurations with nominal t_sat in [MIN_T_SAT_S, 240] s."""
     rng = random.Random(seed)
-    configs: list[Config] = []
-    while len(configs) < (40 if full else 3):
-        config = Config(sessions=rng.randint(2, 40), tokens_per_frame=rng.randint(2, 28),
+    configs: list[Trial] = []
+    while len(configs) < count:
+        config = Trial(sessions=rng.randint(2, 40), tokens_per_frame=rng.randint(2, 28),
                         pool_tokens=BLOCK_SIZE * rng.randint(64, 1024),
                         prior_fraction=rng.choice((0.0, 0.0, 0.1, 0.3, 0.5)),
                         arrival_spread_s=rng.choice((1.0, 5.0, 10.0)),
@@ -87,7 +103,7 @@ def grid(full: bool, seed: int = 0) -> list[Config]:
     return configs
 
 
-def run_config(model, cost, config: Config) -> dict:
+def run_config(model, cost, config: Trial) -> dict:
     scenario = Scenario(model, cost, policy="unbounded", pool_tokens=config.pool_tokens,
                         block_size=BLOCK_SIZE, tokens_per_frame=config.tokens_per_frame,
                         output_tokens=OUTPUT_TOKENS)
@@ -148,9 +164,9 @@ def run_config(model, cost, config: Config) -> dict:
             "online_made_at_s": online and online["made_at_s"]}
 
 
-def run(ctx: ExperimentContext) -> dict:
-    configs = grid(ctx.full, ctx.seed)
-    cost, cost_source = cost_model(ctx.step_cost)
+def run(ctx: RunContext, cfg: Config) -> dict:
+    configs = grid(cfg.trials, ctx.seed)
+    cost, cost_source = cost_model(cfg.step_cost)
     model = random_model(TINY_LLAMA, torch.float32, seed=ctx.seed)
     ctx.log(f"predict: {len(configs)} random configurations, each run to its first stall")
     rows = []
@@ -164,18 +180,19 @@ def run(ctx: ExperimentContext) -> dict:
                   if r["relative_error"][key] is not None]
         errors[key] = {"median": median(values) if values else None,
                        "max": max(values) if values else None, "configs": len(values)}
+    ctx.record(model="tiny random Llama (virtual clock)", dtype="float32")
     summary = {
+        "experiment": NAME, "clock": VIRTUAL_CLOCK, "output_tokens_per_frame": OUTPUT_TOKENS,
         "configs": rows, "errors": errors, "block_size": BLOCK_SIZE,
         "cost_model_source": cost_source,
         "paper": {"qwen3_omni_30b": "within a few %", "minicpm_o": "about 13 %",
                   "vllm_cpu_block_level": "about 1 %", "vllm_cpu_token_level": "up to 9 %"},
     }
     plot(ctx, rows)
-    return ctx.finish(NAME, "virtual (real engine steps, SmolLM2-fitted step times)", summary,
-                      render(ctx, summary))
+    return summary
 
 
-def plot(ctx: ExperimentContext, rows: list[dict]) -> None:
+def plot(ctx: RunContext, rows: list[dict]) -> None:
     plt, save = ctx.figure("predicted_vs_observed.png")
     fig, ax = plt.subplots(figsize=(6.5, 6))
     observed = [r["observed_t_sat_s"] for r in rows]
@@ -199,17 +216,19 @@ def plot(ctx: ExperimentContext, rows: list[dict]) -> None:
     save(fig)
 
 
-def render(ctx: ExperimentContext, summary: dict) -> str:
-    e = summary["errors"]
+def report(summary: dict) -> str:
+    e, out_tokens = summary["errors"], summary["output_tokens_per_frame"]
     lines = [
         "# Predict: first-order saturation time vs the engine", "",
-        f"Command: `metronome experiment predict --scale {ctx.scale}`. Clock: virtual (real "
-        "engine steps on a tiny random Llama; step times fitted from SmolLM2 on this CPU). "
+        describe(summary["provenance"]), "",
+        f"Command: `{summary['command']}`. Clock: virtual (real engine steps on a tiny random "
+        f"Llama; step times from `{summary['cost_model_source']}`). "
         "Saturation is token and block arithmetic, independent of step speed.", "",
         f"{len(summary['configs'])} random configurations (seeded): idle sessions hold rho0 of "
-        f"a pool of P tokens (blocks of {BLOCK_SIZE}); N unbounded sessions open over the "
-        f"arrival spread and stream 1 s frames of k_i input + {OUTPUT_TOKENS} output tokens, "
-        "k_i = k x U(1 ± spread). Forecasts know only the mean rate r = k + 4. Observed "
+        f"a pool of P tokens (blocks of {summary['block_size']}); N unbounded sessions open "
+        f"over the arrival spread and stream 1 s frames of k_i input + {out_tokens} output "
+        f"tokens, k_i = k x U(1 ± spread). Forecasts know only the mean rate r = k + "
+        f"{out_tokens}. Observed "
         "t_sat = first step with a `stalled_kv` session.", "",
         "| forecast | median abs. error | max abs. error | configs |", "|---|---|---|---|",
     ]

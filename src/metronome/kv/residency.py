@@ -24,9 +24,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-# The server's and the runtime's default bound: 4 sinks + a 512-token window (absolute positions).
-DEFAULT_POLICY_SPEC = "sinks_window:4:512"
-
 
 class PolicyKind(enum.StrEnum):
     UNBOUNDED = "unbounded"

@@ -25,6 +25,13 @@ from metronome.plan.memory import (
 )
 from metronome.plan.schedule import FrameSchedule, mean_visible_context_tokens
 from metronome.sim.cost_model import StepCostModel
+from metronome.workload_defaults import (
+    DEADLINE_FRACTION,
+    FRAME_PERIOD_S,
+    INPUT_TOKENS_PER_FRAME,
+    OUTPUT_TOKENS_PER_FRAME,
+    TARGET_FRACTION,
+)
 
 
 @dataclass(frozen=True)
@@ -34,14 +41,14 @@ class PlanInputs:
     policy: ResidencyPolicy
     cost: StepCostModel
     cost_source: str
-    frame_period_s: float = 1.0
-    deadline_fraction: float = 1.0
-    input_tokens: int = 12  # per frame
-    output_tokens: int = 4  # per frame
+    frame_period_s: float = FRAME_PERIOD_S
+    deadline_fraction: float = DEADLINE_FRACTION
+    input_tokens: int = INPUT_TOKENS_PER_FRAME
+    output_tokens: int = OUTPUT_TOKENS_PER_FRAME
     session_s: float = 3600.0  # the server's max_session_s
     max_chunk_tokens: int = 64  # EngineConfig.max_chunk_tokens
     max_step_tokens: int = 4096  # EngineConfig.max_step_tokens
-    target_fraction: float = 0.8  # AIMD's: p95 latency <= 0.8 x deadline
+    target_fraction: float = TARGET_FRACTION  # AIMD's: p95 latency <= target x deadline
     prior_fraction: float = 0.0  # rho0: share of the pool others hold at the start
     sessions: int | None = None  # N for t_sat; None: the planned capacity
 

@@ -10,30 +10,39 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.plan.budget import kv_budget, model_config, parse_bytes
 from metronome.plan.planner import PlanInputs
 from metronome.sim.cost_model import PACKAGED_STEP_COST, StepCostModel
+from metronome.workload_defaults import (
+    BLOCK_SIZE_TOKENS,
+    DEADLINE_FRACTION,
+    FRAME_PERIOD_S,
+    INPUT_TOKENS_PER_FRAME,
+    OUTPUT_TOKENS_PER_FRAME,
+    POLICY_SPEC,
+    TARGET_FRACTION,
+)
 
 
 @dataclass(frozen=True)
 class PlanRequest:
     model: str = "bundled"
     dtype: str = "bfloat16"  # the KV and weights dtype on the target (bf16 on GPUs)
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE_TOKENS
     pool_tokens: int | None = None
     pool_bytes: str | None = None  # '12GiB'
     gpu_memory: str | None = None  # '80GB': the device's memory; KV = x utilization - weights
     utilization: float = 0.9
     weights_bytes: str | None = None  # None: counted from the model's shapes
     reserve_bytes: str = "0"
-    policy: str = "sinks_window:4:512"
-    frame_period_s: float = 1.0
-    deadline_fraction: float = 1.0
-    input_tokens: int = 12
-    output_tokens: int = 4
+    policy: str = POLICY_SPEC
+    frame_period_s: float = FRAME_PERIOD_S
+    deadline_fraction: float = DEADLINE_FRACTION
+    input_tokens: int = INPUT_TOKENS_PER_FRAME
+    output_tokens: int = OUTPUT_TOKENS_PER_FRAME
     session_s: float = 3600.0
     step_cost: str | None = None  # a StepCostModel JSON; None: the packaged calibration
     fixed_s: float | None = None  # each overrides the file's constant
     per_token_s: float | None = None
     per_context_token_s: float | None = None
-    target_fraction: float = 0.8
+    target_fraction: float = TARGET_FRACTION
     prior_fraction: float = 0.0
     sessions: int | None = None
 

@@ -6,7 +6,13 @@ import enum
 from dataclasses import dataclass
 
 from metronome.engine.sampling import SamplingParams
-from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
+from metronome.kv.residency import ResidencyPolicy
+from metronome.workload_defaults import (
+    DEADLINE_FRACTION,
+    FRAME_PERIOD_S,
+    OUTPUT_TOKENS_PER_FRAME,
+    POLICY_SPEC,
+)
 
 
 class SessionMode(enum.StrEnum):
@@ -18,11 +24,12 @@ class SessionMode(enum.StrEnum):
 
 @dataclass(frozen=True)
 class SessionProfile:
-    frame_period_s: float = 1.0
-    deadline_fraction: float = 1.0  # deadline = fraction x period after the frame arrives
-    max_output_tokens_per_frame: int = 4
+    frame_period_s: float = FRAME_PERIOD_S
+    # deadline = fraction x period after the frame arrives
+    deadline_fraction: float = DEADLINE_FRACTION
+    max_output_tokens_per_frame: int = OUTPUT_TOKENS_PER_FRAME
     mode: SessionMode = SessionMode.DUPLEX
-    policy: ResidencyPolicy = ResidencyPolicy.parse(DEFAULT_POLICY_SPEC)
+    policy: ResidencyPolicy = ResidencyPolicy.parse(POLICY_SPEC)
     sampling: SamplingParams = SamplingParams()
     max_session_tokens: int | None = None
     # Input accepted but not yet processed (the backlog of answered frames included) that

@@ -11,15 +11,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from metronome.audio.frontend import AudioFormat
-from metronome.engine.engine import (
-    DEFAULT_POOL_TOKENS,
-    EngineConfig,
-    check_policy_limits,
-    check_pool_fits,
-)
-from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
+from metronome.engine.engine import EngineConfig, check_policy_limits, check_pool_fits
+from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.serve.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
+from metronome.workload_defaults import (
+    BLOCK_SIZE_TOKENS,
+    DEADLINE_FRACTION,
+    FRAME_PERIOD_S,
+    OUTPUT_TOKENS_PER_FRAME,
+    POLICY_SPEC,
+    POOL_TOKENS,
+)
 
 
 class ServerConfig(BaseModel):
@@ -37,22 +40,23 @@ class ServerConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto (bfloat16 where the CPU has native bf16, else float32) | "
         "float32 | bfloat16")
-    policy: str = Field(DEFAULT_POLICY_SPEC, description="every session's KV bound: "
+    policy: str = Field(POLICY_SPEC, description="every session's KV bound: "
                         "unbounded | window:W | sinks_window:S:W, optionally @rolling")
-    pool_tokens: int = Field(DEFAULT_POOL_TOKENS, ge=16, description="KV pool size in tokens")
+    pool_tokens: int = Field(POOL_TOKENS, ge=16, description="KV pool size in tokens")
     degrade_policy: str | None = Field(
         None, description="opt-in graceful degradation: when the KV pool runs dry, switch "
         "unbounded sessions (largest first) to this bound, e.g. sinks_window:4:512, freeing "
         "their middle blocks and telling each client (metronome.session.bounded); off by "
         "default")
-    block_size: int = Field(16, ge=1, description="KV block size in tokens (--engine vllm: 32 "
-                            "unless given; its CPU attention needs a multiple of 32)")
-    # Session timing. 1 s frames: the Qwen-Omni / MiniCPM-o chunk size; 0.08 s is Moshi's.
-    frame_period_s: float = Field(1.0, ge=0.01, le=60,
+    block_size: int = Field(BLOCK_SIZE_TOKENS, ge=1, description="KV block size in tokens "
+                            "(--engine vllm: 32 unless given; its CPU attention needs a "
+                            "multiple of 32)")
+    frame_period_s: float = Field(FRAME_PERIOD_S, ge=0.01, le=60,
                                   description="audio is cut into frames of this length")
-    deadline_fraction: float = Field(1.0, gt=0, le=10,
+    deadline_fraction: float = Field(DEADLINE_FRACTION, gt=0, le=10,
                                      description="deadline = fraction x frame period")
-    output_tokens_per_frame: int = Field(4, ge=1, description="duplex: tokens per frame")
+    output_tokens_per_frame: int = Field(OUTPUT_TOKENS_PER_FRAME, ge=1,
+                                         description="duplex: tokens per frame")
     response_tokens: int = Field(16, ge=1, description="turn: tokens of one reply (stops "
                                  "early at EOS)")
     mode: SessionMode = Field(SessionMode.DUPLEX, description="default session mode: duplex "

@@ -13,6 +13,7 @@ from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.runtime.frame import FrameStatus
 from metronome.sim.scenario import Scenario, run_controlled, sweep_n_star
+from metronome.workload_defaults import EXPERIMENT_POLICY_SPEC
 
 
 def log(message: str) -> None:
@@ -42,17 +43,51 @@ def summarize(run, n_star: int | None, converged_s: float) -> dict:
     }
 
 
-def virtual_runs(cost, smoke: bool) -> dict:
+# The arrival stream of the AIMD runs: sessions arrive faster than capacity.
+ARRIVAL_EVERY_S = 0.25
+BOUNDED_SESSION_S = 30.0
+UNBOUNDED_SESSION_S = 60.0  # long enough that the pool runs dry mid-run
+DURATION_JITTER = 0.3
+INTERVAL_S = 2.0  # the controller's control interval
+UNBOUNDED_POOL_TOKENS = 40 * 8 * 16
+
+
+def virtual_runs(cost, duration_s: float, n_max: int) -> dict:
+    """The offline N* sweep (fixed N up to `n_max`), then AIMD bounded and unbounded (a pool
+    that fills) for `duration_s`; the workload they ran is in the result's `workload`."""
     model = random_model(TINY_LLAMA, torch.float32)
-    duration_s = 60.0 if smoke else 240.0
-    bounded = Scenario(model, cost, policy="sinks_window:4:128")
+    bounded = Scenario(model, cost, policy=EXPERIMENT_POLICY_SPEC)
     log("virtual: sweeping N* (bounded)")
-    n_star, table = sweep_n_star(bounded, n_max=64 if smoke else 256)
+    n_star, table = sweep_n_star(bounded, n_max=n_max)
     log(f"virtual: N* = {n_star}; AIMD bounded run")
-    run_b = run_controlled(bounded, AIMDLimit(initial_cap=4), duration_s)
-    unbounded = Scenario(model, cost, policy="unbounded", pool_tokens=40 * 8 * 16)
+    stream = {"arrival_every_s": ARRIVAL_EVERY_S, "jitter": DURATION_JITTER,
+              "interval_s": INTERVAL_S}
+    run_b = run_controlled(bounded, AIMDLimit(initial_cap=4), duration_s,
+                           session_s=BOUNDED_SESSION_S, **stream)
+    unbounded = Scenario(model, cost, policy="unbounded", pool_tokens=UNBOUNDED_POOL_TOKENS)
     log("virtual: AIMD unbounded run (pool fills)")
-    run_u = run_controlled(unbounded, AIMDLimit(initial_cap=4), duration_s, session_s=60.0)
+    run_u = run_controlled(unbounded, AIMDLimit(initial_cap=4), duration_s,
+                           session_s=UNBOUNDED_SESSION_S, **stream)
+    profile = bounded.profile()
+    workload = {
+        "bounded_policy": bounded.policy, "frame_period_s": profile.frame_period_s,
+        "deadline_s": profile.frame_period_s * profile.deadline_fraction,
+        "input_tokens_per_frame": bounded.tokens_per_frame,
+        "output_tokens_per_frame": bounded.output_tokens,
+        "target_fraction": bounded.target_fraction, "bounded_session_s": BOUNDED_SESSION_S,
+        "unbounded_session_s": UNBOUNDED_SESSION_S} | stream
     return {"sweep": table, "bounded": summarize(run_b, n_star, duration_s / 2),
             "unbounded": summarize(run_u, None, duration_s / 2),
-            "unbounded_pool_tokens": unbounded.pool_tokens, "duration_s": duration_s}
+            "unbounded_pool_tokens": unbounded.pool_tokens, "duration_s": duration_s,
+            "workload": workload}
+
+
+def workload_sentence(w: dict, duration_s: float) -> str:
+    """The AIMD runs' workload as the admission reports state it (bench and experiment)."""
+    return (f"Sessions: {w['frame_period_s']:g} s frames of {w['input_tokens_per_frame']} "
+            f"input + {w['output_tokens_per_frame']} output tokens, deadline "
+            f"{w['deadline_s']:g} s, ~{w['bounded_session_s']:.0f} s long bounded "
+            f"(~{w['unbounded_session_s']:.0f} s unbounded; jitter {w['jitter']:.0%}), "
+            f"arriving every {w['arrival_every_s']:g} s (faster than capacity) for "
+            f"{duration_s:.0f} s; AIMD target p95 latency <= {w['target_fraction']:g} x "
+            f"deadline, control interval {w['interval_s']:g} s.")

@@ -20,14 +20,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from metronome.engine.engine import (
-    DEFAULT_POOL_TOKENS,
-    ENGINE_PATHS,
-    Engine,
-    EngineConfig,
-    for_engine_path,
-)
-from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
+from metronome.engine.engine import ENGINE_PATHS, Engine, EngineConfig, for_engine_path
+from metronome.kv.residency import ResidencyPolicy
 from metronome.model.dtypes import AUTO_DTYPE, resolve_dtype
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.ports import Listeners, OverheadMeter
@@ -37,6 +31,15 @@ from metronome.sim.cost_model import StepCostModel, calibrate
 from metronome.sim.recorder import RunRecorder
 from metronome.sim.virtual import VirtualDriver
 from metronome.sim.workload import FrameSource, Workload, schedule
+from metronome.workload_defaults import (
+    BLOCK_SIZE_TOKENS,
+    DEADLINE_FRACTION,
+    FRAME_PERIOD_S,
+    INPUT_TOKENS_PER_FRAME,
+    OUTPUT_TOKENS_PER_FRAME,
+    POLICY_SPEC,
+    POOL_TOKENS,
+)
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,14 @@ class RunConfig:
     duration_s: float = 20.0
     ramp_s: float = 2.0
     duration_jitter: float = 0.0
-    frame_period_s: float = 1.0
-    deadline_fraction: float = 1.0
-    tokens_per_frame: int = 12  # text input; audio input gets frame_period x token rate
-    output_tokens: int = 4
+    frame_period_s: float = FRAME_PERIOD_S
+    deadline_fraction: float = DEADLINE_FRACTION
+    tokens_per_frame: int = INPUT_TOKENS_PER_FRAME  # text; audio gets frame_period x token rate
+    output_tokens: int = OUTPUT_TOKENS_PER_FRAME
     mode: str = SessionMode.DUPLEX.value
-    policy: str = DEFAULT_POLICY_SPEC
-    pool_tokens: int = DEFAULT_POOL_TOKENS
-    block_size: int | None = None  # None: 16 (native), 32 (vLLM's CPU attention needs it)
+    policy: str = POLICY_SPEC
+    pool_tokens: int = POOL_TOKENS
+    block_size: int | None = None  # None: BLOCK_SIZE_TOKENS (native), 32 (vLLM's CPU attention)
     clock: str = "wall"
     input: str = "text"  # text | audio
     model: str = "bundled"
@@ -142,7 +145,7 @@ def build(config: RunConfig):
                                    config.tokens_per_frame)
     model = load_model(config.model, resolve_dtype(config.dtype))
     engine = Engine(model, for_engine_path(model, EngineConfig(
-        block_size=config.block_size or 16, pool_tokens=config.pool_tokens),
+        block_size=config.block_size or BLOCK_SIZE_TOKENS, pool_tokens=config.pool_tokens),
         config.engine_path))
     engine.warm_up()
     if config.input == "audio":
@@ -171,6 +174,7 @@ def run_local(config: RunConfig, console: Console | None = None,
         overhead = asyncio.run(_run_wall(config, engine, source, recorder, observer, console))
     summary = recorder.summary() | {
         "config": asdict(config),
+        "dtype": str(resolve_dtype(config.dtype)).removeprefix("torch."),  # what build() loaded
         "cost_model": None if cost is None else asdict(cost),
         "health": observer.health_summary(),
         "runtime_overhead": overhead.summary(),

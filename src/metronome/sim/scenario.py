@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from metronome.admission.controller import AdmissionController, CapSample
 from metronome.admission.limits import ConcurrencyLimit
 from metronome.engine.engine import Engine, EngineConfig
-from metronome.kv.residency import DEFAULT_POLICY_SPEC, ResidencyPolicy
+from metronome.kv.residency import ResidencyPolicy
 from metronome.model.llama import LlamaModel
 from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.runtime.ports import Listeners
@@ -24,19 +24,27 @@ from metronome.sim.search import largest_passing
 from metronome.sim.virtual import VirtualDriver
 from metronome.sim.workload import Workload, schedule
 from metronome.stats import percentile
+from metronome.workload_defaults import (
+    BLOCK_SIZE_TOKENS,
+    FRAME_PERIOD_S,
+    INPUT_TOKENS_PER_FRAME,
+    OUTPUT_TOKENS_PER_FRAME,
+    POLICY_SPEC,
+    TARGET_FRACTION,
+)
 
 
 @dataclass(frozen=True)
 class Scenario:
     model: LlamaModel
     cost: StepCostModel
-    policy: str = DEFAULT_POLICY_SPEC
-    pool_tokens: int = 1 << 20
-    block_size: int = 16
-    frame_period_s: float = 1.0
-    tokens_per_frame: int = 12
-    output_tokens: int = 4
-    target_fraction: float = 0.8
+    policy: str = POLICY_SPEC
+    pool_tokens: int = 1 << 20  # big enough never to bind: these runs measure the deadline
+    block_size: int = BLOCK_SIZE_TOKENS
+    frame_period_s: float = FRAME_PERIOD_S
+    tokens_per_frame: int = INPUT_TOKENS_PER_FRAME
+    output_tokens: int = OUTPUT_TOKENS_PER_FRAME
+    target_fraction: float = TARGET_FRACTION
 
     def profile(self) -> SessionProfile:
         return SessionProfile(frame_period_s=self.frame_period_s,

@@ -30,13 +30,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from metronome.corpus import play_text
-from metronome.experiments.common import ExperimentContext
 from metronome.experiments.quality.measure import free_running, score_free_running, turn_based
-from metronome.experiments.quality.plan import CLOCK, DTYPE, MODEL, PLAY, QualitySetup
+from metronome.experiments.quality.plan import CLOCK, DTYPE, MODEL, PLAY, Config
 from metronome.experiments.quality.plots import plot_free_running, plot_turn_based
 from metronome.experiments.quality.report import render
-from metronome.experiments.quality.summary import build_summary
+from metronome.experiments.quality.summary import QualitySummary, build_summary
 from metronome.model.weights import load_model, load_tokenizer
+from metronome.results.context import RunContext
 
 NAME = "quality"
 REQUIRED_FIELDS = ("model", "dtype", "setup", "policies", "turn_based", "free_running",
@@ -50,8 +50,8 @@ def timed(phase_s: dict[str, float], phase: str) -> Iterator[None]:
     phase_s[phase] = round(time.perf_counter() - t0, 1)
 
 
-def run(ctx: ExperimentContext) -> dict:
-    setup = QualitySetup.for_scale(ctx.full)
+def run(ctx: RunContext, cfg: Config) -> dict:
+    setup = cfg
     model, tokenizer = load_model(MODEL, DTYPE), load_tokenizer(MODEL)
     text_ids = tokenizer.encode(play_text(PLAY)).ids
     if len(text_ids) < setup.text_tokens:
@@ -72,5 +72,9 @@ def run(ctx: ExperimentContext) -> dict:
                             max_positions, phase_s)
     plot_turn_based(ctx, turn_nll, setup, max_positions)
     plot_free_running(ctx, summary.free_running, free_text)
-    command = f"metronome experiment {NAME} --scale {ctx.scale} --seed {ctx.seed}"
-    return ctx.finish(NAME, CLOCK, summary.to_json(), render(summary, command))
+    ctx.record(model=model.config.name, dtype=str(DTYPE).removeprefix("torch."))
+    return {"experiment": NAME, "clock": CLOCK} | summary.to_json()
+
+
+def report(result: dict) -> str:
+    return render(QualitySummary.from_json(result), result["provenance"], result["command"])

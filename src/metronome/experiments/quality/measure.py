@@ -13,7 +13,6 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.sampling import SamplingParams
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import SessionStep, WorkStatus
-from metronome.experiments.common import ExperimentContext
 from metronome.experiments.quality.plan import (
     BLOCK_SIZE,
     FRAME_TOKENS,
@@ -23,11 +22,12 @@ from metronome.experiments.quality.plan import (
     SCORE_CHUNK_TOKENS,
     SCORE_SESSIONS,
     SEGMENT_TOKENS,
-    QualitySetup,
+    Config,
     engine_policies,
     slide_position,
 )
 from metronome.model.llama import LlamaModel
+from metronome.results.context import RunContext
 
 PositionNll = list[tuple[int, float]]  # (stream position, NLL nats) per scored token
 
@@ -117,7 +117,7 @@ def quality_engine(model: LlamaModel, pool_tokens: int, max_chunk_tokens: int) -
 
 
 
-def turn_based(ctx: ExperimentContext, model: LlamaModel, setup: QualitySetup,
+def turn_based(ctx: RunContext, model: LlamaModel, setup: Config,
                text_ids: list[int]) -> TurnBasedNll:
     """NLL of every text token (after the first) per policy, keyed by stream position.
 
@@ -164,7 +164,7 @@ def turn_based(ctx: ExperimentContext, model: LlamaModel, setup: QualitySetup,
     return TurnBasedNll(nll)
 
 
-def free_running(ctx: ExperimentContext, model: LlamaModel, setup: QualitySetup,
+def free_running(ctx: RunContext, model: LlamaModel, setup: Config,
                  prompt: list[int]) -> dict[str, list[int]]:
     """Generated tokens per policy (the prompt excluded), all from one batched engine.
 
@@ -199,7 +199,7 @@ def free_running(ctx: ExperimentContext, model: LlamaModel, setup: QualitySetup,
     return {name: generated[sid] for name, sid in sids.items()} | {RECOMPUTE: recomputed}
 
 
-def reference_nll(ctx: ExperimentContext, model: LlamaModel, streams: dict[str, list[int]],
+def reference_nll(ctx: RunContext, model: LlamaModel, streams: dict[str, list[int]],
                   first_position: int, window_tokens: int) -> dict[str, PositionNll]:
     """NLL of each stream from `first_position` on under the recompute-window scorer: every
     SCORE_CHUNK_TOKENS chunk by a fresh session given the W tokens before it."""
@@ -228,7 +228,7 @@ def reference_nll(ctx: ExperimentContext, model: LlamaModel, streams: dict[str, 
     return nll
 
 
-def score_free_running(ctx: ExperimentContext, model: LlamaModel, setup: QualitySetup,
+def score_free_running(ctx: RunContext, model: LlamaModel, setup: Config,
                        prompt: list[int], generated: dict[str, list[int]],
                        text_ids: list[int]) -> FreeRunningText:
     """Each policy's stream (prompt + generated) scored from the first measured position on;

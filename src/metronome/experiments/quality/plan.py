@@ -1,9 +1,10 @@
 """What the quality experiment runs: the model, the text, the five policies, and the sizes of
-each scale (`QualitySetup`). Everything here is a constant or a pure function of one."""
+each scale (`Config`, `Config.smoke()`). Everything here is a constant or a pure function of
+one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,22 +26,25 @@ HAMLET_TEXT = "hamlet_text"  # the play itself beside the free-running policies
 
 
 @dataclass(frozen=True)
-class QualitySetup:
-    text_tokens: int  # turn-based text stream, a multiple of FRAME_TOKENS
-    turn_window_tokens: int  # W for (i); a multiple of BLOCK_SIZE
-    free_window_tokens: int  # W for (ii)
-    measured_tokens: int  # free-running tokens at least, counted after the slide
-    bucket_tokens: int  # perplexity table: one row per this many stream positions
-    plot_bucket_tokens: int  # NLL plot: mean over this many stream positions
-    prompt_tokens: int = 128
-    temperature: float = 0.8
-    top_p: float = 0.95
+class Config:
+    text_tokens: int = field(default=20480, metadata={
+        "help": "turn-based text stream, a multiple of the 64-token frame"})
+    turn_window_tokens: int = field(default=512, metadata={
+        "help": "W for (i), a multiple of the block size"})
+    free_window_tokens: int = field(default=256, metadata={"help": "W for (ii)"})
+    measured_tokens: int = field(default=4096, metadata={
+        "help": "free-running tokens measured at least, counted after the slide"})
+    bucket_tokens: int = field(default=1024, metadata={
+        "help": "perplexity table: one row per this many stream positions"})
+    plot_bucket_tokens: int = field(default=256, metadata={
+        "help": "NLL plot: mean over this many stream positions"})
+    prompt_tokens: int = field(default=128, metadata={"help": "free-running prompt"})
+    temperature: float = field(default=0.8, metadata={"help": "free-running sampling"})
+    top_p: float = field(default=0.95, metadata={"help": "free-running sampling"})
 
     @classmethod
-    def for_scale(cls, full: bool) -> QualitySetup:
-        if full:
-            return cls(20480, 512, 256, 4096, 1024, 256)
-        return cls(768, 128, 64, 128, 128, 64)  # smoke: shapes only, ~1 min
+    def smoke(cls) -> Config:
+        return cls(768, 128, 64, 128, 128, 64)  # shapes only, ~1 min
 
 
 def engine_policies(window_tokens: int) -> dict[str, ResidencyPolicy]:

@@ -3,11 +3,11 @@ free-running repetition and reference NLL. Each writes its PNG through the conte
 
 from __future__ import annotations
 
-from metronome.experiments.common import ExperimentContext
 from metronome.experiments.quality.measure import FreeRunningText, TurnBasedNll
 from metronome.experiments.quality.metrics import bucket_means, rolling_repeat
-from metronome.experiments.quality.plan import HAMLET_TEXT, RECOMPUTE, QualitySetup
+from metronome.experiments.quality.plan import HAMLET_TEXT, RECOMPUTE, Config
 from metronome.experiments.quality.summary import FreeRunning
+from metronome.results.context import RunContext
 
 COLORS = {"dense": "tab:red", "window": "tab:orange", "sinks_window_absolute": "tab:green",
           "sinks_window_rolling": "tab:blue", RECOMPUTE: "black", HAMLET_TEXT: "grey"}
@@ -16,7 +16,7 @@ FREE_PLOT = "free_running.png"
 ROLLING_SPAN = 256  # 4-grams in the rolling repeated share
 
 
-def plot_turn_based(ctx: ExperimentContext, nll: TurnBasedNll, setup: QualitySetup,
+def plot_turn_based(ctx: RunContext, nll: TurnBasedNll, setup: Config,
                     max_positions: int) -> None:
     size = setup.plot_bucket_tokens
     means = {name: bucket_means(pairs, size) for name, pairs in nll.by_policy.items()}
@@ -45,7 +45,7 @@ def plot_turn_based(ctx: ExperimentContext, nll: TurnBasedNll, setup: QualitySet
     save(fig)
 
 
-def plot_free_running(ctx: ExperimentContext, free: FreeRunning, text: FreeRunningText) -> None:
+def plot_free_running(ctx: RunContext, free: FreeRunning, text: FreeRunningText) -> None:
     policies = free.policies
     plt, save = ctx.figure(FREE_PLOT)
     fig = plt.figure(figsize=(11, 7))

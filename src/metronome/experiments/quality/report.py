@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import astuple
 
-from metronome.experiments.common import fmt
 from metronome.experiments.quality.plan import (
     BLOCK_SIZE,
     CLOCK,
@@ -30,14 +29,17 @@ from metronome.experiments.quality.summary import (
     TurnBased,
     Verdict,
 )
+from metronome.results.provenance import describe
+from metronome.results.tables import fmt
 
 
-def render(summary: QualitySummary, command: str) -> str:
+def render(summary: QualitySummary, provenance: dict, command: str) -> str:
     setup, turn = summary.setup, summary.turn_based
     max_positions = turn.model_positions
     ref_after = turn.policies[RECOMPUTE].ppl.after_slide_within_model
     lines = [
         "# Quality: bounded KV residency on long text", "",
+        describe(provenance), "",
         f"Command: `{command}`. Clock: {CLOCK}.", "",
         f"Model: SmolLM2-135M-Instruct (the bundled Q4_1 GGUF de-quantized), run in "
         f"**float32**, "

@@ -4,7 +4,10 @@ text metrics of (ii), and the paper's two claims judged with the stated margins.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import types
+import typing
 from dataclasses import asdict, dataclass
 
 from metronome.experiments.quality.measure import FreeRunningText, PositionNll, TurnBasedNll
@@ -21,7 +24,7 @@ from metronome.experiments.quality.plan import (
     POLICIES,
     RECOMPUTE,
     REPLY_TOKENS,
-    QualitySetup,
+    Config,
     engine_policies,
     slide_position,
 )
@@ -102,7 +105,7 @@ class TurnBased:
         }
 
 
-def turn_policy(pairs: PositionNll, setup: QualitySetup,
+def turn_policy(pairs: PositionNll, setup: Config,
                 max_positions: int) -> TurnPolicy:
     slid = slide_position(setup.turn_window_tokens)
     regions = {
@@ -122,7 +125,7 @@ def turn_policy(pairs: PositionNll, setup: QualitySetup,
     )
 
 
-def turn_summary(nll: TurnBasedNll, setup: QualitySetup, max_positions: int) -> TurnBased:
+def turn_summary(nll: TurnBasedNll, setup: Config, max_positions: int) -> TurnBased:
     w = setup.turn_window_tokens
     return TurnBased(
         engine_policies={n: str(p) for n, p in engine_policies(w).items()},
@@ -173,7 +176,7 @@ def free_policy(tokens: list[int], first_index: int, reference_nll: list[float] 
         reference_ppl=perplexity(reference_nll) if scored else None, sample_end=sample_end)
 
 
-def free_summary(text: FreeRunningText, setup: QualitySetup, tokenizer) -> FreeRunning:
+def free_summary(text: FreeRunningText, setup: Config, tokenizer) -> FreeRunning:
     first_index = text.first_index
     policies = {name: free_policy(tokens, first_index, [v for _, v in text.reference_nll[name]],
                                   tokenizer.decode(tokens[-120:])[-200:])
@@ -257,7 +260,7 @@ def free_gap(policies: dict[str, FreePolicy], sinks: str) -> FreeGap:
 class QualitySummary:
     model: str
     dtype: str
-    setup: QualitySetup
+    setup: Config
     turn_based: TurnBased
     free_running: FreeRunning
     claims: Claims
@@ -269,11 +272,47 @@ class QualitySummary:
                 "free_running": asdict(self.free_running), "claims": asdict(self.claims),
                 "phase_elapsed_s": self.phase_elapsed_s}
 
+    @classmethod
+    def from_json(cls, data: dict) -> QualitySummary:
+        """The summary back from its JSON (what the report reads)."""
+        turn = dict(data["turn_based"])
+        plot = dict(turn.pop("nll_by_plot_bucket"))
+        size = plot.pop("bucket_tokens")
+        turn |= {"plot_bucket_tokens": size, "nll_by_plot_bucket": {
+            name: {int(start) // size: v for start, v in means.items()}
+            for name, means in plot.items()}}
+        return _typed(cls, {k: v for k, v in data.items() if k != "policies"}
+                      | {"turn_based": turn})
 
-def build_summary(setup: QualitySetup, model_name: str, nll: TurnBasedNll,
+
+def build_summary(setup: Config, model_name: str, nll: TurnBasedNll,
                   text: FreeRunningText, tokenizer, max_positions: int,
                   phase_elapsed_s: dict[str, float]) -> QualitySummary:
     turn = turn_summary(nll, setup, max_positions)
     free = free_summary(text, setup, tokenizer)
     return QualitySummary(model_name, "float32", setup, turn, free, claims(turn, free),
                           phase_elapsed_s)
+
+
+def _typed(hint, value):
+    """`value` (parsed JSON) as the type `hint`: dataclasses, dicts, lists, tuples, enums."""
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        return hint(**{f.name: _typed(hints[f.name], value[f.name])
+                       for f in dataclasses.fields(hint) if f.name in value})
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if value is None:
+        return None
+    if origin in (types.UnionType, typing.Union):
+        return _typed(next(a for a in args if a is not type(None)), value)
+    if origin is dict:
+        return {_typed(args[0], k): _typed(args[1], v) for k, v in value.items()}
+    if origin is list:
+        return [_typed(args[0], v) for v in value]
+    if origin is tuple:
+        return tuple(value)
+    if hint is int and isinstance(value, str):
+        return int(value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
+    return value
