@@ -13,8 +13,13 @@ the user talked over) is answered `cancelled` at once: in flight, as at a deadli
 started, with its input, which never reached the engine.
 
 Input enters here and is validated here, once (`EngineCommands.prepare_input`): bad input
-is a `rejected` result, never an exception. No clock and no engine inside: see
-`runtime.ports`.
+is a `rejected` result, never an exception. A submitter that prepares input before it is
+ready (the server encodes audio off the loop) accepts each frame first (`accept`): the
+record counts it from then on, and the session's bound on queued input is checked once per
+frame: at acceptance (by the submitter, `SessionRecord.fits`), or here at submission for a
+frame not accepted first. A frame carries nothing of its submitter's: the server keeps what
+each of its frames belongs to by frame index, beside its own session. No clock and no
+engine inside: see `runtime.ports`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from metronome.engine.types import Rebound, SessionStep, WorkStatus
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus
 from metronome.runtime.ports import EngineCommands, Listeners, StepReport, Timer
 from metronome.runtime.profile import SessionProfile
-from metronome.runtime.record import InFlight, SessionRecord
+from metronome.runtime.record import Accepted, InFlight, SessionRecord
 
 
 class Beat:
@@ -72,8 +77,32 @@ class Beat:
         return record
 
     # ---- frames ------------------------------------------------------------------------
-    def submit_frame(self, frame: Frame, now_s: float) -> None:
+    def accept(self, session_id: int, num_tokens: int) -> Accepted:
+        """A frame its submitter accepted and will submit once its input is prepared (the
+        server: audio on the encoder thread): it counts in the record from now on. The
+        submitter has checked `record.fits(num_tokens)`; hand the result to `submit_frame`,
+        or to `withdraw` if no frame comes of it."""
+        record = self._record(session_id)
+        accepted = Accepted(session_id, num_tokens)
+        record.accepted.append(accepted)
+        return accepted
+
+    def withdraw(self, accepted: Accepted) -> None:
+        """An accepted frame that will not be submitted (its input came out empty)."""
+        self._take(self._record(accepted.session_id), accepted)
+
+    @staticmethod
+    def _take(record: SessionRecord, accepted: Accepted) -> None:
+        assert any(a is accepted for a in record.accepted), "accepted frame taken twice"
+        record.accepted = [a for a in record.accepted if a is not accepted]
+
+    def submit_frame(self, frame: Frame, now_s: float, accepted: Accepted | None = None) -> None:
+        """Queue `frame` (answered at once if refused). `accepted`: the frame was accepted
+        earlier (`accept`) and its input checked against the session's bound then."""
         record = self._record(frame.session_id)
+        if accepted is not None:
+            assert accepted.session_id == frame.session_id, (accepted, frame.session_id)
+            self._take(record, accepted)
         record.frames_submitted += 1
         if record.ended_reason:
             self._answer_unstarted(record, frame, FrameStatus.REJECTED, now_s,
@@ -87,24 +116,15 @@ class Beat:
         if prepared.num_tokens == 0:
             self._answer_unstarted(record, frame, FrameStatus.REJECTED, now_s, "empty frame")
             return
-        over = self._queue_overflow(record, prepared.num_tokens)
-        if over:  # refused before it is accepted: nothing accepted is ever dropped
-            self._answer_unstarted(record, frame, FrameStatus.REJECTED, now_s, over)
+        if accepted is None and not record.fits(prepared.num_tokens):
+            # refused before it is accepted: nothing accepted is ever dropped
+            self._answer_unstarted(record, frame, FrameStatus.REJECTED, now_s,
+                                   _queue_full(record, prepared.num_tokens))
             return
         deadline_at_s = frame.arrival_s + record.profile.deadline_s
         self.timer.call_at(deadline_at_s, lambda t: self._on_deadline(frame, t))
         record.waiting.append((frame, prepared))
         self._advance(record)
-
-    @staticmethod
-    def _queue_overflow(record: SessionRecord, num_tokens: int) -> str:
-        """Why a frame of `num_tokens` would overflow the session's queued input ("" if not)."""
-        limit = record.profile.max_queued_input_tokens
-        queued = record.queued_input_tokens
-        if limit is None or queued + num_tokens <= limit:
-            return ""
-        return (f"input queue full: {queued} tokens of this session's input are not yet "
-                f"processed and this frame adds {num_tokens}; the limit is {limit}")
 
     def _advance(self, record: SessionRecord) -> None:
         """Put the next waiting frame in flight if none is."""
@@ -222,8 +242,7 @@ class Beat:
         result = FrameResult(
             frame.session_id, frame.index, status, flight.token_ids, frame.arrival_s,
             flight.start_s, now_s, flight.deadline_at_s, flight.max_tokens > 0, reason,
-            origin=frame.origin, input_tokens=frame.num_input_tokens,
-            queued_ahead_tokens=flight.queued_ahead_tokens,
+            input_tokens=frame.num_input_tokens, queued_ahead_tokens=flight.queued_ahead_tokens,
         )
         record.last_answered = result
         self._deliver(record, result)
@@ -234,13 +253,22 @@ class Beat:
         expects = record.profile.output_tokens_for(frame.respond) > 0
         self._deliver(record, FrameResult(frame.session_id, frame.index, status, [],
                                           frame.arrival_s, None, now_s, deadline_at_s,
-                                          expects, reason, origin=frame.origin,
+                                          expects, reason,
                                           input_tokens=frame.num_input_tokens,
-                                          queued_ahead_tokens=record.queued_input_tokens))
+                                          queued_ahead_tokens=record.submitted_queued_tokens))
 
     def _deliver(self, record: SessionRecord, result: FrameResult) -> None:
         record.frames_answered += 1
+        assert record.frames_answered <= record.frames_submitted, (
+            record.frames_answered, record.frames_submitted)
         record.last_status = result.status
         self.listeners.on_result(result)
         if record.on_result is not None:
             record.on_result(result)
+
+
+def _queue_full(record: SessionRecord, num_tokens: int) -> str:
+    """Why a frame of `num_tokens` does not fit in the session's queued input."""
+    return (f"input queue full: {record.queued_input_tokens} tokens of this session's input "
+            f"are not yet processed and this frame adds {num_tokens}; the limit is "
+            f"{record.profile.max_queued_input_tokens}")

@@ -36,9 +36,6 @@ class Frame:
     token_ids: list[int] | None = None
     embeddings: torch.Tensor | None = None  # (n, hidden) from the audio front end
     respond: bool = True  # ask for output (duplex: every frame; turn: the turn's end)
-    # What the submitter needs back with the result (the server: the frame's kind and
-    # response ids); the runtime never looks inside.
-    origin: object = None
 
     @property
     def num_input_tokens(self) -> int:
@@ -58,7 +55,6 @@ class FrameResult:
     expects_output: bool
     reason: str = ""
     late_token_ids: list[int] = field(default_factory=list)  # produced after it went out
-    origin: object = None  # the frame's `origin`, handed back
     # The work the frame asked of its session: its own input, and its session's earlier
     # input still queued ahead of it when it went to the engine (answered frames' backlog).
     input_tokens: int = 0

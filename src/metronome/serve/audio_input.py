@@ -1,4 +1,4 @@
-"""One session's audio input: PCM16 bytes in any chunking -> frames of `frame_period_s`.
+"""One session's audio input: base64 PCM16 in any chunking -> frames of `frame_period_s`.
 
 Two halves on two threads. `cut` and `cut_rest` run on the event loop and only move bytes:
 a frame is cut the moment its last byte arrives, so frames carry `frame_period_s` of audio
@@ -6,17 +6,34 @@ each. `encode` runs on the server's audio encoder thread (log-mel + projection, 
 part) and owns the session's streaming encoder, whose carry-over (audio of a token period
 not yet complete) flows into the next frame. Frames are encoded in the order they were cut.
 A final cut (a commit) ends the stream's current frame early, padding the last token period
-with silence.
+with silence. `decode_pcm16` reads an append's audio (`ClientError` if it is not whole
+16-bit samples in base64).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import math
 from dataclasses import dataclass
 
 import torch
 
 from metronome.audio.frontend import AudioFrontEnd, StreamingAudioEncoder
 from metronome.audio.pcm import PCM16_BYTES_PER_SAMPLE
+from metronome.serve.protocol import ClientError, ErrorCode
+
+
+def decode_pcm16(audio_b64: str) -> bytes:
+    try:
+        pcm = base64.b64decode(audio_b64, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ClientError(ErrorCode.INVALID_AUDIO, f"audio is not valid base64: {err}",
+                          "audio") from None
+    if not pcm or len(pcm) % PCM16_BYTES_PER_SAMPLE:
+        raise ClientError(ErrorCode.INVALID_AUDIO, f"audio/pcm needs whole 16-bit samples; got "
+                          f"{len(pcm)} bytes", "audio")
+    return pcm
 
 
 @dataclass(frozen=True)
@@ -32,6 +49,7 @@ class AudioFramer:
     def __init__(self, frontend: AudioFrontEnd, frame_period_s: float) -> None:
         fmt = frontend.fmt
         self.sample_rate_hz = fmt.sample_rate_hz
+        self.token_rate_hz = fmt.token_rate_hz
         self.frame_bytes = fmt.frame_bytes(frame_period_s)
         self._samples_per_token = fmt.samples_per_token
         self._encoder = StreamingAudioEncoder(frontend)  # the encoder thread's only
@@ -45,6 +63,11 @@ class AudioFramer:
     @property
     def bytes_per_s(self) -> int:
         return self.sample_rate_hz * PCM16_BYTES_PER_SAMPLE
+
+    def tokens(self, num_bytes: int) -> int:
+        """Input tokens `num_bytes` of audio make, rounded up (what a session's bound on
+        queued input counts before the audio is encoded)."""
+        return math.ceil(num_bytes / self.bytes_per_s * self.token_rate_hz)
 
     @property
     def received_ms(self) -> float:

@@ -34,7 +34,7 @@ from metronome.runtime.frame import Frame, FrameResult
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
-from metronome.runtime.record import SessionRecord
+from metronome.runtime.record import Accepted, SessionRecord
 from metronome.runtime.wall import WallDriver
 from metronome.serve.config import ServerConfig
 from metronome.serve.status import StatusBoard
@@ -181,8 +181,14 @@ class ServerState:
         self.driver.beat.close_session(engine_session_id, self.now_s())
         self._probe()
 
-    def submit(self, frame: Frame) -> None:
-        self.driver.beat.submit_frame(frame, self.now_s())
+    def accept(self, engine_session_id: int, num_tokens: int) -> Accepted:
+        return self.driver.beat.accept(engine_session_id, num_tokens)
+
+    def withdraw(self, accepted: Accepted) -> None:
+        self.driver.beat.withdraw(accepted)
+
+    def submit(self, frame: Frame, accepted: Accepted) -> None:
+        self.driver.beat.submit_frame(frame, self.now_s(), accepted)
 
     def now_s(self) -> float:
         return self.driver.now_s()

@@ -1,0 +1,71 @@
+"""A Realtime session's settings: its mode, input rate and turn detection, as
+`session.update` sets them and `session.created` / `session.updated` describe them.
+
+Validated here against what the server serves (`ClientError` for anything else, the
+settings unchanged); whether they may still change (mode and rate are fixed once input has
+started) is the session's to say, since it knows what has been sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metronome.kv.residency import ResidencyPolicy
+from metronome.runtime.profile import SessionMode, SessionProfile
+from metronome.serve import protocol as p
+from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import ClientError, ErrorCode
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    mode: SessionMode
+    sample_rate_hz: int
+    turns: p.ServerVad | None = None  # server VAD; None: the client commits
+
+    @classmethod
+    def defaults(cls, config: ServerConfig) -> SessionSettings:
+        return cls(config.mode, config.default_sample_rate_hz)
+
+    def updated(self, update: p.SessionIn, config: ServerConfig,
+                has_tokenizer: bool) -> SessionSettings:
+        """These settings with `update` applied; raises `ClientError` for what is not
+        served (a rate, or server VAD creating text responses without a tokenizer)."""
+        mode, rate_hz = self.mode, self.sample_rate_hz
+        if update.metronome is not None and update.metronome.mode is not None:
+            mode = SessionMode(update.metronome.mode)
+        audio_in = update.audio.input if update.audio else None
+        if audio_in is not None and audio_in.format is not None:
+            rate_hz = audio_in.format.rate
+        if rate_hz not in config.sample_rates_hz:
+            raise ClientError(
+                ErrorCode.UNSUPPORTED_SAMPLE_RATE,
+                f"rate {rate_hz} Hz is not served; use one of {config.sample_rates_hz}",
+                "session.audio.input.format.rate",
+            )
+        turns = self.turns
+        if audio_in is not None and "turn_detection" in audio_in.model_fields_set:
+            turns = audio_in.turn_detection
+        if (turns is not None and turns.create_response and mode is SessionMode.TURN
+                and not has_tokenizer):
+            raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer, so "
+                              "server VAD cannot create text responses: set create_response "
+                              "to false", "session.audio.input.turn_detection.create_response")
+        return SessionSettings(mode, rate_hz, turns)
+
+    def describe(self, session_id: str, model_name: str, profile: SessionProfile,
+                 policy: ResidencyPolicy, token_rate_hz: float) -> p.SessionOut:
+        """The session as `session.created` / `session.updated` tell it; `policy`: the KV
+        bound in force (the profile's, or the one KV pressure imposed)."""
+        return p.SessionOut(
+            id=session_id, model=model_name,
+            audio=p.AudioOut(input=p.AudioInputOut(
+                format=p.AudioFormatOut(rate=self.sample_rate_hz),
+                turn_detection=self.turns)),
+            metronome=p.MetronomeSessionOut(
+                mode=self.mode.value, frame_period_s=profile.frame_period_s,
+                deadline_s=profile.deadline_s,
+                output_tokens_per_frame=profile.max_output_tokens_per_frame,
+                policy=str(policy), token_rate_hz=token_rate_hz,
+            ),
+        )
