@@ -14,12 +14,12 @@ import inspect
 import typing
 
 import typer
-from click.core import ParameterSource
 from pydantic import BaseModel, SecretStr
 
 ENV_VARS = {"api_key": "METRONOME_API_KEY"}  # secrets: read from the environment, not shown
-# where an option left at its default came from
-UNSET = (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+# where an option left at its default came from, by name: typer's ParameterSource is not
+# always click's (`in (click.core.ParameterSource.DEFAULT, ...)` never matched typer's)
+UNSET = (None, "DEFAULT", "DEFAULT_MAP")
 
 
 def cli_annotation(annotation):
@@ -73,7 +73,8 @@ def given_fields(ctx: typer.Context, config: type, values: dict) -> dict:
     hints = typing.get_type_hints(config)
     given = {}
     for name, value in values.items():
-        if ctx.get_parameter_source(name) in UNSET:
+        source = ctx.get_parameter_source(name)
+        if (source if source is None else source.name) in UNSET:
             continue
         given[name] = tuple(value) if typing.get_origin(hints[name]) is tuple else value
     return given
