@@ -1,0 +1,37 @@
+"""`metronome bench NAME` options are generated from the bench's Config: --smoke starts from
+Config.smoke(), options given on the command line still apply, the rest keep the defaults."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+import metronome.results.context as context
+from metronome.bench import vad_bench
+from metronome.cli import app
+
+
+def _config_run_with(monkeypatch, args: list[str], tmp_path):
+    ran = []
+    monkeypatch.setattr(context, "execute", lambda module, ctx, cfg: ran.append((ctx, cfg)))
+    result = CliRunner().invoke(app, ["bench", "vad", *args, "--out", str(tmp_path / "v.json")])
+    assert result.exit_code == 0, result.output
+    (ctx, cfg), = ran
+    return ctx, cfg
+
+
+def test_smoke_starts_from_the_smoke_config(monkeypatch, tmp_path):
+    ctx, cfg = _config_run_with(monkeypatch, ["--smoke"], tmp_path)
+    assert cfg == vad_bench.Config.smoke()
+    assert ctx.scale == "smoke"
+
+
+def test_an_option_given_applies_on_top_of_smoke(monkeypatch, tmp_path):
+    _, cfg = _config_run_with(monkeypatch, ["--smoke", "--append-ms", "40"], tmp_path)
+    assert cfg.rates_hz == vad_bench.Config.smoke().rates_hz
+    assert cfg.append_ms == 40
+
+
+def test_without_smoke_every_default_is_the_configs(monkeypatch, tmp_path):
+    ctx, cfg = _config_run_with(monkeypatch, [], tmp_path)
+    assert cfg == vad_bench.Config()
+    assert ctx.scale == "full"
