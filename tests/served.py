@@ -1,5 +1,7 @@
 """A real server process for tests: `metronome serve` semantics in a subprocess, so the test
-client's own Python (and its GIL) never shares the server's CPU time slices."""
+client's own Python (and its GIL) never shares the server's CPU time slices; and what the
+tests read from any running server (in a subprocess or a `ServerThread`): its events and
+its metrics."""
 
 from __future__ import annotations
 
@@ -13,10 +15,32 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from metronome.serve.config import ServerConfig
 
 STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model
+
+
+def recv(ws, timeout_s: float = 10.0) -> dict:
+    return json.loads(ws.recv(timeout=timeout_s))
+
+
+def recv_until(ws, event_type: str, count: int = 1) -> list[dict]:
+    """Every event up to and including the `count`-th of `event_type`."""
+    events = []
+    while sum(e["type"] == event_type for e in events) < count:
+        events.append(recv(ws))
+    return events
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """Sample `name` with `labels` of `server`'s /metrics (`server.url`: its base URL)."""
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
 
 
 def free_port() -> int:

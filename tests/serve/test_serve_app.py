@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -25,6 +24,7 @@ from metronome.serve import connection
 from metronome.serve.config import ServerConfig
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
+from tests.served import metric, recv, recv_until
 
 pytestmark = pytest.mark.model
 AUDIO_DIR = SPEECH_DIR
@@ -40,26 +40,6 @@ def speech(seconds: float, rate_hz: int = 24000) -> bytes:
 def append(pcm: bytes) -> str:
     return json.dumps({"type": "input_audio_buffer.append",
                        "audio": base64.b64encode(pcm).decode()})
-
-
-def recv(ws, timeout_s: float = 10.0) -> dict:
-    return json.loads(ws.recv(timeout=timeout_s))
-
-
-def recv_until(ws, event_type: str, count: int = 1) -> list[dict]:
-    """Every event up to and including the `count`-th of `event_type`."""
-    events = []
-    while sum(e["type"] == event_type for e in events) < count:
-        events.append(recv(ws))
-    return events
-
-
-def metric(server: ServerThread, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    raise KeyError(name)
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,6 @@ def test_load_generator_measures_every_frame(server_url, tmp_path):
     assert len(rows) == 6 and (tmp_path / "summary.json").exists()
     for row in rows:  # the client sees the answer after the server had it ready
         assert float(row["client_latency_ms"]) >= float(row["server_latency_ms"])
-    assert summary["latency_ms"]["client_minus_server"]["p50"] >= 0
 
 
 def test_load_and_virtual_run_work_from_any_directory(server_url, tmp_path):

@@ -13,7 +13,7 @@ from websockets.sync.client import connect
 from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
 from metronome.serve.server import ServerThread
-from tests.serve.test_serve_app import metric, recv, recv_until
+from tests.served import metric, recv, recv_until
 
 pytestmark = pytest.mark.model
 
