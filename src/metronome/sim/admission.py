@@ -1,5 +1,6 @@
 """AIMD against the swept N* on the virtual clock: the runs `metronome bench admission` and
-`metronome experiment admission` share, condensed to the numbers both report."""
+`metronome experiment admission` share, condensed to the numbers both report, and the one
+sentence both use to state the workload those runs had (read from their result)."""
 
 from __future__ import annotations
 

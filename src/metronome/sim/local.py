@@ -23,6 +23,7 @@ from rich.table import Table
 from metronome.engine.engine import ENGINE_PATHS, Engine, EngineConfig, for_engine_path
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.dtypes import AUTO_DTYPE, resolve_dtype
+from metronome.results.tables import fmt
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.ports import Listeners, OverheadMeter
 from metronome.runtime.profile import SessionMode, SessionProfile
@@ -229,11 +230,9 @@ def _progress(recorder: RunRecorder, observer, t_s: float, end_s: float) -> Tabl
     table = Table(title=f"metronome run  t={t_s:.1f}/{end_s:.1f} s")
     for column in ("frames", "goodput", "deadline met", "p95 ms", "stalled", "health", "pool"):
         table.add_column(column)
-    fmt = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
-    p95 = s["latency_ms"]["p95"]
     table.add_row(
-        str(s["frames"]), fmt(s["goodput"]), fmt(s["deadline_met_fraction"]),
-        "-" if p95 is None else f"{p95:.0f}", str(s["frames_by_status"]["stalled_kv"]),
+        str(s["frames"]), fmt(s["goodput"], ".1%"), fmt(s["deadline_met_fraction"], ".1%"),
+        fmt(s["latency_ms"]["p95"], ".0f"), str(s["frames_by_status"]["stalled_kv"]),
         observer.health_line(), observer.pool_line(),
     )
     return table
