@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from contextlib import contextmanager
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from metronome.bench.served.server import free_port, healthy
 from metronome.serve.config import ServerConfig
 
 STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model
@@ -43,19 +43,6 @@ def metric(server, name: str, **labels: str) -> float:
     raise KeyError(name)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @contextmanager
 def server_process(command: list[str], port: int, env: dict | None = None,
                    stdout=None) -> Iterator[str]:
@@ -65,7 +52,7 @@ def server_process(command: list[str], port: int, env: dict | None = None,
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not healthy(url):
+        while not healthy(url, timeout_s=1.0):
             assert process.poll() is None, "the server process exited"
             assert time.monotonic() < deadline, "the server process did not come up"
             time.sleep(0.2)

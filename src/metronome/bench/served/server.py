@@ -29,10 +29,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def healthy(url: str) -> bool:
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
     """The plain server's readiness: /healthz answers 200."""
     try:
-        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+        return httpx.get(url + "/healthz", timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
 
