@@ -26,11 +26,11 @@ def recv(ws, timeout_s: float = 10.0) -> dict:
     return json.loads(ws.recv(timeout=timeout_s))
 
 
-def recv_until(ws, event_type: str, count: int = 1) -> list[dict]:
+def recv_until(ws, event_type: str, count: int = 1, timeout_s: float = 10.0) -> list[dict]:
     """Every event up to and including the `count`-th of `event_type`."""
     events = []
     while sum(e["type"] == event_type for e in events) < count:
-        events.append(recv(ws))
+        events.append(recv(ws, timeout_s))
     return events
 
 

@@ -13,6 +13,7 @@ import json
 import sys
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from metronome.serve.config import ServerConfig
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
 from metronome.serve.state import ServerState
+from tests import served
 
 pytestmark = pytest.mark.wall_clock
 
@@ -51,15 +53,10 @@ def append(pcm: bytes) -> str:
                        "audio": base64.b64encode(pcm).decode()})
 
 
-def recv(ws, timeout_s: float = 15.0) -> dict:
-    return json.loads(ws.recv(timeout=timeout_s))
-
-
-def recv_until(ws, event_type: str, count: int = 1) -> list[dict]:
-    events = []
-    while sum(e["type"] == event_type for e in events) < count:
-        events.append(recv(ws))
-    return events
+# turns through the VAD thread take longer than a plain reply under CI load
+RECV_TIMEOUT_S = 15.0
+recv = partial(served.recv, timeout_s=RECV_TIMEOUT_S)
+recv_until = partial(served.recv_until, timeout_s=RECV_TIMEOUT_S)
 
 
 class RealTimeSender(threading.Thread):
