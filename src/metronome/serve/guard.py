@@ -160,7 +160,10 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         return message
 
     def _app_took_everything(self) -> bool:
-        return self.queue.empty() and not self._slice_scheduled
+        # past the app's close, uvicorn discards messages instead of queueing them, and the
+        # queued `websocket.disconnect` is never taken: parse on, or the client's close reply
+        # waits for uvicorn's 10 s close timer (and holds the connection slot that long)
+        return not self._slice_scheduled and (self.close_sent or self.queue.empty())
 
     def _parse_when_due(self) -> None:
         """The next slice, after the loop's other callbacks, once the app took the last."""
