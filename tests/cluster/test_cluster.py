@@ -27,6 +27,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from metronome.load.speech import SPEECH_DIR, speech_stream
+from metronome.serve.protocol import with_extensions
 from tests.served import free_port, server_process
 from tests.streamer import SpeechStreamer
 
@@ -111,8 +112,11 @@ def cluster(launched):
 
 
 def open_session(ws_url: str):
-    ws = connect(ws_url, open_timeout=10)
-    assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
+    """A session opted in to `metronome.*` events: the query string reaches the replica
+    through Ray's proxy (its `session.created` carries the extension block)."""
+    ws = connect(with_extensions(ws_url), open_timeout=10)
+    created = json.loads(ws.recv(timeout=10))
+    assert created["type"] == "session.created" and "metronome" in created["session"]
     return ws
 
 

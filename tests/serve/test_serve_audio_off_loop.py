@@ -11,6 +11,7 @@ import time
 
 from metronome.engine.engine import Engine
 from metronome.serve import protocol as p
+from metronome.serve import server_events as se
 from metronome.serve.audio_input import AudioFramer
 from metronome.serve.config import ServerConfig
 from metronome.serve.session import RealtimeSession
@@ -36,7 +37,7 @@ def test_a_slow_audio_encoder_does_not_delay_the_loop(tiny_model, monkeypatch):
                             "tiny")
         try:
             events: list[p.ServerEvent] = []
-            streamer = RealtimeSession(state, events.append, lambda: None)
+            streamer = RealtimeSession(state, events.append, lambda: None, extensions=True)
             loop = asyncio.get_running_loop()
             fired = loop.create_future()
             due_s = loop.time() + 0.1
@@ -45,10 +46,10 @@ def test_a_slow_audio_encoder_does_not_delay_the_loop(tiny_model, monkeypatch):
             streamer.handle(p.InputAudioBufferAppend(type="input_audio_buffer.append",
                                                      audio=_b64(pcm)))
             lag_s = await fired
-            while sum(isinstance(e, p.MetronomeFrame) for e in events) < 3:
+            while sum(isinstance(e, se.MetronomeFrame) for e in events) < 3:
                 await asyncio.sleep(0.05)  # the frames still get encoded and answered
             streamer.close()
-            return lag_s, [e for e in events if isinstance(e, p.MetronomeFrame)]
+            return lag_s, [e for e in events if isinstance(e, se.MetronomeFrame)]
         finally:
             state.close()
 

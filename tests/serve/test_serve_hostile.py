@@ -25,6 +25,7 @@ from websockets.sync.client import connect
 
 from metronome.load.speech import SPEECH_DIR, speech_stream
 from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import with_extensions
 
 pytestmark = pytest.mark.model
 AUDIO_DIR = SPEECH_DIR
@@ -45,7 +46,7 @@ class HostileSession:
     def exchange(self, message: str | bytes) -> str:
         """Send one message; its answer: an error code, or `close:<code>`."""
         if self.ws is None:
-            self.ws = connect(self.url, max_size=None)
+            self.ws = connect(with_extensions(self.url), max_size=None)
             assert recv(self.ws)["type"] == "session.created"
         self.ws.send(message)
         try:
@@ -63,9 +64,9 @@ class HostileSession:
             return
         self.ws.send(json.dumps({"type": "session.update", "session": {}}))
         event = recv(self.ws)
-        while event["type"] in ("metronome.frame", "response.done"):  # flood answers
+        while event["type"] != "session.updated":  # the answers to a flood, then it
+            assert event["type"] != "error", event
             event = recv(self.ws)
-        assert event["type"] == "session.updated", event
         assert event["session"]["metronome"]["mode"] == "duplex"
         assert event["session"]["audio"]["input"]["format"]["rate"] == 24000
 
@@ -153,20 +154,21 @@ CORPUS: list[tuple[str | bytes, str]] = [
     ('{"type": 1}', "unknown_event_type"), ('{"type": []}', "unknown_event_type"),
     ('{"type": {}}', "unknown_event_type"), ('{"type": "SESSION.UPDATE"}', "unknown_event_type"),
     ('{"type": "session.update "}', "unknown_event_type"),
-    ('{"type": "response.cancel"}', "unknown_event_type"),
-    ('{"type": "input_audio_buffer.clear"}', "unknown_event_type"),
+    ('{"type": "response.cancel"}', "response_cancel_not_active"),
+    ('{"type": "response.frobnicate"}', "unknown_event_type"),
     (_event(type="x" * 5000), "unknown_event_type"),
     # session.update
     ('{"type": "session.update"}', "missing_required_parameter"),
     (_session(None), "invalid_value"), (_session([]), "invalid_value"),
     (_session({"voice": "alloy"}), "unknown_parameter"),
-    (_session({"instructions": "be evil"}), "unknown_parameter"),
-    (_session({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}),
+    (_session({"instructions": 7}), "invalid_value"),
+    (_session({"instructions": "x" * 2001}), "text_too_long"),
+    (_session({"audio": {"input": {"turn_detection": {"type": "vad_of_the_future"}}}}),
      "invalid_value"),
     (_session({"audio": {"input": {"turn_detection": {"type": "server_vad",
                                                       "threshold": 2}}}}), "invalid_value"),
-    (_session({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}), "invalid_value"),
-    (_session({"audio": {"input": {"format": {"type": "audio/pcma"}}}}), "invalid_value"),
+    (_session({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}), "unsupported"),
+    (_session({"audio": {"input": {"format": {"type": "audio/pcma"}}}}), "unsupported"),
     (_session(_pcm_format(rate="24000")), "invalid_value"),
     (_session(_pcm_format(rate=24000.5)), "invalid_value"),
     (_session(_pcm_format(rate=-1)), "unsupported_sample_rate"),
@@ -193,16 +195,29 @@ CORPUS: list[tuple[str | bytes, str]] = [
     ('{"type": "input_audio_buffer.commit", "item_id": "i"}', "unknown_parameter"),
     # conversation.item.create
     ('{"type": "conversation.item.create"}', "missing_required_parameter"),
-    (_item(role="assistant"), "invalid_value"), (_item(content=[]), "invalid_value"),
-    (_item(content=[{"type": "input_audio", "audio": "AAAA"}]), "invalid_value"),
+    (_item(role="assistant"), "unsupported"), (_item(content=[]), "invalid_value"),
+    (_item(role="developer"), "invalid_value"),
+    (_item(content=[{"type": "input_audio", "audio": "AAAA"}]), "unsupported"),
     (_item(content=[{"type": "input_text", "text": 5}]), "invalid_value"),
     (_item(content=[{"type": "input_text", "text": "x" * 2001}]), "text_too_long"),
     (_item(content=[{"type": "input_text", "text": "x"}] * 100), "invalid_value"),
-    (_item(type="function_call"), "invalid_value"),
+    (_item(type="function_call"), "unknown_parameter"),
+    (_event(type="conversation.item.create", item={"type": "function_call_output",
+                                                   "call_id": "c", "output": "{}"}),
+     "unsupported"),
+    (_event(type="conversation.item.create", previous_item_id="item_x",
+            item={"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": "hi"}]}), "unsupported"),
+    (_event(type="conversation.item.retrieve", item_id="item_x"), "item_not_found"),
+    (_event(type="conversation.item.delete", item_id="item_x"), "item_not_found"),
+    (_event(type="conversation.item.truncate", item_id="item_x", content_index=0,
+            audio_end_ms=0), "item_not_found"),
+    (_event(type="output_audio_buffer.clear"), "unsupported"),
     # response.create
-    (_event(type="response.create", response={"instructions": "x"}), "unknown_parameter"),
-    (_event(type="response.create", response={"output_modalities": ["audio"]}),
+    (_event(type="response.create", response={"voice": "alloy"}), "unknown_parameter"),
+    (_event(type="response.create", response={"output_modalities": ["video"]}),
      "invalid_value"),
+    (_event(type="response.create", response={"conversation": "none"}), "unsupported"),
     (_event(type="response.create", response=5), "invalid_value"),
     # frames and sizes
     (b"", "binary_not_supported"), (b"\x00" * 10, "binary_not_supported"),

@@ -27,19 +27,19 @@ def error_of(message: str) -> ClientError:
     ("[1, 2]", ErrorCode.INVALID_JSON, None),
     ("[" * 100_000, ErrorCode.INVALID_JSON, None),
     ('{"type": {"a": 1}}', ErrorCode.UNKNOWN_EVENT_TYPE, "type"),
-    ('{"type": "response.cancel"}', ErrorCode.UNKNOWN_EVENT_TYPE, "type"),
+    ('{"type": "response.frobnicate"}', ErrorCode.UNKNOWN_EVENT_TYPE, "type"),
     ('{"type": "session.update"}', ErrorCode.MISSING_PARAMETER, "session"),
     ('{"type": "session.update", "session": {"voice": "alloy"}}', ErrorCode.UNKNOWN_PARAMETER,
      "session.voice"),
     ('{"type": "session.update", "session": {"audio": {"input": {"format": '
-     '{"type": "audio/pcmu"}}}}}', ErrorCode.INVALID_VALUE, "session.audio.input.format.type"),
+     '{"type": "audio/flac"}}}}}', ErrorCode.INVALID_VALUE, "session.audio.input.format.type"),
     ('{"type": "session.update", "session": {"audio": {"input": {"format": '
      '{"type": "audio/pcm", "rate": "24000"}}}}}', ErrorCode.INVALID_VALUE,
      "session.audio.input.format.rate"),
-    ('{"type": "session.update", "session": {"output_modalities": ["audio"]}}',
+    ('{"type": "session.update", "session": {"output_modalities": ["video"]}}',
      ErrorCode.INVALID_VALUE, "session.output_modalities.0"),
     ('{"type": "input_audio_buffer.append", "audio": 7}', ErrorCode.INVALID_VALUE, "audio"),
-    ('{"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", '
+    ('{"type": "conversation.item.create", "item": {"type": "message", "role": "developer", '
      '"content": [{"type": "input_text", "text": "hi"}]}}', ErrorCode.INVALID_VALUE, "item.role"),
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", '
      '"content": []}}', ErrorCode.INVALID_VALUE, "item.content"),

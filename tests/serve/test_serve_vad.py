@@ -181,7 +181,7 @@ def test_speaking_over_the_reply_cancels_it(server):
     (VAD | {"create_response": "yes"}, "invalid_value", "create_response"),
     (VAD | {"idle_timeout_ms": 5000}, "invalid_value", "idle_timeout_ms"),
     (VAD | {"eagerness": "low"}, "unknown_parameter", "eagerness"),
-    ({"type": "semantic_vad"}, "invalid_value", "type"),
+    ({"type": "vad_of_the_future"}, "invalid_value", "type"),
     ({"threshold": 0.5}, "missing_required_parameter", "type"),
 ])
 def test_bad_turn_detection_is_an_error_and_the_session_lives_on(server, turn_detection, code,
@@ -201,7 +201,7 @@ def test_bad_turn_detection_is_an_error_and_the_session_lives_on(server, turn_de
 @pytest.mark.model
 def test_null_turn_detection_gives_back_client_commits(server):
     samples = utterances(["booking"], RATE_HZ, [0.5, 1.0])
-    with connect(server.ws_url) as ws:
+    with connect(served.extended(server.ws_url)) as ws:
         recv(ws)
         update(ws, VAD, mode="turn")
         recv(ws)
@@ -225,7 +225,7 @@ def run_session(tiny_model, scenario) -> object:
                             "tiny")
         try:
             events: list[p.ServerEvent] = []
-            session = RealtimeSession(state, events.append, lambda: None)
+            session = RealtimeSession(state, events.append, lambda: None, extensions=True)
             try:
                 return await scenario(session, events)
             finally:

@@ -37,6 +37,7 @@ from metronome.load.speech import SPEECH_DIR, speech_stream
 from metronome.results.context import RunContext
 from metronome.results.provenance import describe
 from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import with_extensions
 
 NAME = "soak"
 RATE_HZ = 24000
@@ -107,7 +108,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     server = ServerProcess.start(cfg.serve_args(), timeout_s=STARTUP_TIMEOUT_S)
     try:
         result = asyncio.run(_soak(cfg, ctx.seed, server.process.pid, server.url,
-                                   server.ws_url))
+                                   with_extensions(server.ws_url)))  # metronome.frame too
     finally:
         server.stop()
     ctx.record(load_avg_1m_end=round(os.getloadavg()[0], 2))

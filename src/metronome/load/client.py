@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from metronome.serve.protocol import with_extensions
+
 OPEN_TIMEOUT_S = 10.0
 REFUSED_CLOSE_CODE = 1013
 
@@ -90,8 +92,10 @@ class SessionClient:
         if self.settings.api_key:
             headers["Authorization"] = f"Bearer {self.settings.api_key}"
         try:
-            async with connect(self.settings.url, additional_headers=headers, compression=None,
-                               open_timeout=OPEN_TIMEOUT_S, max_size=None) as ws:
+            # opted in to `metronome.frame`: each frame's status and server-side timing
+            async with connect(with_extensions(self.settings.url), additional_headers=headers,
+                               compression=None, open_timeout=OPEN_TIMEOUT_S,
+                               max_size=None) as ws:
                 await self._converse(ws)
         except InvalidStatus as err:
             self._refused_http(err)

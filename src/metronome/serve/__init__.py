@@ -1,4 +1,4 @@
-"""The Realtime server: a subset of the OpenAI Realtime API (GA) over WebSocket, on the beat.
+"""The Realtime server: the OpenAI Realtime API (GA) over WebSocket, on the beat.
 
 Routes: `GET /healthz` (stall detector, admission, pool; without the key only its status),
 `GET /metrics` (Prometheus), `GET /v1/sessions` (live sessions, resident KV, status),
@@ -6,18 +6,19 @@ Routes: `GET /healthz` (stall detector, admission, pool; without the key only it
 Bearer <key>`, or from a browser the subprotocol `openai-insecure-api-key.<key>` beside
 `realtime` (the accepted WebSocket echoes `realtime`).
 
-Client events: `session.update` (`audio.input.format` `audio/pcm` at a served rate, 24 kHz
-by default; extension `session.metronome.mode`: `duplex` | `turn`),
-`input_audio_buffer.append` (base64 PCM16), `input_audio_buffer.commit`,
-`conversation.item.create` (`input_text`), `response.create`.
-Server events: `session.created`, `session.updated`, `input_audio_buffer.committed`,
-`conversation.item.added`, `response.created`, `response.output_text.delta`,
-`response.done`, `error`, and `metronome.frame` (every frame's status and server timing).
+Protocol: OpenAI's Realtime API (GA). Every client event type and session field parses
+(`serve.protocol`, `serve.session_schema`); what the server cannot do is refused by name
+(`serve.refusals`), what it accepts and does not act on shows as in effect in
+`session.updated`. Server events are OpenAI's, in OpenAI's order (`serve.server_events`,
+`serve.events`). Extensions, for a client that opts in with `?metronome_events=true`:
+`session.metronome` (mode: `duplex` | `turn`, frame timing) and `metronome.frame` (every
+frame's status and server timing), `metronome.session.bounded`.
 
 Modes. Duplex (default; Moshi, MiniCPM-o): every complete frame of appended audio is one
 response, no commit needed. Turn: audio frames only prefill; `response.create` asks for a
 reply. Either way a frame is answered exactly once, on time, with the truth: a late frame's
-response is `incomplete` (reason `deadline`), a KV-stalled one `failed` (code `stalled_kv`).
+response is `incomplete` (its `metronome.frame`: `late`), a KV-stalled one `failed` (code
+`stalled_kv`).
 
 Refusals and closes: a bad or missing key is refused before the upgrade with HTTP 401,
 admission with HTTP 503 + `Retry-After` (where the server cannot answer HTTP: an `error`,

@@ -88,6 +88,10 @@ class AudioFramer:
             cuts.append(PcmCut(chunk, self._ms(end_bytes)))
         return cuts
 
+    def clear_pending(self) -> None:
+        """Drop the partial frame (`input_audio_buffer.clear`); the stream position stays."""
+        self._pending.clear()
+
     def cut_rest(self) -> PcmCut:
         """The partial frame (a commit): encoded padded to a whole token."""
         chunk = bytes(self._pending)

@@ -84,7 +84,8 @@ class Connection:
     async def serve(self) -> None:
         if not await self._authorized() or not await self._admitted():
             return
-        session = RealtimeSession(self.state, self._emit, self._on_failure)
+        session = RealtimeSession(self.state, self._emit, self._on_failure,
+                                  extensions=self._wants_extensions())
         self.state.add(session, self._go_away)  # before any await: admission counts it
         ending = Ending("error", CloseCode.INTERNAL_ERROR, "internal error")
         writer = None
@@ -133,6 +134,11 @@ class Connection:
             await self.ws.close(CloseCode.TRY_AGAIN_LATER, f"at capacity; retry in "
                                 f"{retry_after_s} s")
         return False
+
+    def _wants_extensions(self) -> bool:
+        """`?metronome_events=true` on the URL: this client takes `metronome.*` events (and the
+        session's `metronome` block); every other client sees OpenAI's events only."""
+        return self.ws.query_params.get(p.EXTENSIONS_QUERY, "").lower() in ("1", "true", "yes")
 
     def _can_deny(self) -> bool:
         return DENIAL_EXTENSION in self.ws.scope.get("extensions", {})

@@ -1,5 +1,6 @@
 """Server events about a session's KV bound: a `metronome.*` extension beside the events of
-`serve.protocol`, in the same shape (`ServerEvent`: an `event_id`, a `type`).
+`serve.server_events`, in the same shape (`ServerEvent`: an `event_id`, a `type`), sent only
+to a client that opted in (`?metronome_events=true`).
 
 `metronome.session.bounded`: the server's opt-in graceful degradation (`degrade_policy`)
 switched this unbounded session to a sinks+window bound because the KV pool ran dry. Its

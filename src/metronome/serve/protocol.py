@@ -1,19 +1,18 @@
-"""The wire protocol: the subset of the OpenAI Realtime API (GA) we speak, as typed events.
+"""The wire protocol: OpenAI's Realtime API (GA) client events, typed, and the error event.
 
 Client events are parsed into a discriminated union on `type`; unknown parameters are
 refused (as OpenAI does), so a client never believes a setting took effect when it did not.
+Every client event type of the GA API parses; what the server cannot do with one is refused
+by name with `ErrorCode.UNSUPPORTED` and the reason (the session's `handle` says which).
 A message is read as JSON at a cost bounded by its size (`serve.bounded_json`): too many
 values, too deep, or a lone surrogate in a string is `invalid_json`, before validation.
-Server events carry an `event_id`; errors have OpenAI's shape
+Server events (`serve.server_events`) carry an `event_id`; errors have OpenAI's shape
 `{"type": "error", "event_id", "error": {type, code, message, param, event_id}}`, where the
 inner `event_id` names the client event that caused it.
 
-Extensions, namespaced: `session.metronome` (mode, frame timing) and the `metronome.frame`
-event, one per frame, with its status and server-side timing.
-
-Turn detection (`session.audio.input.turn_detection`): null (the client commits) or OpenAI's
-`server_vad` with its fields and defaults; `semantic_vad` and `idle_timeout_ms` are not
-served and are refused.
+The session object `session.update` carries is `serve.session_schema`. Extensions,
+namespaced: `session.metronome` (mode) and the `metronome.*` events, sent only to a client
+that opted in (`?metronome_events=true` on the URL).
 """
 
 from __future__ import annotations
@@ -21,17 +20,9 @@ from __future__ import annotations
 import enum
 import secrets
 from typing import Annotated, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    TypeAdapter,
-    ValidationError,
-)
+from pydantic import BaseModel, Field, JsonValue, StrictInt, TypeAdapter, ValidationError
 
 from metronome.serve.bounded_json import (
     DEFAULT_MAX_DEPTH,
@@ -40,9 +31,34 @@ from metronome.serve.bounded_json import (
     loads_bounded,
     param_of,
 )
+from metronome.serve.session_schema import (
+    MAX_ID_CHARS,
+    AudioFormatIn,
+    AudioIn,
+    AudioInputIn,
+    ClientId,
+    MetronomeSessionIn,
+    SemanticVad,
+    ServerVad,
+    SessionIn,
+    Strict,
+    Tool,
+    ToolChoice,
+)
 
-MAX_ID_CHARS = 128  # client-chosen ids (event_id, item id); longer ones are refused
-MAX_VAD_MS = 60_000  # longest prefix padding or silence a turn detection may ask for
+__all__ = ["AudioFormatIn", "AudioIn", "AudioInputIn", "MetronomeSessionIn", "SemanticVad",
+           "ServerVad", "SessionIn"]  # the session schema's names, for `p.` callers
+
+
+
+EXTENSIONS_QUERY = "metronome_events"  # ?metronome_events=true: `metronome.*` events too
+
+
+def with_extensions(url: str) -> str:
+    """`url` with the opt-in to `metronome.*` events (what the project's own clients use)."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query)) | {EXTENSIONS_QUERY: "true"}
+    return urlunsplit(parts._replace(query=urlencode(query)))
 
 
 def text_bytes(text: str) -> int:
@@ -85,6 +101,9 @@ class ErrorCode(enum.StrEnum):
     SERVER_DRAINING = "server_draining"  # its drain timeout passed: reconnect elsewhere
     INVALID_API_KEY = "invalid_api_key"
     RATE_LIMITED = "rate_limit_exceeded"
+    UNSUPPORTED = "unsupported"  # a GA feature this server does not serve; the message says why
+    ITEM_NOT_FOUND = "item_not_found"
+    RESPONSE_NOT_ACTIVE = "response_cancel_not_active"
 
 
 class ClientError(Exception):
@@ -102,109 +121,145 @@ class ClientError(Exception):
 
 
 # ---- client events ------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-ClientId = Annotated[str, Field(max_length=MAX_ID_CHARS)]
-
-
-class AudioFormatIn(_Strict):
-    type: Literal["audio/pcm"]  # PCM16 little-endian mono; pcmu / pcma are not supported
-    rate: StrictInt = 24000
-
-
-class ServerVad(_Strict):
-    """`server_vad` turn detection, OpenAI's fields and defaults; in `session.update` and, with
-    every default filled in, in the session's description."""
-
-    type: Literal["server_vad"]
-    threshold: StrictFloat = Field(0.5, ge=0.0, le=1.0)  # P(speech) that starts speech
-    prefix_padding_ms: StrictInt = Field(300, ge=0, le=MAX_VAD_MS)  # before speech_started
-    silence_duration_ms: StrictInt = Field(500, ge=0, le=MAX_VAD_MS)  # that ends a turn
-    create_response: StrictBool = True  # turn mode: a response at each speech stop
-    interrupt_response: StrictBool = True  # speech cancels the response under way
-    idle_timeout_ms: None = None  # not served: null only
-
-
-class AudioInputIn(_Strict):
-    format: AudioFormatIn | None = None
-    # absent: unchanged; null: the client commits (duplex frames or explicit commits)
-    turn_detection: ServerVad | None = None
-
-
-class AudioIn(_Strict):
-    input: AudioInputIn | None = None
-
-
-class MetronomeSessionIn(_Strict):
-    mode: Literal["duplex", "turn"] | None = None
-
-
-class SessionIn(_Strict):
-    type: Literal["realtime"] = "realtime"
-    model: ClientId | None = None  # accepted; the server serves one model and names it
-    output_modalities: list[Literal["text"]] | None = None
-    audio: AudioIn | None = None
-    metronome: MetronomeSessionIn | None = None
-
-
-class SessionUpdate(_Strict):
+class SessionUpdate(Strict):
     type: Literal["session.update"]
     event_id: ClientId | None = None
     session: SessionIn
 
 
-class InputAudioBufferAppend(_Strict):
+class InputAudioBufferAppend(Strict):
     type: Literal["input_audio_buffer.append"]
     event_id: ClientId | None = None
     audio: str  # base64 of PCM16 samples in the session's input format
 
 
-class InputAudioBufferCommit(_Strict):
+class InputAudioBufferCommit(Strict):
     type: Literal["input_audio_buffer.commit"]
     event_id: ClientId | None = None
 
 
-class InputText(_Strict):
-    type: Literal["input_text"]
-    text: str
+class InputAudioBufferClear(Strict):
+    type: Literal["input_audio_buffer.clear"]
+    event_id: ClientId | None = None
 
 
-class MessageItemIn(_Strict):
+class OutputAudioBufferClear(Strict):
+    type: Literal["output_audio_buffer.clear"]
+    event_id: ClientId | None = None
+
+
+class ContentIn(Strict):
+    """One content part of an item: `input_text` (user, system) and `output_text`
+    (assistant) are served; audio and image parts parse, and are refused by name."""
+
+    type: Literal["input_text", "input_audio", "input_image", "output_text", "output_audio"]
+    text: str | None = None
+    audio: str | None = None
+    transcript: str | None = None
+    image_url: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class MessageItemIn(Strict):
     id: ClientId | None = None
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
     type: Literal["message"]
-    role: Literal["user", "system"]
-    content: list[InputText] = Field(min_length=1, max_length=64)
+    role: Literal["user", "system", "assistant"]
+    content: list[ContentIn] = Field(min_length=1, max_length=64)
 
 
-class ConversationItemCreate(_Strict):
+class FunctionCallItemIn(Strict):
+    """Parsed so that it is refused by name: the served models call no tools."""
+
+    id: ClientId | None = None
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+    type: Literal["function_call", "function_call_output"]
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+ItemIn = Annotated[MessageItemIn | FunctionCallItemIn, Field(discriminator="type")]
+
+
+class ConversationItemCreate(Strict):
     type: Literal["conversation.item.create"]
     event_id: ClientId | None = None
-    item: MessageItemIn
+    previous_item_id: ClientId | None = None  # null or the last item: append (served)
+    item: ItemIn
 
 
-class ResponseParamsIn(_Strict):
-    output_modalities: list[Literal["text"]] | None = None
+class ConversationItemRetrieve(Strict):
+    type: Literal["conversation.item.retrieve"]
+    event_id: ClientId | None = None
+    item_id: ClientId
 
 
-class ResponseCreate(_Strict):
+class ConversationItemDelete(Strict):
+    type: Literal["conversation.item.delete"]
+    event_id: ClientId | None = None
+    item_id: ClientId
+
+
+class ConversationItemTruncate(Strict):
+    type: Literal["conversation.item.truncate"]
+    event_id: ClientId | None = None
+    item_id: ClientId
+    content_index: StrictInt = Field(ge=0)
+    audio_end_ms: StrictInt = Field(ge=0)
+
+
+class ResponseAudioOutputIn(Strict):
+    output: JsonValue = None  # format and voice: no audio is produced
+
+
+class ResponseParamsIn(Strict):
+    """`response.create`'s `response`: `instructions` is served (a system message just before
+    the reply), the rest is accepted and not acted on, except an out-of-band response
+    (`conversation: "none"` or `input`), refused by name."""
+
+    instructions: str | None = None
+    output_modalities: list[Literal["text", "audio"]] | None = None
+    conversation: Literal["auto", "none"] | ClientId | None = None
+    input: list[JsonValue] | None = None
+    audio: ResponseAudioOutputIn | None = None
+    max_output_tokens: StrictInt | Literal["inf"] | None = None
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    prompt: JsonValue = None
+    reasoning: JsonValue = None
+    tool_choice: ToolChoice | None = None
+    tools: list[Tool] | None = None
+
+
+class ResponseCreate(Strict):
     type: Literal["response.create"]
     event_id: ClientId | None = None
     response: ResponseParamsIn | None = None
 
 
+class ResponseCancel(Strict):
+    type: Literal["response.cancel"]
+    event_id: ClientId | None = None
+    response_id: ClientId | None = None  # absent: the response in progress
+
+
+_CLIENT_EVENTS = (SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommit,
+                  InputAudioBufferClear, OutputAudioBufferClear, ConversationItemCreate,
+                  ConversationItemRetrieve, ConversationItemDelete, ConversationItemTruncate,
+                  ResponseCreate, ResponseCancel)
 ClientEvent = Annotated[
-    SessionUpdate | InputAudioBufferAppend | InputAudioBufferCommit | ConversationItemCreate
-    | ResponseCreate,
+    SessionUpdate | InputAudioBufferAppend | InputAudioBufferCommit | InputAudioBufferClear
+    | OutputAudioBufferClear | ConversationItemCreate | ConversationItemRetrieve
+    | ConversationItemDelete | ConversationItemTruncate | ResponseCreate | ResponseCancel,
     Field(discriminator="type"),
 ]
 _CLIENT_EVENT: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)
-CLIENT_EVENT_TYPES = frozenset(
-    m.model_fields["type"].annotation.__args__[0]
-    for m in (SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommit,
-              ConversationItemCreate, ResponseCreate)
-)
+CLIENT_EVENT_TYPES = frozenset(m.model_fields["type"].annotation.__args__[0]
+                               for m in _CLIENT_EVENTS)
 
 
 def parse_client_event(text: str, max_values: int = DEFAULT_MAX_VALUES,
@@ -233,12 +288,25 @@ def parse_client_event(text: str, max_values: int = DEFAULT_MAX_VALUES,
         raise _as_client_error(err, event_id) from None
 
 
+_UNION_TAGS = frozenset({"message", "function_call", "function_call_output", "server_vad",
+                         "semantic_vad"})
+
+
+def _is_union_member(part) -> bool:
+    return isinstance(part, str) and (part in _UNION_TAGS or not part.islower()
+                                      or "[" in part)
+
+
 def _as_client_error(err: ValidationError, event_id: str | None) -> ClientError:
     first = err.errors(include_url=False)[0]
-    # loc starts with the union tag (the event type); the rest is the parameter path
-    param = param_of(first["loc"][1:]) or None
-    codes = {"extra_forbidden": ErrorCode.UNKNOWN_PARAMETER, "missing": ErrorCode.MISSING_PARAMETER}
+    # loc starts with the union tag (the event type); the rest is the parameter path, less
+    # the tags and member names of the unions inside (an item's type, a turn detection's)
+    param = param_of([part for part in first["loc"][1:] if not _is_union_member(part)]) or None
+    codes = {"extra_forbidden": ErrorCode.UNKNOWN_PARAMETER, "missing": ErrorCode.MISSING_PARAMETER,
+             "union_tag_not_found": ErrorCode.MISSING_PARAMETER}
     code = codes.get(first["type"], ErrorCode.INVALID_VALUE)
+    if first["type"] in ("union_tag_not_found", "union_tag_invalid"):  # an inner union's `type`
+        param = f"{param}.type" if param else "type"
     return ClientError(code, f"{param or 'event'}: {first['msg']}", param, event_id=event_id)
 
 
@@ -266,158 +334,3 @@ class ErrorEvent(ServerEvent):
     def of(cls, err: ClientError, client_event_id: str | None = None) -> ErrorEvent:
         return cls(error=ErrorDetail(type=err.error_type, code=err.code, message=err.message,
                                      param=err.param, event_id=client_event_id))
-
-
-class AudioFormatOut(BaseModel):
-    type: Literal["audio/pcm"] = "audio/pcm"
-    rate: int
-
-
-class AudioInputOut(BaseModel):
-    format: AudioFormatOut
-    turn_detection: ServerVad | None = None
-
-
-class AudioOut(BaseModel):
-    input: AudioInputOut
-
-
-class MetronomeSessionOut(BaseModel):
-    mode: Literal["duplex", "turn"]
-    frame_period_s: float
-    deadline_s: float
-    output_tokens_per_frame: int  # duplex: per frame; turn: per response
-    policy: str
-    token_rate_hz: float
-
-
-class SessionOut(BaseModel):
-    type: Literal["realtime"] = "realtime"
-    object: Literal["realtime.session"] = "realtime.session"
-    id: str
-    model: str
-    output_modalities: list[Literal["text"]] = ["text"]
-    audio: AudioOut
-    metronome: MetronomeSessionOut
-
-
-class SessionCreated(ServerEvent):
-    type: Literal["session.created"] = "session.created"
-    session: SessionOut
-
-
-class SessionUpdated(ServerEvent):
-    type: Literal["session.updated"] = "session.updated"
-    session: SessionOut
-
-
-class InputAudioBufferCommitted(ServerEvent):
-    type: Literal["input_audio_buffer.committed"] = "input_audio_buffer.committed"
-    item_id: str
-    previous_item_id: str | None = None
-
-
-class InputAudioBufferSpeechStarted(ServerEvent):
-    """Server VAD heard speech begin. `audio_start_ms` (of the session's input audio) is
-    where the item's audio begins: the detected start less `prefix_padding_ms`, never before
-    the previous commit."""
-
-    type: Literal["input_audio_buffer.speech_started"] = "input_audio_buffer.speech_started"
-    audio_start_ms: int
-    item_id: str  # the user item that speech stop will commit
-
-
-class InputAudioBufferSpeechStopped(ServerEvent):
-    """Server VAD heard speech end. `audio_end_ms` is where the item's audio ends: the
-    detected end plus `silence_duration_ms` (the silence that confirmed it)."""
-
-    type: Literal["input_audio_buffer.speech_stopped"] = "input_audio_buffer.speech_stopped"
-    audio_end_ms: int
-    item_id: str
-
-
-class ContentOut(BaseModel):
-    type: Literal["input_text", "input_audio", "output_text"]
-    text: str | None = None
-    transcript: str | None = None
-
-
-class ItemOut(BaseModel):
-    id: str
-    object: Literal["realtime.item"] = "realtime.item"
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "assistant"]
-    status: Literal["completed", "incomplete", "in_progress"] = "completed"
-    content: list[ContentOut]
-
-
-class ConversationItemAdded(ServerEvent):
-    type: Literal["conversation.item.added"] = "conversation.item.added"
-    previous_item_id: str | None = None
-    item: ItemOut
-
-
-class StatusDetails(BaseModel):
-    type: Literal["completed", "cancelled", "incomplete", "failed"]
-    reason: str | None = None  # `deadline` (answered at its deadline), `turn_detected`, ...
-    error: dict[str, str] | None = None  # failed: {type, code, message}
-
-
-class Usage(BaseModel):
-    total_tokens: int
-    input_tokens: int
-    output_tokens: int
-
-
-class ResponseOut(BaseModel):
-    id: str
-    object: Literal["realtime.response"] = "realtime.response"
-    status: Literal["in_progress", "completed", "cancelled", "incomplete", "failed"]
-    status_details: StatusDetails | None = None
-    output_modalities: list[Literal["text"]] = ["text"]
-    output: list[ItemOut] = []
-    usage: Usage | None = None
-
-
-class ResponseCreated(ServerEvent):
-    type: Literal["response.created"] = "response.created"
-    response: ResponseOut
-
-
-class ResponseOutputTextDelta(ServerEvent):
-    type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    response_id: str
-    item_id: str
-    output_index: int = 0
-    content_index: int = 0
-    delta: str
-
-
-class ResponseDone(ServerEvent):
-    type: Literal["response.done"] = "response.done"
-    response: ResponseOut
-
-
-class FrameOut(BaseModel):
-    """One frame's answer, timed on the server clock (seconds since the server started)."""
-
-    index: int
-    kind: Literal["audio", "text", "response"]
-    status: str  # ok | late | stalled_kv | context_full | rejected | cancelled
-    reason: str
-    num_input_tokens: int
-    num_tokens: int
-    arrival_s: float  # the frame was complete at the server
-    start_s: float | None
-    finish_s: float
-    deadline_at_s: float
-    latency_ms: float  # finish - arrival: the server-side frame latency
-    deadline_met: bool
-    good: bool
-    audio_end_ms: float | None  # audio frames: the input stream position the frame ends at
-
-
-class MetronomeFrame(ServerEvent):
-    type: Literal["metronome.frame"] = "metronome.frame"
-    response_id: str | None
-    frame: FrameOut

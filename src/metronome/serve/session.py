@@ -12,14 +12,17 @@ go out through `emit`, and `ClientError` means "answer with an error, the sessio
 unchanged". The host (`serve.state`) provides the beat, the clock and the audio encoder
 thread: audio is cut into frames on the loop and encoded there, off the loop.
 
-Responses: a frame whose profile asks for output is one response
-(`response.created` at submit, then `response.output_text.delta`, `metronome.frame`,
-`response.done` when the beat answers it). In duplex mode that is every frame, so text
-streams back per frame with no commit; in turn mode audio frames only prefill (they get a
-`metronome.frame`, no response) and a reply is the frame that `response.create` submits.
+Responses: a frame whose profile asks for output is one response (opened at submit, closed
+when the beat answers it: `serve.events` has the events and their order). In duplex mode
+that is every frame, so text streams back per frame with no commit; in turn mode audio
+frames only prefill (no response) and a reply is the frame that `response.create` submits.
 Mode and input rate are fixed once input has started: the engine session's profile is.
 With server VAD, a turn's end commits the buffer and, in turn mode with
-`create_response`, creates a response, as the client's events would.
+`create_response`, creates a response, as the client's events would. `response.cancel`
+cancels a response's frame in the beat (`client_cancelled`); items only join the
+conversation at its end (`serve.conversation`); what the GA API has and the server cannot do
+(deleting or truncating an item already in the KV, audio output) is refused by name.
+`metronome.*` events go only to a client that opted in (`extensions`).
 """
 
 from __future__ import annotations
@@ -27,85 +30,42 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
-import torch
-
-from metronome.audio.frontend import AudioFrontEnd
 from metronome.engine.types import Rebound
-from metronome.runtime.frame import Frame, FrameResult, count_input_tokens
-from metronome.runtime.profile import SessionMode, SessionProfile
+from metronome.runtime.frame import Frame, FrameResult
+from metronome.runtime.profile import SessionMode
 from metronome.runtime.record import Accepted, SessionRecord
 from metronome.serve import protocol as p
+from metronome.serve import server_events as se
 from metronome.serve.audio_input import AudioFramer, PcmCut, decode_pcm16
-from metronome.serve.config import ServerConfig
+from metronome.serve.conversation import Conversation
 from metronome.serve.events import (
+    CLIENT_CANCELLED,
     TURN_DETECTED,
     FrameKind,
     FrameOrigin,
-    response_created,
+    ResponseHandle,
+    response_opened,
     result_events,
 )
 from metronome.serve.kv_events import BoundOut, MetronomeSessionBounded
 from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.refusals import unsupported
+from metronome.serve.session_host import Input, SessionHost
 from metronome.serve.settings import SessionSettings
 from metronome.serve.text import ChatText
-from metronome.serve.turn_detection import TurnDetection, VadHost
+from metronome.serve.turn_detection import TurnDetection
 
 log = logging.getLogger(__name__)
 
 
-class SessionHost(VadHost, Protocol):
-    config: ServerConfig
-    model_name: str
-    chat: ChatText | None  # None: the model has no tokenizer (presets): audio only
-
-    def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
-
-    @property
-    def accepts_audio(self) -> bool: ...
-
-    def encode(self, work: Callable[[], Input]) -> asyncio.Future[Input]:
-        """Run `work` on the audio encoder thread, in call order."""
-
-    def open_session(self, profile: SessionProfile, public_id: str,
-                     on_result: Callable[[FrameResult], None],
-                     on_rebound: Callable[[Rebound], None]) -> int: ...
-
-    def record(self, engine_session_id: int) -> SessionRecord: ...
-
-    def close_session(self, engine_session_id: int) -> None: ...
-
-    def accept(self, engine_session_id: int, num_tokens: int) -> Accepted: ...
-
-    def withdraw(self, accepted: Accepted) -> None: ...
-
-    def submit(self, frame: Frame, accepted: Accepted) -> None: ...
-
-    def cancel_frame(self, engine_session_id: int, index: int, reason: str) -> bool: ...
-
-    def now_s(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class Input:
-    """One frame's input, made on the encoder thread: token ids or embeddings."""
-
-    token_ids: list[int] | None = None
-    embeddings: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return count_input_tokens(self.token_ids, self.embeddings)
-
-
 class RealtimeSession:
     def __init__(self, host: SessionHost, emit: Callable[[p.ServerEvent], None],
-                 on_failure: Callable[[], None]) -> None:
+                 on_failure: Callable[[], None], extensions: bool = False) -> None:
         self.id = p.new_id("sess")
         self.host = host
         self.emit = emit
+        self.extensions = extensions  # the client opted in to `metronome.*` events
         self.on_failure = on_failure  # a bug in this session: its connection ends it (1011)
         config = host.config
         self.settings = SessionSettings.defaults(config)
@@ -120,15 +80,17 @@ class RealtimeSession:
         self._origins: dict[int, FrameOrigin] = {}  # frame index -> its origin, until answered
         self._appended_since_commit_bytes = 0
         self.committed_ms = 0.0  # input stream position of the last commit
-        self._last_item_id: str | None = None
-        self._client_response_id: str | None = None
+        self.conversation = Conversation()
+        self._client_response: ResponseHandle | None = None
         self._client_response_index: int | None = None  # its frame, once in the beat
-        self._interrupt_pending = False  # cancel the response as soon as it is in the beat
+        self._cancel_pending: str | None = None  # cancel it (this reason) once in the beat
+        self._told_not_honored: set[str] = set()  # logged once per session
+        self._instructions: str | None = None
         self.turns: TurnDetection | None = None  # server VAD; None: the client commits
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        self.emit(p.SessionCreated(session=self._describe()))
+        self.emit(se.SessionCreated(session=self._describe()))
 
     def close(self) -> None:
         """Answer what is owed (`cancelled`) and give the engine session's blocks back now;
@@ -143,10 +105,11 @@ class RealtimeSession:
                                       self._on_rebound)
 
     def _on_rebound(self, rebound: Rebound) -> None:
-        """The engine bound this session under KV pressure: tell the client."""
-        self.emit(MetronomeSessionBounded(session_id=self.id, bound=BoundOut(
-            policy=str(rebound.policy), freed_blocks=rebound.freed_blocks,
-            resident_kv_tokens=rebound.resident_tokens)))
+        """The engine bound this session under KV pressure: tell a client that opted in."""
+        if self.extensions:
+            self.emit(MetronomeSessionBounded(session_id=self.id, bound=BoundOut(
+                policy=str(rebound.policy), freed_blocks=rebound.freed_blocks,
+                resident_kv_tokens=rebound.resident_tokens)))
 
     @property
     def record(self) -> SessionRecord:
@@ -162,19 +125,54 @@ class RealtimeSession:
                 self._append(event.audio)
             case p.InputAudioBufferCommit():
                 self._commit()
+            case p.InputAudioBufferClear():
+                self._clear_buffer()
             case p.ConversationItemCreate():
-                self._create_item(event.item)
+                self._create_item(event)
+            case p.ConversationItemRetrieve():
+                self.emit(se.ConversationItemRetrieved(item=self.conversation.get(event.item_id)))
+            case p.ConversationItemDelete() | p.ConversationItemTruncate():
+                self.conversation.get(event.item_id)  # item_not_found first
+                raise unsupported(event)
+            case p.OutputAudioBufferClear():
+                raise unsupported(event)
             case p.ResponseCreate():
-                self._create_response()
+                self._create_response(event.response or p.ResponseParamsIn())
+            case p.ResponseCancel():
+                self._cancel_response(event.response_id)
 
     def _update(self, update: p.SessionIn) -> None:
         settings = self.settings.updated(update, self.host.config, self.host.chat is not None)
+        instructions = update.instructions
+        new_instructions = instructions is not None and instructions != self._instructions
+        if new_instructions:  # refused before anything changes
+            self._check_text_length(instructions, "session.instructions")
         current = self.settings
         if (settings.mode, settings.sample_rate_hz) != (current.mode, current.sample_rate_hz):
             self._reconfigure(settings)
+        not_honored = update.not_honored()
+        if new_instructions:
+            if self.host.chat is None:
+                not_honored.append("instructions (the model has no tokenizer)")
+            else:
+                self._instruct(instructions)
         self.settings = settings
         self._set_turns(settings.turns)
-        self.emit(p.SessionUpdated(session=self._describe()))
+        self._tell_not_honored(not_honored)
+        self.emit(se.SessionUpdated(session=self._describe()))
+
+    def _instruct(self, instructions: str) -> None:
+        """Instructions are a system message at this point of the conversation (a KV is
+        written in order: earlier ones stay until the window slides past them)."""
+        self._queue_text("system", instructions, "session.instructions", content_type=None)
+        self._instructions = instructions
+
+    def _tell_not_honored(self, fields: list[str]) -> None:
+        new = [name for name in fields if name not in self._told_not_honored]
+        if new:
+            log.info("session %s: accepted and not acted on (the served model cannot): %s",
+                     self.id, ", ".join(new))
+            self._told_not_honored.update(new)
 
     def _set_turns(self, turns: p.ServerVad | None) -> None:
         """Start, restart (new settings or rate) or stop server VAD from where audio stands."""
@@ -259,37 +257,99 @@ class RealtimeSession:
         # a commit mid-speech takes the turn's item id with it
         turn_item_id = self.turns.take_item_id() if self.turns is not None else None
         item_id = item_id or turn_item_id or p.new_id("item")
-        item = p.ItemOut(id=item_id, role="user", content=[p.ContentOut(type="input_audio")])
-        self.emit(p.InputAudioBufferCommitted(item_id=item.id,
-                                              previous_item_id=self._last_item_id))
+        item = se.ItemOut(id=item_id, role="user",
+                          content=[se.ContentOut(type="input_audio")])
+        self.emit(se.InputAudioBufferCommitted(item_id=item.id,
+                                               previous_item_id=self.conversation.last_item_id))
         self._add_item(item)
 
-    def _create_item(self, item: p.MessageItemIn) -> None:
-        chat = self._chat()
+    def _clear_buffer(self) -> None:
+        """Audio appended and not yet cut into a frame is dropped; frames already in the beat
+        are the conversation's (a KV is written in order)."""
+        self.framer.clear_pending()
+        self._appended_since_commit_bytes = 0
+        if self.turns is not None:
+            self._set_turns(None)
+            self._set_turns(self.settings.turns)  # speech under way is forgotten
+        self.emit(se.InputAudioBufferCleared())
+
+    def _create_item(self, event: p.ConversationItemCreate) -> None:
+        item = event.item
+        if item.type != "message":
+            raise ClientError(ErrorCode.UNSUPPORTED, f"{item.type} items are not served: the "
+                              "served model calls no tools", "item.type")
+        served = "output_text" if item.role == "assistant" else "input_text"
+        for index, part in enumerate(item.content):
+            if part.type != served or part.text is None:
+                raise ClientError(ErrorCode.UNSUPPORTED, f"a {item.role} item's content is "
+                                  f"{served} with text here (got {part.type}); send audio with "
+                                  "input_audio_buffer.append", f"item.content[{index}]")
+        self.conversation.check_append(event.previous_item_id, item.id)
         text = "".join(part.text for part in item.content)
-        if len(text) > self.host.config.max_text_chars:
-            raise ClientError(ErrorCode.TEXT_TOO_LONG, f"text has {len(text)} characters; "
-                              f"the limit is {self.host.config.max_text_chars}", "item.content")
+        self._queue_text(item.role, text, "item.content", item.id, served)
+
+    def _queue_text(self, role: str, text: str, param: str, item_id: str | None = None,
+                    content_type: str | None = "input_text") -> None:
+        """A text message into the model's context: a frame of its tokens and, unless
+        `content_type` is None (instructions: in the context, not a conversation item, as
+        OpenAI keeps them), an item."""
+        chat = self._chat()
+        self._check_text_length(text, param)
         self._check_room_for_a_frame()
-        token_ids = chat.item_ids(item.role, text)
+        token_ids = chat.item_ids(role, text)
         self._check_input_room(len(token_ids), "text item", ErrorCode.TOO_MANY_PENDING,
-                               "item.content")
-        self._add_item(p.ItemOut(id=item.id or p.new_id("item"), role=item.role,
-                                 content=[p.ContentOut(type="input_text", text=text)]))
+                               param)
+        if content_type is not None:
+            self._add_item(se.ItemOut(id=item_id or p.new_id("item"), role=role,
+                                      content=[se.ContentOut(type=content_type, text=text)]))
         self._queue_frame("text", lambda: Input(token_ids=token_ids), len(token_ids))
 
-    def _create_response(self) -> None:
+    def _check_text_length(self, text: str, param: str) -> None:
+        if len(text) > self.host.config.max_text_chars:
+            raise ClientError(ErrorCode.TEXT_TOO_LONG, f"text has {len(text)} characters; "
+                              f"the limit is {self.host.config.max_text_chars}", param)
+
+    def _create_response(self, params: p.ResponseParamsIn) -> None:
         chat = self._chat()
-        if self._client_response_id is not None:
-            raise ClientError(ErrorCode.ACTIVE_RESPONSE,
-                              f"response {self._client_response_id} is still in progress")
-        self._check_room_for_a_frame()
+        if self._client_response is not None:
+            raise ClientError(ErrorCode.ACTIVE_RESPONSE, f"response "
+                              f"{self._client_response.response_id} is still in progress")
+        if params.conversation not in (None, "auto") or params.input is not None:
+            raise ClientError(ErrorCode.UNSUPPORTED, "out-of-band responses are not served: "
+                              "a response continues the session's one conversation (its KV)",
+                              "response.conversation" if params.input is None
+                              else "response.input")
+        if params.instructions is not None:
+            self._queue_text("system", params.instructions, "response.instructions",
+                             content_type=None)
+        # no frame-count check: one client response at a time bounds these frames already
+        # (audio appended and committed just before, as clients do, must not refuse it)
         token_ids = chat.response_prefix_ids
         self._check_input_room(len(token_ids), "response", ErrorCode.TOO_MANY_PENDING)
-        response_id = self._new_response()
-        self._client_response_id = response_id
+        response = self._new_response(params.metadata)
+        self._client_response = response
         self._queue_frame("response", lambda: Input(token_ids=token_ids), len(token_ids),
-                          respond=True, response_id=response_id)
+                          respond=True, response=response)
+
+    def _cancel_response(self, response_id: str | None) -> None:
+        """Cancel a response under way: the client's (`response.create`, or server VAD's), or,
+        by id, a duplex frame's."""
+        client = self._client_response
+        if client is not None and response_id in (None, client.response_id):
+            self._cancel_client_response(CLIENT_CANCELLED)
+            return
+        for index, origin in self._origins.items():
+            if origin.response is not None and origin.response.response_id == response_id:
+                self.host.cancel_frame(self.engine_session_id, index, CLIENT_CANCELLED)
+                return
+        raise ClientError(ErrorCode.RESPONSE_NOT_ACTIVE, "no response in progress" + (
+            f" with id {response_id!r}" if response_id else ""), "response_id")
+
+    def _cancel_client_response(self, reason: str) -> None:
+        if self._client_response_index is None:
+            self._cancel_pending = reason  # its input is still on the encoder thread
+            return
+        self.host.cancel_frame(self.engine_session_id, self._client_response_index, reason)
 
     def _chat(self) -> ChatText:
         if self.host.chat is None:
@@ -297,9 +357,11 @@ class RealtimeSession:
                               "text items and text responses are not available")
         return self.host.chat
 
-    def _add_item(self, item: p.ItemOut) -> None:
-        self.emit(p.ConversationItemAdded(previous_item_id=self._last_item_id, item=item))
-        self._last_item_id = item.id
+    def _add_item(self, item: se.ItemOut) -> None:
+        """A complete item (the client's): added and done at once."""
+        previous = self.conversation.add(item)
+        self.emit(se.ConversationItemAdded(previous_item_id=previous, item=item))
+        self.emit(se.ConversationItemDone(previous_item_id=previous, item=item))
 
     # ---- turns (server VAD: `TurnTaker`) -------------------------------------------------
     def end_turn(self, item_id: str) -> None:
@@ -313,19 +375,14 @@ class RealtimeSession:
         """`response.create` on the client's behalf; what would refuse it is told as an
         `error` (e.g. a response still under way with interrupt_response off)."""
         try:
-            self._create_response()
+            self._create_response(p.ResponseParamsIn())
         except ClientError as err:
             self.emit(p.ErrorEvent.of(err))
 
     def interrupt_response(self) -> None:
         """Cancel the response under way (its frame: in the beat now, or once it is)."""
-        if self._client_response_id is None:
-            return
-        if self._client_response_index is None:
-            self._interrupt_pending = True  # its input is still on the encoder thread
-            return
-        self.host.cancel_frame(self.engine_session_id, self._client_response_index,
-                               TURN_DETECTED)
+        if self._client_response is not None:
+            self._cancel_client_response(TURN_DETECTED)
 
     # ---- frames ------------------------------------------------------------------------
     def _encode_then_submit(self, cut: PcmCut) -> None:
@@ -337,7 +394,7 @@ class RealtimeSession:
 
     def _queue_frame(self, kind: FrameKind, make_input: Callable[[], Input], num_tokens: int,
                      respond: bool = False, audio_end_ms: float | None = None,
-                     response_id: str | None = None) -> None:
+                     response: ResponseHandle | None = None) -> None:
         """Every frame passes the encoder thread's queue (audio to be encoded there, text as
         it is), so frames reach the beat in the order the client sent them and no encoding
         runs on the loop. It is accepted in the beat's record now (its input was checked
@@ -347,11 +404,11 @@ class RealtimeSession:
         accepted = self.host.accept(self.engine_session_id, num_tokens)
         arrival_s = self.host.now_s()
         self.host.encode(make_input).add_done_callback(lambda done: self._on_input_ready(
-            done, accepted, kind, respond, audio_end_ms, response_id, arrival_s))
+            done, accepted, kind, respond, audio_end_ms, response, arrival_s))
 
     def _on_input_ready(self, done: asyncio.Future, accepted: Accepted, kind: FrameKind,
-                        respond: bool, audio_end_ms: float | None, response_id: str | None,
-                        arrival_s: float) -> None:
+                        respond: bool, audio_end_ms: float | None,
+                        response: ResponseHandle | None, arrival_s: float) -> None:
         if self.closed or done.cancelled():
             return  # the session ended (its record with it) or the server is stopping
         if done.exception() is not None:
@@ -364,24 +421,28 @@ class RealtimeSession:
         if frame_input.num_tokens == 0 and kind == "audio":
             self.host.withdraw(accepted)  # a commit with less than a token of audio left
             return
-        if response_id is None and self.profile.output_tokens_for(respond) > 0:
-            response_id = self._new_response()
+        if response is None and self.profile.output_tokens_for(respond) > 0:
+            response = self._new_response()
         index = self.record.frames_submitted  # frames are numbered as they reach the beat
         assert index not in self._origins, (index, self._origins)
-        self._origins[index] = FrameOrigin(kind, frame_input.num_tokens, response_id,
-                                           response_id and p.new_id("item"), audio_end_ms)
+        self._origins[index] = FrameOrigin(kind, frame_input.num_tokens, response,
+                                           audio_end_ms)
         if kind == "response":
             self._client_response_index = index
         self.host.submit(Frame(self.engine_session_id, index, arrival_s, frame_input.token_ids,
                                frame_input.embeddings, respond), accepted)  # may answer at once
-        if kind == "response" and self._interrupt_pending:
-            self._interrupt_pending = False
-            self.host.cancel_frame(self.engine_session_id, index, TURN_DETECTED)
+        if kind == "response" and self._cancel_pending is not None:
+            reason, self._cancel_pending = self._cancel_pending, None
+            self.host.cancel_frame(self.engine_session_id, index, reason)
 
-    def _new_response(self) -> str:
-        response_id = p.new_id("resp")
-        self.emit(response_created(response_id))
-        return response_id
+    def _new_response(self, metadata: dict[str, str] | None = None) -> ResponseHandle:
+        response = ResponseHandle(p.new_id("resp"), p.new_id("item"),
+                                  self.conversation.last_item_id, metadata)
+        self.conversation.add(se.ItemOut(id=response.item_id, role="assistant",
+                                         status="in_progress", content=[]))
+        for event in response_opened(response):
+            self.emit(event)
+        return response
 
     def _on_result_guarded(self, result: FrameResult) -> None:
         try:
@@ -393,10 +454,12 @@ class RealtimeSession:
     def on_result(self, result: FrameResult) -> None:
         origin = self._origins.pop(result.index)  # every frame is answered exactly once
         text = self._text_of(result.token_ids, flush=origin.kind == "response")
-        for event in result_events(result, origin, text):
+        for event in result_events(result, origin, text, self.extensions):
+            if isinstance(event, se.ResponseOutputItemDone):
+                self.conversation.update(event.item)
             self.emit(event)
         if origin.kind == "response":
-            self._client_response_id = self._client_response_index = None
+            self._client_response = self._client_response_index = None
 
     def _text_of(self, token_ids: list[int], flush: bool) -> str:
         if self.decoder is None:
@@ -407,7 +470,8 @@ class RealtimeSession:
     # ---- descriptions --------------------------------------------------------------------
     def _describe(self) -> p.SessionOut:
         return self.settings.describe(self.id, self.host.model_name, self.profile,
-                                      self._policy(), self.host.config.token_rate_hz)
+                                      self._policy(), self.host.config.token_rate_hz,
+                                      self._instructions, self.extensions)
 
     def _policy(self):
         """The KV bound in force: the profile's, or the one KV pressure imposed."""

@@ -15,6 +15,13 @@ from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.serve import protocol as p
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.session_schema import (
+    AudioFormatOut,
+    AudioInputOut,
+    AudioOut,
+    MetronomeSessionOut,
+    SessionOut,
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,10 @@ class SessionSettings:
             mode = SessionMode(update.metronome.mode)
         audio_in = update.audio.input if update.audio else None
         if audio_in is not None and audio_in.format is not None:
+            if audio_in.format.type != "audio/pcm":
+                raise ClientError(ErrorCode.UNSUPPORTED, f"input audio {audio_in.format.type} "
+                                  "is not served: send audio/pcm (PCM16 little-endian mono)",
+                                  "session.audio.input.format.type")
             rate_hz = audio_in.format.rate
         if rate_hz not in config.sample_rates_hz:
             raise ClientError(
@@ -46,6 +57,10 @@ class SessionSettings:
         turns = self.turns
         if audio_in is not None and "turn_detection" in audio_in.model_fields_set:
             turns = audio_in.turn_detection
+            if isinstance(turns, p.SemanticVad):  # no turn-end model is served: the
+                # closest that is, with the client's choices (`SessionIn.not_honored` says so)
+                turns = p.ServerVad(type="server_vad", **turns.model_dump(
+                    include={"create_response", "interrupt_response"}, exclude_none=True))
         if (turns is not None and turns.create_response and mode is SessionMode.TURN
                 and not has_tokenizer):
             raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer, so "
@@ -54,15 +69,18 @@ class SessionSettings:
         return SessionSettings(mode, rate_hz, turns)
 
     def describe(self, session_id: str, model_name: str, profile: SessionProfile,
-                 policy: ResidencyPolicy, token_rate_hz: float) -> p.SessionOut:
-        """The session as `session.created` / `session.updated` tell it; `policy`: the KV
-        bound in force (the profile's, or the one KV pressure imposed)."""
-        return p.SessionOut(
-            id=session_id, model=model_name,
-            audio=p.AudioOut(input=p.AudioInputOut(
-                format=p.AudioFormatOut(rate=self.sample_rate_hz),
+                 policy: ResidencyPolicy, token_rate_hz: float, instructions: str | None,
+                 extensions: bool) -> SessionOut:
+        """The session as `session.created` / `session.updated` tell it, the effective values
+        (`serve.session_schema`); `policy`: the KV bound in force (the profile's, or the one
+        KV pressure imposed); the `metronome` block only for a client that opted in."""
+        return SessionOut(
+            id=session_id, model=model_name, instructions=instructions,
+            audio=AudioOut(input=AudioInputOut(
+                format=AudioFormatOut(rate=self.sample_rate_hz),
                 turn_detection=self.turns)),
-            metronome=p.MetronomeSessionOut(
+            max_output_tokens=profile.max_output_tokens_per_frame,
+            metronome=None if not extensions else MetronomeSessionOut(
                 mode=self.mode.value, frame_period_s=profile.frame_period_s,
                 deadline_s=profile.deadline_s,
                 output_tokens_per_frame=profile.max_output_tokens_per_frame,

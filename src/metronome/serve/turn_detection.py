@@ -25,6 +25,7 @@ from metronome.audio.silero import SileroVad
 from metronome.audio.turn_detector import SpeechStarted, SpeechStopped, TurnEvent
 from metronome.audio.vad import VadStream
 from metronome.serve import protocol as p
+from metronome.serve import server_events as se
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,13 +100,13 @@ class TurnDetection:
                 self._item_id = p.new_id("item")
                 start_ms = max(session.committed_ms,
                                event.start_ms - settings.prefix_padding_ms)
-                session.emit(p.InputAudioBufferSpeechStarted(audio_start_ms=round(start_ms),
+                session.emit(se.InputAudioBufferSpeechStarted(audio_start_ms=round(start_ms),
                                                              item_id=self._item_id))
                 if settings.interrupt_response:
                     session.interrupt_response()
             case SpeechStopped():
                 item_id = self._item_id or p.new_id("item")  # or a client commit took it
                 end_ms = event.end_ms + settings.silence_duration_ms
-                session.emit(p.InputAudioBufferSpeechStopped(audio_end_ms=round(end_ms),
+                session.emit(se.InputAudioBufferSpeechStopped(audio_end_ms=round(end_ms),
                                                              item_id=item_id))
                 session.end_turn(item_id)

@@ -1,0 +1,64 @@
+"""What a Realtime session needs of its server (`serve.state` provides it), and a frame's
+input as the encoder thread makes it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from metronome.audio.frontend import AudioFrontEnd
+from metronome.engine.types import Rebound
+from metronome.runtime.frame import Frame, FrameResult, count_input_tokens
+from metronome.runtime.profile import SessionProfile
+from metronome.runtime.record import Accepted, SessionRecord
+from metronome.serve.config import ServerConfig
+from metronome.serve.text import ChatText
+from metronome.serve.turn_detection import VadHost
+
+
+class SessionHost(VadHost, Protocol):
+    config: ServerConfig
+    model_name: str
+    chat: ChatText | None  # None: the model has no tokenizer (presets): audio only
+
+    def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
+
+    @property
+    def accepts_audio(self) -> bool: ...
+
+    def encode(self, work: Callable[[], Input]) -> asyncio.Future[Input]:
+        """Run `work` on the audio encoder thread, in call order."""
+
+    def open_session(self, profile: SessionProfile, public_id: str,
+                     on_result: Callable[[FrameResult], None],
+                     on_rebound: Callable[[Rebound], None]) -> int: ...
+
+    def record(self, engine_session_id: int) -> SessionRecord: ...
+
+    def close_session(self, engine_session_id: int) -> None: ...
+
+    def accept(self, engine_session_id: int, num_tokens: int) -> Accepted: ...
+
+    def withdraw(self, accepted: Accepted) -> None: ...
+
+    def submit(self, frame: Frame, accepted: Accepted) -> None: ...
+
+    def cancel_frame(self, engine_session_id: int, index: int, reason: str) -> bool: ...
+
+    def now_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Input:
+    """One frame's input, made on the encoder thread: token ids or embeddings."""
+
+    token_ids: list[int] | None = None
+    embeddings: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return count_input_tokens(self.token_ids, self.embeddings)

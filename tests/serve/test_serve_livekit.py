@@ -1,0 +1,113 @@
+"""LiveKit Agents' OpenAI realtime plugin (`livekit-plugins-openai`) against `metronome serve`,
+driven without a LiveKit room, with the plugin's defaults (semantic VAD included) and only
+`base_url` and text output set: a text reply, pushed audio, an interruption, each with no
+`error` the plugin reports."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import numpy as np
+import pytest
+from livekit import rtc
+from livekit.agents import llm
+from livekit.plugins.openai.realtime import RealtimeModel
+
+from metronome.load.speech import SPEECH_DIR, speech_stream
+from metronome.model.weights import load_tokenizer
+from metronome.serve.config import ServerConfig
+from metronome.serve.server import ServerThread
+
+pytestmark = pytest.mark.model
+REPLY_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    config = ServerConfig(pool_tokens=4096, admission="off", deadline_fraction=2.0, mode="turn")
+    with ServerThread(config, smollm2, load_tokenizer()) as running:
+        yield running
+
+
+async def reply_text(generation: llm.GenerationCreatedEvent) -> str:
+    text = ""
+    async with asyncio.timeout(REPLY_TIMEOUT_S):
+        async for message in generation.message_stream:
+            async for chunk in message.text_stream:
+                text += str(chunk)
+    return text
+
+
+def run(server, scenario, caplog):
+    """`scenario(session)` on one plugin session; every error it reports, and its result."""
+    errors: list[str] = []
+
+    async def main():
+        async with aiohttp.ClientSession() as http:
+            model = RealtimeModel(base_url=f"{server.url}/v1", api_key="unused",
+                                  modalities=["text"], http_session=http)
+            session = model.session()
+            session.on("error", lambda event: errors.append(repr(event.error)))
+            try:
+                return await scenario(session)
+            finally:
+                await session.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="livekit.agents"):
+        result = asyncio.run(main())
+    errors += [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    return result, errors
+
+
+def test_a_text_reply_with_no_error(server, caplog):
+    async def scenario(session):
+        await session.update_instructions("You are a helpful assistant. Answer briefly.")
+        chat = session.chat_ctx.copy()
+        chat.add_message(role="user", content="What is the capital of France?")
+        await session.update_chat_ctx(chat)
+        generation = await asyncio.wait_for(session.generate_reply(), REPLY_TIMEOUT_S)
+        return await reply_text(generation)
+
+    text, errors = run(server, scenario, caplog)
+    assert not errors, errors
+    assert "Paris" in text
+
+
+def frames_of(pcm: bytes, rate_hz: int = 24000, chunk_s: float = 0.1):
+    samples = np.frombuffer(pcm, dtype=np.int16)
+    step = int(rate_hz * chunk_s)
+    for start in range(0, len(samples) - step + 1, step):
+        chunk = samples[start:start + step]
+        yield rtc.AudioFrame(chunk.tobytes(), rate_hz, 1, len(chunk))
+
+
+def test_pushed_audio_gets_a_reply_with_no_error(server, caplog):
+    pcm = speech_stream(SPEECH_DIR, 24000, 2.0) + bytes(2 * 24000)  # speech, then 1 s quiet
+
+    async def scenario(session):
+        replies = asyncio.Queue()
+        session.on("generation_created", replies.put_nowait)
+        for frame in frames_of(pcm):
+            session.push_audio(frame)
+            await asyncio.sleep(0.1)  # real time: server VAD hears the turn end
+        generation = await asyncio.wait_for(replies.get(), REPLY_TIMEOUT_S)
+        return await reply_text(generation)
+
+    text, errors = run(server, scenario, caplog)
+    assert not errors, errors
+    assert text  # a reply to the turn server VAD (asked for as semantic VAD) detected
+
+
+def test_an_interruption_with_no_error(server, caplog):
+    async def scenario(session):
+        chat = session.chat_ctx.copy()
+        chat.add_message(role="user", content="Tell me a long story about a dragon.")
+        await session.update_chat_ctx(chat)
+        generation = await asyncio.wait_for(session.generate_reply(), REPLY_TIMEOUT_S)
+        session.interrupt()
+        return await reply_text(generation)
+
+    _, errors = run(server, scenario, caplog)
+    assert not errors, errors
