@@ -24,6 +24,7 @@ from metronome.engine.engine import Engine
 from metronome.load.speech import speech_spans_ms, to_pcm16, utterances
 from metronome.model.weights import load_tokenizer
 from metronome.serve import protocol as p
+from metronome.serve import server_events as se
 from metronome.serve.config import ServerConfig
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
@@ -265,7 +266,7 @@ def test_vad_runs_on_its_own_thread_never_on_the_loop(tiny_model, monkeypatch):
         for i in range(0, len(speech), 16000):  # 0.5 s of audio a push, 0.3 s of VAD each
             session.handle(append_event(speech[i:i + 16000]))
         lag_s = await fired
-        while not any(isinstance(e, p.InputAudioBufferCommitted) for e in events):
+        while not any(isinstance(e, se.InputAudioBufferCommitted) for e in events):
             await asyncio.sleep(0.05)
         return lag_s
 
