@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from metronome.bench.served.server import free_port, healthy
 from metronome.serve.config import ServerConfig
-from metronome.serve.protocol import EXTENSIONS_QUERY, with_extensions
+from metronome.serve.protocol import EXTENSIONS_QUERY
 from tests.conformance import check_server_event
 
 STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model
@@ -32,10 +32,6 @@ def recv(ws, timeout_s: float = 10.0) -> dict:
     check_server_event(event, extensions=extended)
     return event
 
-
-def extended(url: str) -> str:
-    """`url` opted in to `metronome.*` events, for the tests that read them."""
-    return with_extensions(url)
 
 
 def recv_until(ws, event_type: str, count: int = 1, timeout_s: float = 10.0) -> list[dict]:

@@ -10,17 +10,15 @@ import time
 from websockets.sync.client import connect
 
 from metronome.load.speech import SPEECH_DIR, speech_stream
-from metronome.serve.protocol import EXTENSIONS_QUERY, with_extensions
-from tests.conformance import check_server_event
+from metronome.serve.protocol import with_extensions
+from tests import served
 
 REPLY_TIMEOUT_S = 3.0  # answers take milliseconds
 
 
 def recv(ws, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
-    """The next event, checked against OpenAI's schema as `served.recv` checks it."""
-    event = json.loads(ws.recv(timeout=timeout_s))
-    check_server_event(event, extensions=EXTENSIONS_QUERY in ws.request.path)
-    return event
+    """`served.recv` (checked against OpenAI's schema), with this module's short timeout."""
+    return served.recv(ws, timeout_s)
 
 
 class SpeechStreamer:

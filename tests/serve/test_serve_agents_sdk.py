@@ -13,22 +13,11 @@ from agents.realtime import RealtimeAgent, RealtimeRunner
 from agents.realtime.model_inputs import RealtimeModelSendRawMessage
 
 from metronome.load.speech import SPEECH_DIR, speech_stream
-from metronome.model.weights import load_tokenizer
-from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import with_extensions
-from metronome.serve.server import ServerThread
 
 pytestmark = pytest.mark.model
 TURN_TIMEOUT_S = 60.0
 
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    # turn mode (`metronome serve --mode turn`): a reply per response.create, as these SDKs
-    # expect; duplex answers every frame with its few tokens
-    config = ServerConfig(pool_tokens=4096, admission="off", deadline_fraction=2.0, mode="turn")
-    with ServerThread(config, smollm2, load_tokenizer()) as running:
-        yield running
 
 
 class Turns:
@@ -87,19 +76,19 @@ def done_responses(events) -> list[dict]:
     return [e.data.data["response"] for e in events if response_done(e)]
 
 
-def test_a_text_turn_completes_with_no_error(server, caplog):
+def test_a_text_turn_completes_with_no_error(turn_server, caplog):
     async def scenario(turns: Turns):
         await turns.session.send_message("What is the capital of France?")
         turns.events = await turns.until(response_done)
 
-    turns = run(server, scenario, caplog)
+    turns = run(turn_server, scenario, caplog)
     assert not turns.problems, turns.problems
     reply = done_responses(turns.events)[-1]
     assert reply["status"] == "completed"
     assert "Paris" in reply["output"][0]["content"][0]["text"]
 
 
-def test_an_audio_turn_completes_with_no_error(server, caplog):
+def test_an_audio_turn_completes_with_no_error(turn_server, caplog):
     pcm = speech_stream(SPEECH_DIR, 24000, 2.0)
 
     async def scenario(turns: Turns):
@@ -108,12 +97,12 @@ def test_an_audio_turn_completes_with_no_error(server, caplog):
             RealtimeModelSendRawMessage(message={"type": "response.create"}))
         turns.events = await turns.until(response_done)
 
-    turns = run(server, scenario, caplog)
+    turns = run(turn_server, scenario, caplog)
     assert not turns.problems, turns.problems
     assert done_responses(turns.events)[-1]["status"] == "completed"
 
 
-def test_a_barge_in_cancels_the_response_with_no_error(server, caplog):
+def test_a_barge_in_cancels_the_response_with_no_error(turn_server, caplog):
     async def scenario(turns: Turns):
         await turns.session.send_message("Tell me a long story about a dragon and a knight.")
         await turns.until(lambda e: e.type == "raw_model_event"
@@ -122,18 +111,18 @@ def test_a_barge_in_cancels_the_response_with_no_error(server, caplog):
         await turns.session.interrupt()
         turns.events = await turns.until(response_done)
 
-    turns = run(server, scenario, caplog)
+    turns = run(turn_server, scenario, caplog)
     assert not turns.problems, turns.problems
     assert done_responses(turns.events)[-1]["status"] in ("cancelled", "completed")
 
 
-def test_the_check_sees_what_the_sdk_rejects(server, caplog):
+def test_the_check_sees_what_the_sdk_rejects(turn_server, caplog):
     """The criterion can fail: opted in, the server sends `metronome.frame`, which the SDK
     cannot validate (what every client got before the extensions were opt-in)."""
     async def scenario(turns: Turns):
         await turns.session.send_message("Hi")
         turns.events = await turns.until(response_done)
 
-    turns = run(server, scenario, caplog, url=with_extensions(server.ws_url))
+    turns = run(turn_server, scenario, caplog, url=with_extensions(turn_server.ws_url))
     assert any("metronome.frame" in problem or "Failed to validate" in problem
                for problem in turns.problems), turns.problems

@@ -22,9 +22,10 @@ from metronome.load.speech import SPEECH_DIR, speech_stream
 from metronome.model.weights import load_tokenizer
 from metronome.serve import connection
 from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
-from tests.served import extended, metric, recv, recv_until
+from tests.served import metric, recv, recv_until
 
 pytestmark = pytest.mark.model
 AUDIO_DIR = SPEECH_DIR
@@ -54,7 +55,7 @@ def server(model):
 
 
 def test_duplex_streams_a_response_per_frame_without_commit(server):
-    with connect(extended(server.ws_url)) as ws:
+    with connect(with_extensions(server.ws_url)) as ws:
         created = recv(ws)
         assert created["type"] == "session.created"
         assert created["session"]["audio"]["input"]["format"] == {"type": "audio/pcm",
@@ -77,7 +78,7 @@ def test_duplex_streams_a_response_per_frame_without_commit(server):
 
 
 def test_turn_mode_prefills_audio_and_replies_on_response_create(server):
-    with connect(extended(server.ws_url)) as ws:
+    with connect(with_extensions(server.ws_url)) as ws:
         recv(ws)
         ws.send(json.dumps({"type": "input_audio_buffer.commit", "event_id": "c0"}))
         error = recv(ws)["error"]
@@ -107,7 +108,7 @@ def test_turn_mode_prefills_audio_and_replies_on_response_create(server):
 
 
 def test_settings_lock_once_input_starts(server):
-    with connect(extended(server.ws_url)) as ws:
+    with connect(with_extensions(server.ws_url)) as ws:
         recv(ws)
         ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": {
             "format": {"type": "audio/pcm", "rate": 8000}}}}}))
@@ -126,7 +127,7 @@ def test_settings_lock_once_input_starts(server):
 
 def test_audio_faster_than_real_time_is_refused_past_the_buffer(server):
     chunk = speech(1.0)
-    with connect(extended(server.ws_url)) as ws:
+    with connect(with_extensions(server.ws_url)) as ws:
         recv(ws)
         for _ in range(8):  # 8 s of audio at once; the limit is 4 s unanswered
             ws.send(append(chunk))

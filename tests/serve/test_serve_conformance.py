@@ -15,13 +15,11 @@ from openai.types.realtime import RealtimeClientEvent
 from openai.types.realtime.realtime_session_create_request import RealtimeSessionCreateRequest
 from websockets.sync.client import connect
 
-from metronome.model.weights import load_tokenizer
 from metronome.serve import protocol as p
-from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import with_extensions
 from metronome.serve.refusals import UNSUPPORTED_EVENT_TYPES
-from metronome.serve.server import ServerThread
 from metronome.serve.session_schema import SessionIn
-from tests.served import extended, recv, recv_until
+from tests.served import recv, recv_until
 
 # ---- the schema, without a server ----------------------------------------------------------
 EVERY_GA_SESSION_FIELD = {
@@ -100,15 +98,6 @@ def test_every_ga_client_event_type_parses():
 
 
 # ---- a server ---------------------------------------------------------------------------------
-SMALL = {"pool_tokens": 2048, "admission": "off", "deadline_fraction": 2.0, "mode": "turn"}
-
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with ServerThread(ServerConfig(**SMALL), smollm2, load_tokenizer()) as running:
-        yield running
-
-
 def send(ws, **event) -> None:
     ws.send(json.dumps(event))
 
@@ -125,8 +114,8 @@ def error_code(ws) -> str:
 
 
 @pytest.mark.model
-def test_a_text_turn_is_openais_events_in_openais_order(server):
-    with connect(server.ws_url) as ws:
+def test_a_text_turn_is_openais_events_in_openais_order(turn_server):
+    with connect(turn_server.ws_url) as ws:
         created = recv(ws)
         assert "metronome" not in created["session"]  # no extension unless asked for
         ws.send(json.dumps(user_text("What is the capital of France?")))
@@ -152,8 +141,8 @@ def test_a_text_turn_is_openais_events_in_openais_order(server):
 
 
 @pytest.mark.model
-def test_metronome_events_go_to_a_client_that_opted_in(server):
-    with connect(extended(server.ws_url)) as ws:
+def test_metronome_events_go_to_a_client_that_opted_in(turn_server):
+    with connect(with_extensions(turn_server.ws_url)) as ws:
         assert recv(ws)["session"]["metronome"]["mode"] == "turn"
         ws.send(json.dumps(user_text("Hi")))
         frame = recv_until(ws, "metronome.frame")[-1]["frame"]
@@ -161,8 +150,8 @@ def test_metronome_events_go_to_a_client_that_opted_in(server):
 
 
 @pytest.mark.model
-def test_ga_fields_not_served_are_accepted_and_shown_as_in_effect(server):
-    with connect(server.ws_url) as ws:
+def test_ga_fields_not_served_are_accepted_and_shown_as_in_effect(turn_server):
+    with connect(turn_server.ws_url) as ws:
         recv(ws)
         send(ws, type="session.update", session=EVERY_GA_SESSION_FIELD)
         events = recv_until(ws, "session.updated")
@@ -179,8 +168,8 @@ def test_ga_fields_not_served_are_accepted_and_shown_as_in_effect(server):
 
 
 @pytest.mark.model
-def test_response_cancel_ends_the_response_cancelled(server):
-    with connect(server.ws_url) as ws:
+def test_response_cancel_ends_the_response_cancelled(turn_server):
+    with connect(turn_server.ws_url) as ws:
         recv(ws)
         ws.send(json.dumps(user_text("Tell me a long story about a dragon.")))
         send(ws, type="response.create")
@@ -193,9 +182,9 @@ def test_response_cancel_ends_the_response_cancelled(server):
 
 
 @pytest.mark.model
-def test_input_audio_buffer_clear_drops_the_uncommitted_audio(server):
+def test_input_audio_buffer_clear_drops_the_uncommitted_audio(turn_server):
     pcm = b"\x00\x01" * 2400  # 0.1 s at 24 kHz
-    with connect(server.ws_url) as ws:
+    with connect(turn_server.ws_url) as ws:
         recv(ws)
         send(ws, type="input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
         send(ws, type="input_audio_buffer.clear")
@@ -205,8 +194,8 @@ def test_input_audio_buffer_clear_drops_the_uncommitted_audio(server):
 
 
 @pytest.mark.model
-def test_items_are_retrieved_appended_at_the_end_and_refused_by_name(server):
-    with connect(server.ws_url) as ws:
+def test_items_are_retrieved_appended_at_the_end_and_refused_by_name(turn_server):
+    with connect(turn_server.ws_url) as ws:
         recv(ws)
         ws.send(json.dumps(user_text("Hello", previous_item_id="root")))  # empty: the end
         first = recv_until(ws, "conversation.item.done")[-1]["item"]
@@ -235,8 +224,8 @@ def test_items_are_retrieved_appended_at_the_end_and_refused_by_name(server):
 
 
 @pytest.mark.model
-def test_response_instructions_and_assistant_items_join_the_context(server):
-    with connect(server.ws_url) as ws:
+def test_response_instructions_and_assistant_items_join_the_context(turn_server):
+    with connect(turn_server.ws_url) as ws:
         recv(ws)
         ws.send(json.dumps({"type": "conversation.item.create", "item": {
             "type": "message", "role": "assistant",

@@ -12,8 +12,9 @@ from websockets.sync.client import connect
 
 from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
-from tests.served import extended, metric, recv, recv_until
+from tests.served import metric, recv, recv_until
 
 pytestmark = pytest.mark.model
 
@@ -27,7 +28,7 @@ def test_text_over_the_queued_input_bound_is_refused_and_health_shows_the_ceilin
     config = ServerConfig(pool_tokens=2048, admission="aimd", max_queued_input_tokens=64,
                           mode="turn")
     with ServerThread(config, smollm2, load_tokenizer()) as server:
-        with connect(extended(server.ws_url)) as ws:
+        with connect(with_extensions(server.ws_url)) as ws:
             recv(ws)
             ws.send(item("the quick brown fox jumps over the lazy dog " * 20))
             error = recv(ws)["error"]
@@ -49,7 +50,8 @@ def test_degrade_policy_bounds_a_session_at_the_wall_and_tells_its_client(smollm
                           pool_tokens=512, admission="off", mode="turn")
     long_text = "the quick brown fox jumps over the lazy dog " * 30  # ~300 tokens
     with ServerThread(config, smollm2, load_tokenizer()) as server:
-        with connect(extended(server.ws_url)) as first, connect(extended(server.ws_url)) as second:
+        url = with_extensions(server.ws_url)
+        with connect(url) as first, connect(url) as second:
             first_id = recv(first)["session"]["id"]
             recv(second)
             first.send(item(long_text))  # ~19 of the pool's 32 blocks

@@ -16,19 +16,10 @@ from livekit.agents import llm
 from livekit.plugins.openai.realtime import RealtimeModel
 
 from metronome.load.speech import SPEECH_DIR, speech_stream
-from metronome.model.weights import load_tokenizer
-from metronome.serve.config import ServerConfig
-from metronome.serve.server import ServerThread
 
 pytestmark = pytest.mark.model
 REPLY_TIMEOUT_S = 60.0
 
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    config = ServerConfig(pool_tokens=4096, admission="off", deadline_fraction=2.0, mode="turn")
-    with ServerThread(config, smollm2, load_tokenizer()) as running:
-        yield running
 
 
 async def reply_text(generation: llm.GenerationCreatedEvent) -> str:
@@ -61,7 +52,7 @@ def run(server, scenario, caplog):
     return result, errors
 
 
-def test_a_text_reply_with_no_error(server, caplog):
+def test_a_text_reply_with_no_error(turn_server, caplog):
     async def scenario(session):
         await session.update_instructions("You are a helpful assistant. Answer briefly.")
         chat = session.chat_ctx.copy()
@@ -70,7 +61,7 @@ def test_a_text_reply_with_no_error(server, caplog):
         generation = await asyncio.wait_for(session.generate_reply(), REPLY_TIMEOUT_S)
         return await reply_text(generation)
 
-    text, errors = run(server, scenario, caplog)
+    text, errors = run(turn_server, scenario, caplog)
     assert not errors, errors
     assert "Paris" in text
 
@@ -83,7 +74,7 @@ def frames_of(pcm: bytes, rate_hz: int = 24000, chunk_s: float = 0.1):
         yield rtc.AudioFrame(chunk.tobytes(), rate_hz, 1, len(chunk))
 
 
-def test_pushed_audio_gets_a_reply_with_no_error(server, caplog):
+def test_pushed_audio_gets_a_reply_with_no_error(turn_server, caplog):
     pcm = speech_stream(SPEECH_DIR, 24000, 2.0) + bytes(2 * 24000)  # speech, then 1 s quiet
 
     async def scenario(session):
@@ -95,12 +86,12 @@ def test_pushed_audio_gets_a_reply_with_no_error(server, caplog):
         generation = await asyncio.wait_for(replies.get(), REPLY_TIMEOUT_S)
         return await reply_text(generation)
 
-    text, errors = run(server, scenario, caplog)
+    text, errors = run(turn_server, scenario, caplog)
     assert not errors, errors
     assert text  # a reply to the turn server VAD (asked for as semantic VAD) detected
 
 
-def test_an_interruption_with_no_error(server, caplog):
+def test_an_interruption_with_no_error(turn_server, caplog):
     async def scenario(session):
         chat = session.chat_ctx.copy()
         chat.add_message(role="user", content="Tell me a long story about a dragon.")
@@ -109,5 +100,5 @@ def test_an_interruption_with_no_error(server, caplog):
         session.interrupt()
         return await reply_text(generation)
 
-    _, errors = run(server, scenario, caplog)
+    _, errors = run(turn_server, scenario, caplog)
     assert not errors, errors

@@ -26,6 +26,7 @@ from metronome.model.weights import load_tokenizer
 from metronome.serve import protocol as p
 from metronome.serve import server_events as se
 from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
 from metronome.serve.state import ServerState
@@ -202,7 +203,7 @@ def test_bad_turn_detection_is_an_error_and_the_session_lives_on(server, turn_de
 @pytest.mark.model
 def test_null_turn_detection_gives_back_client_commits(server):
     samples = utterances(["booking"], RATE_HZ, [0.5, 1.0])
-    with connect(served.extended(server.ws_url)) as ws:
+    with connect(with_extensions(server.ws_url)) as ws:
         recv(ws)
         update(ws, VAD, mode="turn")
         recv(ws)

@@ -61,6 +61,3 @@ class Conversation:
                               f"conversation (the last {self._max_items} items are kept)",
                               "item_id")
         return item
-
-    def __len__(self) -> int:
-        return len(self._items)

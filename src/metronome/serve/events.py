@@ -57,7 +57,7 @@ _RESPONSE_STATUS = {  # frame status -> response status
 
 
 def response_opened(response: ResponseHandle) -> list[p.ServerEvent]:
-    item = _item(response, "in_progress", None)
+    item = assistant_item(response, "in_progress", None)
     return [
         se.ResponseCreated(response=se.ResponseOut(id=response.response_id,
                                                    status="in_progress",
@@ -85,7 +85,7 @@ def result_events(result: FrameResult, origin: FrameOrigin, text: str,
     if response is None:
         return events
     status = _RESPONSE_STATUS.get(result.status, "failed")
-    item = _item(response, "completed" if status == "completed" else "incomplete", text)
+    item = assistant_item(response, "completed" if status == "completed" else "incomplete", text)
     rid, item_id = response.response_id, response.item_id
     events += [
         se.ResponseOutputTextDone(response_id=rid, item_id=item_id, text=text),
@@ -97,7 +97,8 @@ def result_events(result: FrameResult, origin: FrameOrigin, text: str,
     return events
 
 
-def _item(response: ResponseHandle, status: str, text: str | None) -> se.ItemOut:
+def assistant_item(response: ResponseHandle, status: str, text: str | None) -> se.ItemOut:
+    """A response's output item; `text` None: no content yet (in progress)."""
     content = [] if text is None else [se.ContentOut(type="output_text", text=text)]
     return se.ItemOut(id=response.item_id, role="assistant", status=status, content=content)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import secrets
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import BaseModel, Field, JsonValue, StrictInt, TypeAdapter, ValidationError
@@ -121,31 +121,36 @@ class ClientError(Exception):
 
 
 # ---- client events ------------------------------------------------------------------------
-class SessionUpdate(Strict):
-    type: Literal["session.update"]
+class _Event(Strict):
+    """Every client event: its `type` (each its own) and the client's optional id."""
+
     event_id: ClientId | None = None
+
+
+class _ItemEvent(_Event):
+    item_id: ClientId
+
+
+class SessionUpdate(_Event):
+    type: Literal["session.update"]
     session: SessionIn
 
 
-class InputAudioBufferAppend(Strict):
+class InputAudioBufferAppend(_Event):
     type: Literal["input_audio_buffer.append"]
-    event_id: ClientId | None = None
     audio: str  # base64 of PCM16 samples in the session's input format
 
 
-class InputAudioBufferCommit(Strict):
+class InputAudioBufferCommit(_Event):
     type: Literal["input_audio_buffer.commit"]
-    event_id: ClientId | None = None
 
 
-class InputAudioBufferClear(Strict):
+class InputAudioBufferClear(_Event):
     type: Literal["input_audio_buffer.clear"]
-    event_id: ClientId | None = None
 
 
-class OutputAudioBufferClear(Strict):
+class OutputAudioBufferClear(_Event):
     type: Literal["output_audio_buffer.clear"]
-    event_id: ClientId | None = None
 
 
 class ContentIn(Strict):
@@ -160,21 +165,23 @@ class ContentIn(Strict):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class MessageItemIn(Strict):
+class _ItemIn(Strict):
+    """What every conversation item carries beside its `type`."""
+
     id: ClientId | None = None
     object: Literal["realtime.item"] | None = None
     status: Literal["completed", "incomplete", "in_progress"] | None = None
+
+
+class MessageItemIn(_ItemIn):
     type: Literal["message"]
     role: Literal["user", "system", "assistant"]
     content: list[ContentIn] = Field(min_length=1, max_length=64)
 
 
-class FunctionCallItemIn(Strict):
+class FunctionCallItemIn(_ItemIn):
     """Parsed so that it is refused by name: the served models call no tools."""
 
-    id: ClientId | None = None
-    object: Literal["realtime.item"] | None = None
-    status: Literal["completed", "incomplete", "in_progress"] | None = None
     type: Literal["function_call", "function_call_output"]
     call_id: str | None = None
     name: str | None = None
@@ -185,29 +192,22 @@ class FunctionCallItemIn(Strict):
 ItemIn = Annotated[MessageItemIn | FunctionCallItemIn, Field(discriminator="type")]
 
 
-class ConversationItemCreate(Strict):
+class ConversationItemCreate(_Event):
     type: Literal["conversation.item.create"]
-    event_id: ClientId | None = None
     previous_item_id: ClientId | None = None  # null or the last item: append (served)
     item: ItemIn
 
 
-class ConversationItemRetrieve(Strict):
+class ConversationItemRetrieve(_ItemEvent):
     type: Literal["conversation.item.retrieve"]
-    event_id: ClientId | None = None
-    item_id: ClientId
 
 
-class ConversationItemDelete(Strict):
+class ConversationItemDelete(_ItemEvent):
     type: Literal["conversation.item.delete"]
-    event_id: ClientId | None = None
-    item_id: ClientId
 
 
-class ConversationItemTruncate(Strict):
+class ConversationItemTruncate(_ItemEvent):
     type: Literal["conversation.item.truncate"]
-    event_id: ClientId | None = None
-    item_id: ClientId
     content_index: StrictInt = Field(ge=0)
     audio_end_ms: StrictInt = Field(ge=0)
 
@@ -235,15 +235,13 @@ class ResponseParamsIn(Strict):
     tools: list[Tool] | None = None
 
 
-class ResponseCreate(Strict):
+class ResponseCreate(_Event):
     type: Literal["response.create"]
-    event_id: ClientId | None = None
     response: ResponseParamsIn | None = None
 
 
-class ResponseCancel(Strict):
+class ResponseCancel(_Event):
     type: Literal["response.cancel"]
-    event_id: ClientId | None = None
     response_id: ClientId | None = None  # absent: the response in progress
 
 
@@ -251,12 +249,7 @@ _CLIENT_EVENTS = (SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommit,
                   InputAudioBufferClear, OutputAudioBufferClear, ConversationItemCreate,
                   ConversationItemRetrieve, ConversationItemDelete, ConversationItemTruncate,
                   ResponseCreate, ResponseCancel)
-ClientEvent = Annotated[
-    SessionUpdate | InputAudioBufferAppend | InputAudioBufferCommit | InputAudioBufferClear
-    | OutputAudioBufferClear | ConversationItemCreate | ConversationItemRetrieve
-    | ConversationItemDelete | ConversationItemTruncate | ResponseCreate | ResponseCancel,
-    Field(discriminator="type"),
-]
+ClientEvent = Annotated[Union[_CLIENT_EVENTS], Field(discriminator="type")]  # noqa: UP007
 _CLIENT_EVENT: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)
 CLIENT_EVENT_TYPES = frozenset(m.model_fields["type"].annotation.__args__[0]
                                for m in _CLIENT_EVENTS)

@@ -74,16 +74,17 @@ class ItemOut(BaseModel):
     content: list[ContentOut]
 
 
-class ConversationItemAdded(ServerEvent):
+class _ConversationItemEvent(ServerEvent):
+    previous_item_id: str | None = None
+    item: ItemOut
+
+
+class ConversationItemAdded(_ConversationItemEvent):
     type: Literal["conversation.item.added"] = "conversation.item.added"
-    previous_item_id: str | None = None
-    item: ItemOut
 
 
-class ConversationItemDone(ServerEvent):
+class ConversationItemDone(_ConversationItemEvent):
     type: Literal["conversation.item.done"] = "conversation.item.done"
-    previous_item_id: str | None = None
-    item: ItemOut
 
 
 class ConversationItemRetrieved(ServerEvent):
@@ -125,27 +126,23 @@ class ResponseCreated(ServerEvent):
     response: ResponseOut
 
 
-class ResponseOutputTextDelta(ServerEvent):
-    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+class _ContentEvent(ServerEvent):
+    """An event about one content part of a response's output item."""
+
     response_id: str
     item_id: str
     output_index: int = 0
     content_index: int = 0
+
+
+class ResponseOutputTextDelta(_ContentEvent):
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
     delta: str
 
 
-class ResponseOutputItemAdded(ServerEvent):
-    type: Literal["response.output_item.added"] = "response.output_item.added"
-    response_id: str
-    output_index: int = 0
-    item: ItemOut
-
-
-class ResponseOutputItemDone(ServerEvent):
-    type: Literal["response.output_item.done"] = "response.output_item.done"
-    response_id: str
-    output_index: int = 0
-    item: ItemOut
+class ResponseOutputTextDone(_ContentEvent):
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    text: str
 
 
 class PartOut(BaseModel):
@@ -153,31 +150,28 @@ class PartOut(BaseModel):
     text: str = ""
 
 
-class ResponseContentPartAdded(ServerEvent):
+class ResponseContentPartAdded(_ContentEvent):
     type: Literal["response.content_part.added"] = "response.content_part.added"
-    response_id: str
-    item_id: str
-    output_index: int = 0
-    content_index: int = 0
     part: PartOut
 
 
-class ResponseContentPartDone(ServerEvent):
+class ResponseContentPartDone(_ContentEvent):
     type: Literal["response.content_part.done"] = "response.content_part.done"
-    response_id: str
-    item_id: str
-    output_index: int = 0
-    content_index: int = 0
     part: PartOut
 
 
-class ResponseOutputTextDone(ServerEvent):
-    type: Literal["response.output_text.done"] = "response.output_text.done"
+class _OutputItemEvent(ServerEvent):
     response_id: str
-    item_id: str
     output_index: int = 0
-    content_index: int = 0
-    text: str
+    item: ItemOut
+
+
+class ResponseOutputItemAdded(_OutputItemEvent):
+    type: Literal["response.output_item.added"] = "response.output_item.added"
+
+
+class ResponseOutputItemDone(_OutputItemEvent):
+    type: Literal["response.output_item.done"] = "response.output_item.done"
 
 
 class ResponseDone(ServerEvent):

@@ -45,6 +45,7 @@ from metronome.serve.events import (
     FrameKind,
     FrameOrigin,
     ResponseHandle,
+    assistant_item,
     response_opened,
     result_events,
 )
@@ -438,8 +439,7 @@ class RealtimeSession:
     def _new_response(self, metadata: dict[str, str] | None = None) -> ResponseHandle:
         response = ResponseHandle(p.new_id("resp"), p.new_id("item"),
                                   self.conversation.last_item_id, metadata)
-        self.conversation.add(se.ItemOut(id=response.item_id, role="assistant",
-                                         status="in_progress", content=[]))
+        self.conversation.add(assistant_item(response, "in_progress", None))
         for event in response_opened(response):
             self.emit(event)
         return response
