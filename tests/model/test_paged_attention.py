@@ -152,7 +152,7 @@ def test_engine_config_refuses_an_unknown_attention_mode():
 
 def test_without_the_kernel_auto_falls_back_and_paged_says_why(monkeypatch, tiny_model):
     monkeypatch.setenv(native.DISABLE_ENV, "0")
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native.PAGED, "_state", {})
     assert native.kernel() is None
     assert "disabled by METRONOME_NATIVE_ATTENTION=0" in native.unavailable_reason()
     engine = Engine(tiny_model, EngineConfig(block_size=4, pool_tokens=256))

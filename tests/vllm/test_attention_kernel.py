@@ -15,8 +15,9 @@ pytest.importorskip("vllm.v1.kv_cache_spec_registry",
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 
-from metronome.vllm.attention import GatherPlan, cell_offsets, sinks_window_attention  # noqa: E402
+from metronome.vllm.attention import GatherPlan, sinks_window_attention  # noqa: E402
 from metronome.vllm.config import SinksWindow  # noqa: E402
+from metronome.vllm.layout import cell_offsets  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64  # SmolLM2's attention shape
 SEQ_LENS, QUERY_LENS = [300, 200, 260, 30], [1, 40, 1, 1]

@@ -32,10 +32,6 @@ DISABLE_ENV = "METRONOME_NATIVE_ATTENTION"
 # with -ffast-math could flip the process's denormal mode.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
-
 def _cpu_tag() -> str:
     """Hash of what the build depends on: this CPU (model, flags), this Python environment
     (its torch headers and ABI) and the torch version."""
@@ -50,53 +46,77 @@ def _cpu_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def build_dir() -> Path:
-    from metronome.model.weights import cache_dir
+class Extension:
+    """One C++ source compiled with torch's cpp_extension on first use, cached per
+    CPU/venv/torch (`build_dir`), or None with the reason when it cannot be built here."""
 
-    return cache_dir() / "native" / f"paged_attention_{_cpu_tag()}"
+    def __init__(self, name: str, source: Path, what: str) -> None:
+        self.name, self.source, self.what = name, source, what
+        self._lock = threading.Lock()
+        self._state: dict[str, object] = {}
+
+    def build_dir(self) -> Path:
+        from metronome.model.weights import cache_dir
+
+        return cache_dir() / "native" / f"{self.name}_{_cpu_tag()}"
+
+    def module(self):
+        """The loaded extension module, or None if it cannot be built (see `reason`)."""
+        with self._lock:
+            if "module" not in self._state:
+                self._state["module"], self._state["reason"] = self._load()
+            return self._state["module"]
+
+    def reason(self) -> str | None:
+        """Why `module()` is None (None when it loaded, or before the first call)."""
+        return self._state.get("reason")  # type: ignore[return-value]
+
+    def _load(self):
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            return None, f"disabled by {DISABLE_ENV}=0"
+        try:
+            import torch.utils.cpp_extension as cpp
+        except ImportError as err:  # pragma: no cover - torch always ships it
+            return None, f"torch.utils.cpp_extension unavailable: {err}"
+        directory = self.build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        fresh = not any(directory.glob("*.so"))
+        if fresh:
+            print(f"metronome: compiling the {self.what} into {directory} "
+                  "(first use on this machine, about a minute)...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            module = cpp.load(name=f"metronome_{self.name}_{_cpu_tag()}",
+                              sources=[str(self.source)], extra_cflags=CFLAGS,
+                              extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                              verbose=False)
+        except (RuntimeError, OSError, ImportError, SystemExit) as err:
+            last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+            reason = f"the {self.what} could not be built ({type(err).__name__}: {last}); " \
+                     "a C++ compiler (g++) and the ninja package are needed"
+            log.warning("%s; using the reference path (same results, slower)", reason)
+            return None, reason
+        if fresh:
+            print(f"metronome: {self.what} built in {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+        return module, None
+
+
+PAGED = Extension("paged_attention", SOURCE, "paged-attention kernel")
+
+
+def build_dir() -> Path:
+    return PAGED.build_dir()
 
 
 def kernel():
     """The extension module (its `paged_attention` function), or None if it cannot be built."""
-    with _lock:
-        if "module" not in _state:
-            _state["module"], _state["reason"] = _load()
-        return _state["module"]
+    return PAGED.module()
 
 
 def unavailable_reason() -> str | None:
     """Why `kernel()` is None (None when it loaded, or before the first `kernel()` call)."""
-    return _state.get("reason")  # type: ignore[return-value]
-
-
-def _load():
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None, f"disabled by {DISABLE_ENV}=0"
-    try:
-        import torch.utils.cpp_extension as cpp
-    except ImportError as err:  # pragma: no cover - torch always ships it
-        return None, f"torch.utils.cpp_extension unavailable: {err}"
-    directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    fresh = not any(directory.glob("*.so"))
-    if fresh:
-        print(f"metronome: compiling the paged-attention kernel into {directory} "
-              "(first use on this machine, about a minute)...", file=sys.stderr, flush=True)
-    started = time.perf_counter()
-    try:
-        module = cpp.load(name=f"metronome_paged_attention_{_cpu_tag()}", sources=[str(SOURCE)],
-                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                          build_directory=str(directory), verbose=False)
-    except (RuntimeError, OSError, ImportError, SystemExit) as err:
-        reason = f"the paged-attention kernel could not be built ({type(err).__name__}: " \
-                 f"{str(err).strip().splitlines()[-1] if str(err).strip() else err!r}); " \
-                 "a C++ compiler (g++) and the ninja package are needed"
-        log.warning("%s; using the dense attention path (same results, slower)", reason)
-        return None, reason
-    if fresh:
-        print(f"metronome: paged-attention kernel built in {time.perf_counter() - started:.0f} s",
-              file=sys.stderr, flush=True)
-    return module, None
+    return PAGED.reason()
 
 
 def main() -> int:

@@ -5,74 +5,40 @@ sliding window, not "S sinks + a window with a freed gap between". So, per step:
 
 * every sequence in the batch is no longer than S + W: every query sees every earlier
   key, which is plain causal attention -> the stock kernel, untouched;
-* otherwise gather the keys any query can see (the S sinks and the window of its first
-  query onwards; never a freed block) straight out of the paged cache: decode requests
-  past S + W see exactly S + W keys, all visible, so they run as one batched SDPA; each
-  other request runs SDPA with the mask `j <= p and (j < S or p - j < W)` at absolute
-  positions p.
+* otherwise our in-place kernel (`metronome.vllm.kernel`): every query token reads its
+  sink blocks and its window straight out of the paged cache, nothing copied;
+* where that kernel cannot serve (no compiler, a cache layout it does not read), the
+  reference gather path here: gather the keys any query can see (the S sinks and the
+  window of its first query onwards; never a freed block) out of the paged cache: decode
+  requests past S + W see exactly S + W keys, all visible, so they run as one batched
+  SDPA; each other request runs SDPA with the mask `j <= p and (j < S or p - j < W)` at
+  absolute positions p. It copies every visible K/V element per step: the slow path.
 
-The kernel stores each (block, head) as one region of 2 * block_size * head_size cells in
-an ISA-specific order (for "vec", keys transposed: dim-major). Rather than hard-code that
-order, `cell_offsets` learns it once from the kernel's own cache writer, so the gather
-reads exactly what the kernel would.
+Where each K/V element sits is `metronome.vllm.layout`'s `cell_offsets`, learned from
+vLLM's own cache writer.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
 from metronome.vllm.config import SinksWindow, bound_from_vllm_config
-
-_DIGIT = 16  # probe digits 1..16 (keys) and 17..32 (values): exact in fp32, bf16 and fp16
-
-
-@functools.cache
-def cell_offsets(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """(2, block_size, head_size) int64: where the cache writer puts key (0) / value (1)
-    element [slot, dim] inside a (block, head) region of 2 * block_size * head_size cells."""
-    cache = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
-    key_cache, value_cache = cache.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
-    region = cache.view(-1)  # (2 * block_size * head_size,) cells
-    slot = torch.arange(block_size)[:, None].expand(block_size, head_size)
-    dim = torch.arange(head_size)[None, :].expand(block_size, head_size)
-    decoded = {"kind": None, "slot": torch.zeros_like(region, dtype=torch.int64),
-               "dim": torch.zeros_like(region, dtype=torch.int64)}
-    for name, target in (("slot", slot), ("dim", dim)):
-        place = 1
-        while place <= int(target.max()):
-            digit = (target // place) % _DIGIT
-            cache.zero_()
-            ops.cpu_attn_reshape_and_cache(
-                (digit + 1).to(dtype)[:, None, :], (digit + 1 + _DIGIT).to(dtype)[:, None, :],
-                key_cache, value_cache, torch.arange(block_size), isa,
-                k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
-            )
-            read = region.float().round().long()
-            if int(read.min()) < 1:
-                raise RuntimeError(f"CPU KV layout for isa={isa!r} leaves cells unwritten")
-            decoded["kind"] = (read > _DIGIT).long()
-            decoded[name] += ((read - 1) % _DIGIT) * place
-            place *= _DIGIT
-    offsets = torch.full((2, block_size, head_size), -1, dtype=torch.int64)
-    offsets[decoded["kind"], decoded["slot"], decoded["dim"]] = torch.arange(region.numel())
-    if int(offsets.min()) < 0:
-        raise RuntimeError(f"CPU KV layout for isa={isa!r} is not a permutation of cells")
-    return offsets
+from metronome.vllm.kernel import in_place_kernel
+from metronome.vllm.layout import cell_offsets
 
 
 def visible_key_positions(seq_len: int, num_queries: int, bound: SinksWindow) -> torch.Tensor:
     """Keys any of the last `num_queries` positions of a `seq_len` sequence may see."""
     first_query = seq_len - num_queries
     sinks = torch.arange(min(bound.sink_tokens, seq_len))
-    window = torch.arange(max(bound.sink_tokens, first_query - bound.window_tokens + 1), seq_len)
+    window_start = max(bound.sink_tokens, first_query - bound.window_tokens + 1)
+    window = torch.arange(min(window_start, seq_len), seq_len)  # empty inside the sinks
     return torch.cat((sinks, window))
 
 
@@ -217,8 +183,18 @@ class SinksWindowCPUImpl(CPUAttentionBackendImpl):
         ):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        plan = self._plan(layer.isa, kv_cache, attn_metadata)
-        sinks_window_attention(query, kv_cache, plan, self.scale, output)
+        md, n = attn_metadata, attn_metadata.num_actual_tokens
+        kernel = in_place_kernel(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
+        if kernel is None:
+            plan = self._plan(layer.isa, kv_cache, md)
+            sinks_window_attention(query[:n], kv_cache, plan, self.scale, output[:n])
+            return output
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        into = out if out.is_contiguous() else torch.empty_like(out)
+        kernel(query[:n].contiguous(), kv_cache, md.query_start_loc, md.seq_lens,
+               md.block_table, self.bound, self.scale, into)
+        if into is not out:
+            out.copy_(into)
         return output
 
     def _plan(self, isa: str, kv_cache: torch.Tensor, md: CPUAttentionMetadata) -> GatherPlan:

@@ -10,8 +10,21 @@ import torch
 
 from metronome.bench.vllm.names import PLUGIN, SLIDING
 from metronome.kv.residency import ResidencyPolicy
+from metronome.model.dtypes import AUTO_DTYPE, resolve_dtype
 
-DTYPE = "float32"  # vLLM's CPU build here, and so both systems
+# What `auto` serves in on this CPU (bf16 only where it computes bf16 natively), for every
+# system alike
+DTYPE = str(resolve_dtype(AUTO_DTYPE)).removeprefix("torch.")
+
+
+def sliding_window_overrides(bound: ResidencyPolicy) -> dict:
+    """hf_overrides giving the bundled model vLLM's own sliding window of S + W tokens on
+    every layer: the bound's resident KV, without its sinks."""
+    from metronome.model.weights import bundled_model_dir
+
+    config = json.loads((Path(bundled_model_dir()) / "config.json").read_text())
+    return {"layer_types": ["sliding_attention"] * config["num_hidden_layers"],
+            "sliding_window": bound.sink_tokens + bound.window_tokens}
 
 
 def vllm_engine(kind: str, bound: ResidencyPolicy, block_size: int, max_num_seqs: int,
@@ -24,13 +37,11 @@ def vllm_engine(kind: str, bound: ResidencyPolicy, block_size: int, max_num_seqs
     from metronome.vllm.engine import VllmEngine, VllmEngineConfig
 
     model_dir = str(bundled_model_dir())
-    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
     policy, overrides = ResidencyPolicy.unbounded(), None
     if kind == PLUGIN:
         policy = bound
     elif kind == SLIDING:
-        overrides = {"layer_types": ["sliding_attention"] * layers,
-                     "sliding_window": bound.sink_tokens + bound.window_tokens}
+        overrides = sliding_window_overrides(bound)
     return VllmEngine.start(VllmEngineConfig(
         model_dir=model_dir, policy=policy, pool_tokens=pool_tokens, block_size=block_size,
         dtype=DTYPE, max_model_len=max_len, max_num_seqs=max_num_seqs,

@@ -16,41 +16,9 @@ from metronome.bench.engine.flops import linear_weights
 from metronome.bench.engine.profiling import profile_steps
 from metronome.bench.vllm.engines import native_engine, text_ids, vllm_engine
 from metronome.bench.vllm.names import OURS
+from metronome.bench.vllm.steps import decode_steps, prefill, set_threads
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
-
-
-def _threads(wanted: int) -> int:
-    """Set torch's threads if they differ (vLLM's CPU worker replaces set_num_threads with a
-    warning after it binds its threads); returns the count in effect."""
-    if torch.get_num_threads() != wanted:
-        torch.set_num_threads(wanted)
-    return torch.get_num_threads()
-
-
-def _prefill(engine, sids: list[int], length: int, ids: list[int]) -> float:
-    started = time.perf_counter()
-    for k, sid in enumerate(sids):
-        offset = (k * 997) % length
-        engine.submit_prepared(sid, engine.prepare_input(ids[offset:offset + length], None), 0)
-    while engine.has_work:
-        engine.step()
-    return time.perf_counter() - started
-
-
-def _decode_steps(engine, sids: list[int], steps: int, threads: int) -> list[float]:
-    """Pure decode steps of these sessions (each feeds one token, samples one): step ms."""
-    _threads(threads)
-    for sid in sids:
-        engine.submit_prepared(sid, engine.prepare_input([13], None), steps + 1)
-    times = []
-    while engine.has_work:
-        t0 = time.perf_counter()
-        result = engine.step()
-        elapsed_ms = (time.perf_counter() - t0) * 1e3
-        if result.num_input_tokens == len(sids):
-            times.append(elapsed_ms)
-    return times[1:] or times  # the first step of a batch warms it up
 
 
 def _pool_tokens(cfg, length: int, policy: ResidencyPolicy, top: int, sessions: int) -> int:
@@ -79,7 +47,7 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
                        max_step_tokens=cfg.max_step_tokens,
                        max_chunk_tokens=cfg.max_chunk_tokens)
     vllm_start_s = time.perf_counter() - started
-    threads = {vllm_kind: torch.get_num_threads(), OURS: os.cpu_count() or 1}
+    threads = {vllm_kind: torch.get_numset_threads(), OURS: os.cpu_count() or 1}
     ours = native_engine(model, cfg.block_size, pool, max_chunk_tokens=cfg.max_chunk_tokens,
                          max_step_tokens=cfg.max_step_tokens)
     engines = {OURS: ours, vllm_kind: vllm}
@@ -90,8 +58,8 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
     prefill_s = {}
     try:
         for name in (OURS, vllm_kind):
-            _threads(threads[name])
-            prefill_s[name] = _prefill(engines[name], sids[name][:cfg.prefill_sessions], length,
+            set_threads(threads[name])
+            prefill_s[name] = prefill(engines[name], sids[name][:cfg.prefill_sessions], length,
                                        ids)
             log(f"  prefill {cfg.prefill_sessions} x {length:,}: {name} {prefill_s[name]:.1f} s")
         for sid in sids[OURS][cfg.prefill_sessions:]:
@@ -99,13 +67,13 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
         rest = sids[vllm_kind][cfg.prefill_sessions:]
         if rest:
             log(f"  vLLM prefills the other {len(rest)} sessions (untimed)...")
-            _prefill(vllm, rest, length, ids)
+            prefill(vllm, rest, length, ids)
         steps = {(name, n): [] for name in engines for n in sessions}
         for rnd in range(cfg.repeats):
             order = (OURS, vllm_kind) if rnd % 2 == 0 else (vllm_kind, OURS)
             for n in sessions:
                 for name in order:
-                    steps[(name, n)].append(_decode_steps(engines[name], sids[name][:n],
+                    steps[(name, n)].append(decode_steps(engines[name], sids[name][:n],
                                                           cfg.decode_steps, threads[name]))
                 line = "  ".join(f"{name} {statistics.median(steps[(name, n)][-1]):7.1f}"
                                  for name in (OURS, vllm_kind))
@@ -121,7 +89,7 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
                           "round_medians_ms": medians,
                           "decode_tokens_per_s": n / median_ms * 1e3,
                           "prefill_s": prefill_s[name], "prefill_sessions": cfg.prefill_sessions,
-                          "torch_threads": _threads(threads[name]),
+                          "torch_threads": set_threads(threads[name]),
                           "vllm_start_s": vllm_start_s})
         if length == min(cfg.lengths):  # GEMMs do not depend on L: measure them once per N
             for cell in cells:
@@ -162,7 +130,7 @@ def gemm_efficiency(engine, sids: list[int], model, threads: int) -> dict:
     """Our decode step's GEMM throughput against torch's peak, both over the same weights
     (`linear_weights`: the projections and lm_head): the step's FLOPs in them over the
     profiled time of its GEMMs (the profile's matmul kind, which holds exactly those)."""
-    _threads(threads)
+    set_threads(threads)
     rows = len(sids)
     for sid in sids:
         engine.submit_prepared(sid, engine.prepare_input([13], None), 4)

@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from metronome.bench.vllm.engines import text_ids
+from metronome.bench.vllm.engines import DTYPE, sliding_window_overrides, text_ids
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.stats import percentile
@@ -40,31 +40,34 @@ def summarize_frames(frames: list[FrameRecord], deadline_s: float, stopped_s: fl
             "deadline_s": deadline_s, "stopped_s": stopped_s}
 
 
-def _stream_engine(cfg, policy: ResidencyPolicy):
+def _stream_engine(cfg, sessions: int, policy: ResidencyPolicy, sliding_window: bool = False):
     from metronome.model.weights import bundled_model_dir
     from metronome.vllm.engine import VllmEngine, VllmEngineConfig
 
+    overrides = None
+    if sliding_window:  # vLLM's own sliding window of S + W on every layer
+        overrides = sliding_window_overrides(cfg.bound)
     engine = VllmEngine.start(VllmEngineConfig(
         model_dir=str(bundled_model_dir()), policy=policy, pool_tokens=cfg.stream_pool_tokens,
-        block_size=cfg.block_size, max_model_len=8192, max_num_seqs=cfg.stream_sessions))
+        block_size=cfg.block_size, max_model_len=8192, max_num_seqs=sessions, dtype=DTYPE,
+        hf_overrides=overrides))
     engine.warm_up()
     return engine
 
 
-def stream_stock(cfg, log: Log) -> dict:
-    """vLLM's scheduler alone: each session's frames go in FIFO as chunks of its one
-    resumable request, the next when the last is done; a frame is answered when its chunk
-    is. Nothing answers a frame the engine never gets to."""
-    engine = _stream_engine(cfg, ResidencyPolicy.unbounded())
+def stream_stock(cfg, sessions: int, log: Log, sliding_window: bool = False) -> dict:
+    """vLLM's scheduler alone (full attention, or its own sliding window of S + W): each
+    session's frames go in FIFO as chunks of its one resumable request, the next when the
+    last is done; a frame is answered when its chunk is. Nothing answers a frame the engine
+    never gets to."""
+    engine = _stream_engine(cfg, sessions, ResidencyPolicy.unbounded(), sliding_window)
     ids = text_ids(50_000)
     try:
-        sids = [engine.open_session(SessionSpec(stop_token_ids=())) for _ in
-                range(cfg.stream_sessions)]
+        sids = [engine.open_session(SessionSpec(stop_token_ids=())) for _ in range(sessions)]
         frames = {sid: [] for sid in sids}  # [arrival_s, answered_s | None]
         waiting = {sid: [] for sid in sids}
         running: dict[int, int] = {}  # session -> frame index in flight
-        next_frame_s = [k * cfg.stream_period_s / cfg.stream_sessions
-                        for k in range(cfg.stream_sessions)]
+        next_frame_s = [k * cfg.stream_period_s / sessions for k in range(sessions)]
         t0 = time.perf_counter()
         last_report = 0.0
         while (now := time.perf_counter() - t0) < cfg.stream_duration_s:
@@ -101,9 +104,10 @@ def stream_stock(cfg, log: Log) -> dict:
     # a finished chunk is the frame's whole output (stream_tokens_out tokens)
     records = [(arrival, answered, answered is not None)
                for rows in frames.values() for arrival, answered in rows]
-    return {"run": "stock vLLM",
-            **summarize_frames(records, cfg.stream_period_s, stopped_s),
-            "stalled_kv_frames": None, "final_used_blocks": pool.used_blocks,
+    return {"run": "vLLM sliding window" if sliding_window else "stock vLLM",
+            "sessions": sessions, **summarize_frames(records, cfg.stream_period_s, stopped_s),
+            "first_stall_arrival_s": None, "stalled_kv_frames": None,
+            "final_used_blocks": pool.used_blocks,
             "num_blocks": pool.num_blocks}
 
 
@@ -123,7 +127,7 @@ class _SentFrames:
         return self._beat.submit_frame(frame, now_s)
 
 
-def stream_metronome(cfg, policy: str, log: Log) -> dict:
+def stream_metronome(cfg, sessions: int, policy: str, log: Log) -> dict:
     """Metronome on vLLM: the same workload under the beat (wall clock)."""
     from metronome.model.weights import load_tokenizer
     from metronome.runtime.frame import FrameStatus
@@ -136,7 +140,7 @@ def stream_metronome(cfg, policy: str, log: Log) -> dict:
     from metronome.sim.workload import Workload, schedule
 
     bound = ResidencyPolicy.parse(policy)
-    engine = _stream_engine(cfg, bound)
+    engine = _stream_engine(cfg, sessions, bound)
     recorder = RunRecorder()
     observer = RuntimeObserver.create(cfg.block_size, health_window_s=HEALTH_WINDOW_S)
     health: list[tuple[float, str]] = []
@@ -145,7 +149,7 @@ def stream_metronome(cfg, policy: str, log: Log) -> dict:
     async def drive() -> _SentFrames:
         driver = WallDriver(engine, Listeners.of(recorder, observer))
         sent = _SentFrames(driver.beat)
-        workload = Workload(cfg.stream_sessions, cfg.stream_duration_s,
+        workload = Workload(sessions, cfg.stream_duration_s,
                             arrival_spread_s=cfg.stream_period_s)
         profile = SessionProfile(frame_period_s=cfg.stream_period_s,
                                  max_output_tokens_per_frame=cfg.stream_tokens_out,
@@ -184,7 +188,7 @@ def stream_metronome(cfg, policy: str, log: Log) -> dict:
     summary = summarize_frames(records, cfg.stream_period_s, stopped[0])
     due = [r for r in recorder.results if r.arrival_s + cfg.stream_period_s <= stopped[0]]
     stalls = [r.arrival_s for r in due if r.status is FrameStatus.STALLED_KV]
-    return {"run": f"Metronome on vLLM, {policy}", **summary,
+    return {"run": f"Metronome on vLLM, {policy}", "sessions": sessions, **summary,
             "first_stall_arrival_s": min(stalls, default=None),
             "stalled_kv_frames": len(stalls),
             "frames_by_status": {s.value: sum(r.status is s for r in due) for s in FrameStatus},

@@ -1,0 +1,337 @@
+// Sinks+window attention over vLLM's CPU KV cache, read in place: no gather, no mask tensor.
+//
+// The rule (metronome.vllm.config): a query at absolute position p sees key j iff
+//     j <= p  and  (j < S  or  p - j < W).
+// One task = (request, a tile of up to kMaxRows / group of its query tokens, kv head). A task
+// visits only the blocks some query of its tile can see: the sink blocks [0, ceil(S / bs))
+// and the window blocks from the tile's first window position to its last query. Freed gap
+// blocks are never touched (their table entries may be vLLM's null block, or stale ids of
+// blocks another request now owns). Each visited block's keys and values are scored for
+// every (token, head) row of the tile by register-tiled loops, read in place for decode
+// tiles (and any float cache), or first converted once into float scratch (keys dim-major)
+// for chunk tiles of a 16-bit cache, and folded into a running softmax per row in float32.
+// Slots past the tile's last query (unwritten, maybe NaN) never reach a sum: the softmax
+// and the values loop stop before them, and a masked column's probability is exactly 0.
+//
+// Cache: one layer's kv_cache, contiguous (num_blocks, kv_heads, block_size, 2 * D); the
+// (block, head) region is block_size * D key cells then block_size * D value cells. Values
+// are slot-major; keys are dim-major (vLLM's "vec"/"vec16" writers) or slot-major, as the
+// caller says (metronome.vllm.kernel checks the layout against vLLM's own cache writer).
+// Compiled by metronome.vllm.kernel (metronome.model.native's build cache).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr float kMasked = -1.0e30f;  // finite: the build uses -ffast-math (no infinities)
+constexpr int kMaxGroup = 16;
+constexpr int kMaxRows = 48;         // rows of a task: tile tokens x query heads of a group
+constexpr int kMaxBlock = 256;
+constexpr int kMaxD = 256;
+constexpr int kLanes = 16;           // slot / dim tile of the inner loops (2 ymm, 1 zmm)
+constexpr int kRowTile = 4;          // rows per register tile
+
+template <typename T>
+inline float as_float(T x) { return static_cast<float>(x); }
+
+struct Task {
+  int64_t request, token_begin, token_end, kv_head, first_position;
+};
+
+// Per-thread scratch, packed at the step's D and block size (so a block's float copy stays
+// in L1/L2 whatever the maxima): row r of q/acc at r * D, of s at r * bs; kt[d * bs + c];
+// v[c * D + d].
+struct Scratch {
+  alignas(64) float q[kMaxRows * kMaxD];     // scaled queries
+  alignas(64) float acc[kMaxRows * kMaxD];   // running weighted values
+  alignas(64) float s[kMaxRows * kMaxBlock]; // scores, then probabilities, of one block
+  alignas(64) float kt[kMaxD * kMaxBlock];   // one block's keys, dim-major, float
+  alignas(64) float v[kMaxBlock * kMaxD];    // one block's values, slot-major, float
+  float run_max[kMaxRows], run_sum[kMaxRows];
+  int64_t position[kMaxRows];
+};
+
+// s[r][c] = q[r] . k[c] for R rows starting at r0, all block columns (bs a multiple of
+// kLanes); keys dim-major at kt[d * bs + c], float scratch or the cache itself
+template <int R, typename K>
+inline void scores_tile(Scratch& w, int r0, int64_t D, int64_t bs, const K* kt) {
+  for (int64_t c0 = 0; c0 < bs; c0 += kLanes) {
+    float a[R][kLanes] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const K* kd = kt + d * bs + c0;
+      for (int r = 0; r < R; ++r) {
+        const float qd = w.q[(r0 + r) * D + d];
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) a[r][l] += qd * as_float(kd[l]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < kLanes; ++l) w.s[(r0 + r) * bs + c0 + l] = a[r][l];
+  }
+}
+
+// acc[r] += sum_c p[r][c] * v[c] for R rows starting at r0, columns [0, ncols); values
+// slot-major at v[c * D + d], float scratch or the cache itself
+template <int R, typename V>
+inline void values_tile(Scratch& w, int r0, int64_t D, int64_t bs, int64_t ncols, const V* v) {
+  for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+    float a[R][kLanes];
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < kLanes; ++l) a[r][l] = w.acc[(r0 + r) * D + d0 + l];
+    for (int64_t c = 0; c < ncols; ++c) {
+      const V* vc = v + c * D + d0;
+      for (int r = 0; r < R; ++r) {
+        const float p = w.s[(r0 + r) * bs + c];
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) a[r][l] += p * as_float(vc[l]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < kLanes; ++l) w.acc[(r0 + r) * D + d0 + l] = a[r][l];
+  }
+}
+
+template <typename Fn>
+inline void over_row_tiles(int rows, Fn&& fn) {
+  int r0 = 0;
+  for (; r0 + kRowTile <= rows; r0 += kRowTile) fn(std::integral_constant<int, kRowTile>{}, r0);
+  switch (rows - r0) {
+    case 3: fn(std::integral_constant<int, 3>{}, r0); break;
+    case 2: fn(std::integral_constant<int, 2>{}, r0); break;
+    case 1: fn(std::integral_constant<int, 1>{}, r0); break;
+    default: break;
+  }
+}
+
+struct Geometry {
+  int64_t H, KVH, D, bs, block_stride, head_stride, max_blocks, sinks, window, sink_blocks;
+  int group;
+  bool key_dim_major;
+  float scale;
+};
+
+// The logical blocks a task visits: sink blocks, then window blocks (never both for one).
+inline void visited_blocks(const Geometry& g, int64_t first_position, int64_t last_position,
+                           std::vector<int64_t>& out) {
+  out.clear();
+  const int64_t last_block = last_position / g.bs;
+  const int64_t sink_end = std::min(g.sink_blocks, last_block + 1);
+  for (int64_t b = 0; b < sink_end; ++b) out.push_back(b);
+  const int64_t window_first = std::max(g.sinks, first_position - g.window + 1);
+  for (int64_t b = std::max(g.sink_blocks, window_first / g.bs); b <= last_block; ++b)
+    out.push_back(b);
+}
+
+template <typename scalar_t>
+void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_t* cache,
+              const int32_t* block_table, scalar_t* out, Scratch& w,
+              std::vector<int64_t>& blocks) {
+  const int64_t D = g.D, bs = g.bs;
+  const int tokens = static_cast<int>(t.token_end - t.token_begin);
+  const int rows = tokens * g.group;
+  for (int i = 0; i < tokens; ++i) {
+    const scalar_t* qt = q + ((t.token_begin + i) * g.H + t.kv_head * g.group) * D;
+    for (int h = 0; h < g.group; ++h) {
+      const int r = i * g.group + h;
+      for (int64_t d = 0; d < D; ++d) {
+        w.q[r * D + d] = as_float(qt[h * D + d]) * g.scale;
+        w.acc[r * D + d] = 0.f;
+      }
+      w.run_max[r] = kMasked;
+      w.run_sum[r] = 0.f;
+      w.position[r] = t.first_position + i;
+    }
+  }
+  const int64_t last_position = t.first_position + tokens - 1;
+  visited_blocks(g, t.first_position, last_position, blocks);
+  const int32_t* table = block_table + t.request * g.max_blocks;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t logical = blocks[i];
+    const scalar_t* region = cache + table[logical] * g.block_stride + t.kv_head * g.head_stride;
+    if (i + 1 < blocks.size()) {
+      // blocks are scattered through the pool: fetch the next region while this one is used
+      const char* next = reinterpret_cast<const char*>(
+          cache + table[blocks[i + 1]] * g.block_stride + t.kv_head * g.head_stride);
+      const int64_t bytes = g.head_stride * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
+    }
+    const int64_t first = logical * bs;
+    const int64_t ncols = std::min(bs, last_position + 1 - first);  // later slots: unwritten
+    const scalar_t* keys = region;
+    const scalar_t* values = region + bs * D;
+    // Few rows (decode) or float: read the cache in place. Columns past ncols may hold
+    // garbage; their scores are never used (the softmax and the values loop stop at ncols).
+    const bool direct = g.key_dim_major && (std::is_same<scalar_t, float>::value ||
+                                            rows <= kRowTile);
+    if (direct) {
+      // nothing to convert
+    } else if (g.key_dim_major) {
+      for (int64_t d = 0; d < D; ++d) {
+#pragma omp simd
+        for (int64_t c = 0; c < ncols; ++c) w.kt[d * bs + c] = as_float(keys[d * bs + c]);
+        for (int64_t c = ncols; c < bs; ++c) w.kt[d * bs + c] = 0.f;
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t c = 0; c < ncols; ++c) w.kt[d * bs + c] = as_float(keys[c * D + d]);
+        for (int64_t c = ncols; c < bs; ++c) w.kt[d * bs + c] = 0.f;
+      }
+    }
+    if (!direct) {
+      for (int64_t c = 0; c < ncols; ++c) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) w.v[c * D + d] = as_float(values[c * D + d]);
+      }
+    }
+    over_row_tiles(rows, [&](auto r_tag, int r0) {
+      if (direct) scores_tile<decltype(r_tag)::value>(w, r0, D, bs, keys);
+      else scores_tile<decltype(r_tag)::value>(w, r0, D, bs, static_cast<const float*>(w.kt));
+    });
+    for (int r = 0; r < rows; ++r) {
+      const int64_t p = w.position[r];
+      float* sr = &w.s[r * bs];
+      float* ar = &w.acc[r * D];
+      float block_max = kMasked;
+      for (int64_t c = 0; c < ncols; ++c) {
+        const int64_t j = first + c;
+        const bool visible = j <= p && (j < g.sinks || p - j < g.window);
+        sr[c] = visible ? sr[c] : kMasked;
+        block_max = std::max(block_max, sr[c]);
+      }
+      if (block_max == kMasked) {  // nothing of this block is visible to this row
+        for (int64_t c = 0; c < ncols; ++c) sr[c] = 0.f;
+        continue;
+      }
+      if (block_max > w.run_max[r]) {
+        const float rescale = std::exp(w.run_max[r] - block_max);  // exp(-huge) = 0 at first
+        w.run_sum[r] *= rescale;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= rescale;
+        w.run_max[r] = block_max;
+      }
+      const float m = w.run_max[r];
+      float sum = 0.f;
+      for (int64_t c = 0; c < ncols; ++c) {
+        const float e = sr[c] == kMasked ? 0.f : std::exp(sr[c] - m);
+        sr[c] = e;
+        sum += e;
+      }
+      w.run_sum[r] += sum;
+    }
+    over_row_tiles(rows, [&](auto r_tag, int r0) {
+      if (direct) values_tile<decltype(r_tag)::value>(w, r0, D, bs, ncols, values);
+      else values_tile<decltype(r_tag)::value>(w, r0, D, bs, ncols, static_cast<const float*>(w.v));
+    });
+  }
+  for (int i = 0; i < tokens; ++i) {
+    scalar_t* ot = out + ((t.token_begin + i) * g.H + t.kv_head * g.group) * D;
+    for (int h = 0; h < g.group; ++h) {
+      const int r = i * g.group + h;
+      const float inv = 1.f / w.run_sum[r];  // every query sees at least its own key
+      for (int64_t d = 0; d < D; ++d)
+        ot[h * D + d] = static_cast<scalar_t>(w.acc[r * D + d] * inv);
+    }
+  }
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "sinks_window_attention: ", what); }
+
+void sinks_window_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                            const at::Tensor& block_table, int64_t sink_tokens,
+                            int64_t window_tokens, double scale, bool key_dim_major,
+                            int64_t null_block, at::Tensor& output) {
+  check(query.dim() == 3 && query.is_contiguous(), "query must be contiguous (T, H, D)");
+  check(output.sizes() == query.sizes() && output.is_contiguous() &&
+            output.scalar_type() == query.scalar_type(),
+        "output must be contiguous and match query");
+  check(kv_cache.dim() == 4 && kv_cache.is_contiguous(),
+        "kv_cache must be contiguous (num_blocks, kv_heads, block_size, 2 * D)");
+  check(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache must share a dtype");
+  const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t NB = kv_cache.size(0), KVH = kv_cache.size(1), bs = kv_cache.size(2);
+  check(kv_cache.size(3) == 2 * D, "kv_cache's last dim must be 2 * head_size");
+  check(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads must be 1..16 per kv head");
+  check(D % kLanes == 0 && D <= kMaxD, "head_size must be a multiple of 16, at most 256");
+  check(bs % kLanes == 0 && bs <= kMaxBlock, "block_size must be a multiple of 16, at most 256");
+  check(sink_tokens >= 0 && window_tokens >= 1, "need sink_tokens >= 0 and window_tokens >= 1");
+  for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table}) {
+    check(t->scalar_type() == at::kInt && t->is_contiguous(),
+          "query_start_loc, seq_lens and block_table must be contiguous int32");
+  }
+  const int64_t R = seq_lens.size(0);
+  check(query_start_loc.dim() == 1 && query_start_loc.size(0) >= R + 1,
+        "query_start_loc needs num_reqs + 1 entries");
+  check(block_table.dim() == 2 && block_table.size(0) >= R, "block_table needs a row per request");
+
+  Geometry g;
+  g.H = H; g.KVH = KVH; g.D = D; g.bs = bs;
+  g.head_stride = 2 * bs * D;
+  g.block_stride = KVH * g.head_stride;
+  g.max_blocks = block_table.size(1);
+  g.sinks = sink_tokens;
+  g.window = window_tokens;
+  g.sink_blocks = (sink_tokens + bs - 1) / bs;
+  g.group = static_cast<int>(H / KVH);
+  g.key_dim_major = key_dim_major;
+  g.scale = static_cast<float>(scale);
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxRows / g.group);
+
+  // Tasks, and every block any of them reads checked once: in the table, in the pool, and
+  // not the null block (a visible key there would mean the manager freed a live block).
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  std::vector<Task> tasks;
+  std::vector<int64_t> blocks;
+  check(qsl[0] == 0 && qsl[R] == T, "query_start_loc must span the query tokens");
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t begin = qsl[r], end = qsl[r + 1], seq_len = lens[r];
+    check(begin <= end && end - begin <= seq_len, "a request has more queries than tokens");
+    for (int64_t t0 = begin; t0 < end; t0 += tile_tokens) {
+      const int64_t t1 = std::min(end, t0 + tile_tokens);
+      const int64_t first_position = seq_len - (end - begin) + (t0 - begin);
+      visited_blocks(g, first_position, first_position + (t1 - t0) - 1, blocks);
+      for (int64_t b : blocks) {
+        check(b < g.max_blocks, "a visible position lies past the request's block table");
+        const int64_t id = table[r * g.max_blocks + b];
+        check(id >= 0 && id < NB, "a block id lies outside the KV cache");
+        TORCH_CHECK(id != null_block, "sinks_window_attention: request ", r, " sees logical ",
+                    "block ", b, ", which is the null block: a freed block is still visible");
+      }
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({r, t0, t1, h, first_position});
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, query.scalar_type(), "sinks_window_attention", [&] {
+        const scalar_t* qp = query.data_ptr<scalar_t>();
+        const scalar_t* cp = kv_cache.data_ptr<scalar_t>();
+        scalar_t* op = output.data_ptr<scalar_t>();
+        at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1,
+                         [&](int64_t begin, int64_t end) {
+                           // one scratch per thread for the process's life: a fresh
+                           // ~0.6 MB allocation per call would page-fault every step
+                           thread_local std::unique_ptr<Scratch> w(new Scratch);
+                           thread_local std::vector<int64_t> visited;
+                           for (int64_t i = begin; i < end; ++i)
+                             run_task<scalar_t>(tasks[i], g, qp, cp, table, op, *w, visited);
+                         });
+      });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sinks_window_attention", &sinks_window_attention,
+        "Sinks+window attention of every query token over vLLM's CPU KV cache, in place");
+}
