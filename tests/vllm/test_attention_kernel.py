@@ -1,4 +1,5 @@
-"""The exact CPU path against vLLM's own CPU kernel and a dense reference (no engine).
+"""The gather path (the fallback when the in-place kernel cannot serve) against vLLM's own CPU
+kernel and a dense reference (no engine).
 
 Four requests in one batch (decode steps past S + W, which run batched, a prefill chunk and
 a decode step inside S + W), K/V written by the kernel's own cache writer into shuffled
@@ -18,6 +19,7 @@ from vllm import _custom_ops as ops  # noqa: E402
 from metronome.vllm.attention import GatherPlan, sinks_window_attention  # noqa: E402
 from metronome.vllm.config import SinksWindow  # noqa: E402
 from metronome.vllm.layout import cell_offsets  # noqa: E402
+from tests.vllm.attention_reference import dense_reference  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64  # SmolLM2's attention shape
 SEQ_LENS, QUERY_LENS = [300, 200, 260, 30], [1, 40, 1, 1]
@@ -73,21 +75,6 @@ def ours(isa, block_size, cache, query, qsl, block_table, bound):
     return out
 
 
-def dense_reference(keys, values, query, bound):
-    """From the raw K/V: each query's visible set straight from the rule, fp64."""
-    out, t = [], 0
-    group = NUM_HEADS // NUM_KV_HEADS
-    for k, v, seq_len, q_len in zip(keys, values, SEQ_LENS, QUERY_LENS, strict=True):
-        for p in range(seq_len - q_len, seq_len):
-            js = [j for j in range(p + 1) if j < bound.sink_tokens or p - j < bound.window_tokens]
-            kk = k[js].double().repeat_interleave(group, dim=1)  # (n, H, hd)
-            vv = v[js].double().repeat_interleave(group, dim=1)
-            scores = torch.einsum("hd,nhd->hn", query[t].double(), kk) * SCALE
-            out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vv))
-            t += 1
-    return torch.stack(out).float()
-
-
 ISAS = [("vec", 32), ("vec16", 16)]
 
 
@@ -117,8 +104,8 @@ def test_sinks_and_window_never_read_freed_blocks(isa, block_size):
         first_window_block = max(0, seq_len - q_len - bound.window_tokens + 1) // block_size
         table[r, -(-bound.sink_tokens // block_size):first_window_block] = 0  # the freed gap
     got = ours(isa, block_size, cache, query, qsl, table, bound)
-    torch.testing.assert_close(got, dense_reference(keys, values, query, bound),
-                               atol=1e-5, rtol=1e-5)
+    expected = dense_reference(keys, values, query, SEQ_LENS, QUERY_LENS, bound, SCALE)
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_cell_offsets_are_a_permutation():

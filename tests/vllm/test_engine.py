@@ -36,6 +36,7 @@ BLOCK = 32
 PROMPT_TOKENS, NEW_TOKENS = 3000, 2000
 POOL_BYTES = 45 << 20  # 32 blocks of 32 tokens at 46,080 B/token (SmolLM2 fp32): 1,024 tokens
 SHORT_PROMPT, SHORT_NEW = 40, 80  # 120 tokens: inside S + W, the bound changes nothing
+AGAIN_NEW = 64  # the long prompt once more: its sink block from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def bounded(prompts):
     llm = start_engine(bounded=True)
     pool_tokens = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks * BLOCK
     runs = {"long": greedy(llm, prompts["long"], NEW_TOKENS),
-            "short": greedy(llm, prompts["short"], SHORT_NEW)}
+            "short": greedy(llm, prompts["short"], SHORT_NEW),
+            "again": greedy(llm, prompts["long"], AGAIN_NEW)}
     llm.llm_engine.engine_core.shutdown()
     return pool_tokens, runs
 
@@ -146,3 +148,13 @@ def test_window_covering_the_session_equals_stock(bounded, stock):
     # fp32 noise only: the cached block's K/V came from a 256-token chunk that the bounded
     # engine ran through its gather path, stock through its kernel (measured 1.5e-5)
     assert max(abs(a - b) for a, b in zip(ours.logprobs, theirs.logprobs, strict=True)) < 1e-4
+
+
+def test_a_shared_prefix_stays_exact(bounded):
+    """Prefix caching on: the long prompt again reuses cached blocks (at least the sink
+    block; the gap was freed and its blocks reused) and, past S + W on the in-place path
+    that reads those shared blocks, gives the first run's tokens."""
+    first, again = bounded[1]["long"], bounded[1]["again"]
+    assert again.num_cached_tokens >= BLOCK
+    assert again.token_ids == first.token_ids[:AGAIN_NEW]
+    assert max(abs(a - b) for a, b in zip(again.logprobs, first.logprobs, strict=False)) < 1e-4

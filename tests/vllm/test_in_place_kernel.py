@@ -21,6 +21,7 @@ from metronome.vllm.attention import GatherPlan, sinks_window_attention  # noqa:
 from metronome.vllm.config import SinksWindow  # noqa: E402
 from metronome.vllm.kernel import KERNEL, NULL_BLOCK_ID, in_place_kernel  # noqa: E402
 from metronome.vllm.layout import cell_offsets, key_layout  # noqa: E402
+from tests.vllm.attention_reference import dense_reference  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64  # SmolLM2's attention shape
 SCALE = HEAD_SIZE**-0.5
@@ -68,21 +69,6 @@ def churn_gap(cache, table, seq_lens, query_lens, bound, block_size):
         table[r, gap] = NULL_BLOCK_ID if r % 2 == 0 else other
 
 
-def dense_reference(keys, values, query, seq_lens, query_lens, bound):
-    """From the raw K/V: each query's visible set straight from the rule, in fp64."""
-    out, t = [], 0
-    group = NUM_HEADS // NUM_KV_HEADS
-    for k, v, seq_len, q_len in zip(keys, values, seq_lens, query_lens, strict=True):
-        for p in range(seq_len - q_len, seq_len):
-            js = [j for j in range(p + 1) if j < bound.sink_tokens or p - j < bound.window_tokens]
-            kk = k[js].double().repeat_interleave(group, dim=1)  # (n, H, hd)
-            vv = v[js].double().repeat_interleave(group, dim=1)
-            scores = torch.einsum("hd,nhd->hn", query[t].double(), kk) * SCALE
-            out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vv))
-            t += 1
-    return torch.stack(out)
-
-
 def run_kernel(isa, block_size, cache, query, qsl, seq_lens, table, bound):
     kernel = in_place_kernel(isa, block_size, HEAD_SIZE, cache.dtype)
     assert kernel is not None
@@ -111,7 +97,7 @@ def test_kernel_matches_the_dense_reference(module, isa, block_size, bound, dtyp
     churn_gap(cache, table, SEQ_LENS, QUERY_LENS, bound, block_size)
     before = cache.clone()
     got = run_kernel(isa, block_size, cache, query, qsl, SEQ_LENS, table, bound)
-    expected = dense_reference(keys, values, query, SEQ_LENS, QUERY_LENS, bound)
+    expected = dense_reference(keys, values, query, SEQ_LENS, QUERY_LENS, bound, SCALE)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # bit-identical
@@ -152,7 +138,7 @@ def test_slot_major_keys_read_the_same(module):
     module.sinks_window_attention(query, cache, qsl, torch.tensor(seq_lens, dtype=torch.int32),
                                   table, bound.sink_tokens, bound.window_tokens, SCALE, False,
                                   NULL_BLOCK_ID, out)
-    expected = dense_reference(keys, values, query, seq_lens, query_lens, bound)
+    expected = dense_reference(keys, values, query, seq_lens, query_lens, bound, SCALE)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
 
 

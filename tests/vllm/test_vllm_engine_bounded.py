@@ -16,6 +16,7 @@ from metronome.engine.session import SessionSpec  # noqa: E402
 from metronome.engine.types import WorkStatus  # noqa: E402
 from metronome.kv.residency import ResidencyPolicy  # noqa: E402
 from metronome.model.weights import bundled_model_dir, load_tokenizer  # noqa: E402
+from metronome.vllm.attention import PATH_CALLS  # noqa: E402
 from metronome.vllm.engine import VllmEngine, VllmEngineConfig  # noqa: E402
 from tests.vllm.driving import drive  # noqa: E402
 
@@ -43,6 +44,8 @@ def test_a_bounded_session_far_longer_than_the_pool_runs_on():
         assert engine.sessions[sids[0]].computed > 3 * engine.num_blocks * BLOCK > resident
         assert engine.pool_stats().used_blocks <= per_session
         assert engine.pool_stats().pinned_blocks == 1  # the sink block
+        # past S + W every bounded layer ran the in-place kernel, never the gather fallback
+        assert PATH_CALLS["in_place"] > 0 and PATH_CALLS["gather"] == 0
         engine.close(sids[0])
         assert engine.pool_stats().used_blocks == 0
     finally:

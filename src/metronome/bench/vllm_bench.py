@@ -21,7 +21,6 @@ Everything runs in one process (vLLM in-process; CPU threads are the machine's).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from functools import partial
 
 from metronome.bench.vllm.names import LABELS, NATIVE, PLUGIN, SLIDING, STOCK
 from metronome.kv.residency import ResidencyPolicy
@@ -30,6 +29,7 @@ from metronome.results.provenance import describe
 from metronome.results.tables import fmt, md_table, ratio
 
 NAME = "vllm"
+PARTS = ("steps", "stream")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ class Config:
     # The workload is 16 sessions in 26,880 tokens. On a 2-core CPU (fp32) vLLM
     # answers 8 such sessions at p50 1.5 s already: a quarter of the sessions in a quarter
     # of the pool has the same fill time, a load the machine can serve.
+    parts: tuple[str, ...] = field(default=PARTS, metadata={
+        "help": "what to measure: steps (decode/chunk grid), stream (the workload)"})
     stream_sessions: tuple[int, ...] = field(default=(4, 8), metadata={
         "help": "streaming sessions (each count runs every arm)"})
     stream_duration_s: float = field(default=200.0, metadata={
@@ -101,26 +103,29 @@ class Config:
 def run(ctx: RunContext, cfg: Config) -> dict:
     from metronome.bench.vllm.decode import decode_grid
     from metronome.bench.vllm.engines import facts, load_native_model
-    from metronome.bench.vllm.stream import stream_metronome, stream_stock
+    from metronome.bench.vllm.stream import ARMS, run_arm_isolated
     from metronome.vllm.kernel import KERNEL
 
+    unknown = set(cfg.parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     model = load_native_model()
     ctx.record(**facts(model))
     ctx.record(plugin_attention="the in-place kernel (metronome.vllm.kernel)"
                if KERNEL.module() is not None else f"the gather path ({KERNEL.reason()})")
-    ctx.console.rule("decode and chunk steps")
-    cells = decode_grid(cfg, model, ctx.log)
-    ctx.keep("decode", cells)
-    _plot(ctx, cells)
-    ctx.console.rule("streaming workload")
-    stream = []
-    for n in cfg.stream_sessions:
-        for arm in (partial(stream_stock, sliding_window=False),
-                    partial(stream_stock, sliding_window=True),
-                    partial(stream_metronome, policy="unbounded"),
-                    partial(stream_metronome, policy=str(cfg.bound))):
-            stream.append(arm(cfg, n, log=ctx.log))
-            ctx.keep("stream", stream)
+    cells, stream = [], []
+    if "steps" in cfg.parts:
+        ctx.console.rule("decode and chunk steps")
+        cells = decode_grid(cfg, model, ctx.log)
+        ctx.keep("decode", cells)
+        _plot(ctx, cells)
+    if "stream" in cfg.parts:
+        ctx.console.rule("streaming workload (each arm in a fresh process)")
+        for n in cfg.stream_sessions:
+            for arm in ARMS:
+                ctx.log(f"streaming: {n} sessions, {arm}")
+                stream.append(run_arm_isolated(cfg, n, arm))
+                ctx.keep("stream", stream)
     return {"config": asdict(cfg), "labels": LABELS, "decode": cells, "stream": stream}
 
 
@@ -190,6 +195,8 @@ def report(result: dict) -> str:
         f"Command: `{result['command']}` (from .venv-vllm; needs `make vllm-install`); in one "
         f"process; total {result['elapsed_s'] / 60:.1f} min.", "",
         describe(prov), "",
+    ]
+    steps = [
         "## Decode and chunk steps", "",
         f"N sessions, each with L tokens of context. Decode: every session feeds one token "
         f"and samples one. Chunk: every session feeds {cfg['chunk_tokens']} tokens of real "
@@ -206,6 +213,8 @@ def report(result: dict) -> str:
         step_table(result["decode"], result["labels"], "decode"), "",
         "### Chunk step", "",
         step_table(result["decode"], result["labels"], "chunk"), "", *figures, "",
+    ]
+    stream = [
         "## The streaming workload", "",
         f"{', '.join(map(str, cfg['stream_sessions']))} sessions, {cfg['stream_tokens_in']} "
         f"input + {cfg['stream_tokens_out']} output tokens per {cfg['stream_period_s']:g} s "
@@ -224,4 +233,5 @@ def report(result: dict) -> str:
         "earliest frame the beat answered stalled_kv (only the beat answers that way).", "",
         stream_table(result["stream"]), "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + (steps if result["decode"] else [])
+                     + (stream if result["stream"] else []))

@@ -33,6 +33,8 @@ and a position past it makes the native path raise IndexError and the CPU rotary
 segfault (measured: position 9000 on an 8192-row table).
 
 Modules: `config` (the bound, from hf_overrides), `spec` (KV cache spec + manager: what is
-pinned and freed), `attention` (exact CPU attention), `plugin` (the entry point).
+pinned and freed), `attention` (exact CPU attention: vLLM's kernel inside S + W, past it
+`kernel`'s in-place C++ kernel, or the gather fallback), `layout` (where vLLM's CPU cache
+writer puts each K/V element), `plugin` (the entry point).
 Attention backends: CPU_ATTN only; the others are refused with the reason (`plugin`).
 """

@@ -20,6 +20,7 @@ vLLM's own cache writer.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAtte
 from metronome.vllm.config import SinksWindow, bound_from_vllm_config
 from metronome.vllm.kernel import in_place_kernel
 from metronome.vllm.layout import cell_offsets
+
+# Layer calls by path ("stock", "in_place", "gather") in this process: which one served
+PATH_CALLS: Counter[str] = Counter()
 
 
 def visible_key_positions(seq_len: int, num_queries: int, bound: SinksWindow) -> torch.Tensor:
@@ -181,14 +185,17 @@ class SinksWindowCPUImpl(CPUAttentionBackendImpl):
             or output_scale is not None
             or output_block_scale is not None
         ):
+            PATH_CALLS["stock"] += 1
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         md, n = attn_metadata, attn_metadata.num_actual_tokens
         kernel = in_place_kernel(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
         if kernel is None:
+            PATH_CALLS["gather"] += 1
             plan = self._plan(layer.isa, kv_cache, md)
             sinks_window_attention(query[:n], kv_cache, plan, self.scale, output[:n])
             return output
+        PATH_CALLS["in_place"] += 1
         out = output[:n].view(n, self.num_heads, self.head_size)
         into = out if out.is_contiguous() else torch.empty_like(out)
         kernel(query[:n].contiguous(), kv_cache, md.query_start_loc, md.seq_lens,

@@ -12,8 +12,10 @@ deadline before the arm stopped.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 
 from metronome.bench.vllm.engines import DTYPE, sliding_window_overrides, text_ids
 from metronome.engine.session import SessionSpec
@@ -194,3 +196,31 @@ def stream_metronome(cfg, sessions: int, policy: str, log: Log) -> dict:
             "frames_by_status": {s.value: sum(r.status is s for r in due) for s in FrameStatus},
             "health_critical_first_s": next((t for t, h in health if h == "critical"), None),
             "peak_used_blocks": recorder.summary()["peak_used_blocks"]}
+
+
+ARMS = ("stock", "sliding_window", "unbounded", "bounded")
+
+
+def run_arm(cfg, sessions: int, arm: str, log: Log = print) -> dict:
+    """One arm of `ARMS` at `sessions` sessions, in this process."""
+    if arm in ("stock", "sliding_window"):
+        return stream_stock(cfg, sessions, log, sliding_window=arm == "sliding_window")
+    if arm in ("unbounded", "bounded"):
+        return stream_metronome(cfg, sessions, "unbounded" if arm == "unbounded"
+                                else str(cfg.bound), log)
+    raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+
+
+def _flushed_print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _run_arm_logged(cfg, sessions: int, arm: str) -> dict:
+    return run_arm(cfg, sessions, arm, _flushed_print)
+
+
+def run_arm_isolated(cfg, sessions: int, arm: str) -> dict:
+    """`run_arm` in a fresh (spawned) process: no engine, config or registry state of an
+    earlier arm or engine in this process can carry over into this one."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_arm_logged, cfg, sessions, arm).result()
