@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from metronome.bench.vllm.names import LABELS, NATIVE, PLUGIN, SLIDING, STOCK
+from metronome.bench.vllm.names import LABELS, NATIVE, PLUGIN, SLIDING, STOCK, STREAM_ARMS
 from metronome.kv.residency import ResidencyPolicy
 from metronome.results.context import RunContext
 from metronome.results.provenance import describe
@@ -66,6 +66,9 @@ class Config:
     # of the pool has the same fill time, a load the machine can serve.
     parts: tuple[str, ...] = field(default=PARTS, metadata={
         "help": "what to measure: steps (decode/chunk grid), stream (the workload)"})
+    stream_arms: tuple[str, ...] = field(default=STREAM_ARMS, metadata={
+        "help": "streaming arms: stock, sliding_window (vLLM's scheduler), unbounded, "
+                "bounded (Metronome on vLLM)"})
     stream_sessions: tuple[int, ...] = field(default=(4, 8), metadata={
         "help": "streaming sessions (each count runs every arm)"})
     stream_duration_s: float = field(default=200.0, metadata={
@@ -103,12 +106,14 @@ class Config:
 def run(ctx: RunContext, cfg: Config) -> dict:
     from metronome.bench.vllm.decode import decode_grid
     from metronome.bench.vllm.engines import facts, load_native_model
-    from metronome.bench.vllm.stream import ARMS, run_arm_isolated
+    from metronome.bench.vllm.stream import run_arm_isolated
     from metronome.vllm.kernel import KERNEL
 
-    unknown = set(cfg.parts) - set(PARTS)
-    if unknown:
-        raise ValueError(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
+    for name, given, known in (("parts", cfg.parts, PARTS),
+                               ("stream arms", cfg.stream_arms, STREAM_ARMS)):
+        if set(given) - set(known):
+            raise ValueError(f"unknown {name} {sorted(set(given) - set(known))}; "
+                             f"known: {', '.join(known)}")
     model = load_native_model()
     ctx.record(**facts(model))
     ctx.record(plugin_attention="the in-place kernel (metronome.vllm.kernel)"
@@ -122,7 +127,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     if "stream" in cfg.parts:
         ctx.console.rule("streaming workload (each arm in a fresh process)")
         for n in cfg.stream_sessions:
-            for arm in ARMS:
+            for arm in cfg.stream_arms:
                 ctx.log(f"streaming: {n} sessions, {arm}")
                 stream.append(run_arm_isolated(cfg, n, arm))
                 ctx.keep("stream", stream)

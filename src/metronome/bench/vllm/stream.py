@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
 from metronome.bench.vllm.engines import DTYPE, sliding_window_overrides, text_ids
+from metronome.bench.vllm.names import STREAM_ARMS
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.stats import percentile
@@ -198,17 +199,15 @@ def stream_metronome(cfg, sessions: int, policy: str, log: Log) -> dict:
             "peak_used_blocks": recorder.summary()["peak_used_blocks"]}
 
 
-ARMS = ("stock", "sliding_window", "unbounded", "bounded")
-
 
 def run_arm(cfg, sessions: int, arm: str, log: Log = print) -> dict:
-    """One arm of `ARMS` at `sessions` sessions, in this process."""
+    """One arm of `STREAM_ARMS` at `sessions` sessions, in this process."""
     if arm in ("stock", "sliding_window"):
         return stream_stock(cfg, sessions, log, sliding_window=arm == "sliding_window")
     if arm in ("unbounded", "bounded"):
         return stream_metronome(cfg, sessions, "unbounded" if arm == "unbounded"
                                 else str(cfg.bound), log)
-    raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+    raise ValueError(f"unknown arm {arm!r}; known: {', '.join(STREAM_ARMS)}")
 
 
 def _flushed_print(line: str) -> None:
