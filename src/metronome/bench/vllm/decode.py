@@ -43,14 +43,12 @@ def _pool_tokens(cfg, kind: str, length: int, top: int, sessions: int) -> int:
 
 def _start(cfg, kind: str, model, length: int, top: int, sessions: int):
     pool = _pool_tokens(cfg, kind, length, top, sessions)
+    budget = {"max_step_tokens": cfg.max_step_tokens,  # every system alike
+              "max_chunk_tokens": min(512, cfg.max_step_tokens)}
     if kind == NATIVE:
-        return native_engine(model, cfg.block_size, pool,
-                             max_step_tokens=cfg.max_step_tokens,
-                       max_chunk_tokens=min(512, cfg.max_step_tokens)), pool
+        return native_engine(model, cfg.block_size, pool, **budget), pool
     return vllm_engine(kind, cfg.bound, cfg.block_size, max(cfg.sessions), pool,
-                       max_len=length + _tokens_added(cfg, sessions) + 64,
-                       max_step_tokens=cfg.max_step_tokens,
-                       max_chunk_tokens=min(512, cfg.max_step_tokens)), pool
+                       max_len=length + _tokens_added(cfg, sessions) + 64, **budget), pool
 
 
 def _cells_at(cfg, model, group: tuple[str, ...], length: int, log: Callable[[str], None]
