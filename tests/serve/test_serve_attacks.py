@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 import psutil
 import pytest
-from served import served
+from served import SHARED_CPU_ENV, served
 from streamer import SpeechStreamer, recv
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
@@ -103,7 +103,7 @@ def server_pid(port: int) -> int:
 
 @pytest.fixture(scope="module")
 def world():
-    with served(CONFIG) as url:
+    with served(CONFIG, SHARED_CPU_ENV) as url:
         pid = server_pid(int(url.rsplit(":", 1)[1]))
         streamer = SpeechStreamer(url.replace("http", "ws", 1) + "/v1/realtime",
                                   additional_headers=BEARER)

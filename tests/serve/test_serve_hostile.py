@@ -18,7 +18,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from served import served
+from served import SHARED_CPU_ENV, served
 from streamer import SpeechStreamer, recv
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -88,7 +88,7 @@ class Server:
 def world():
     # A separate process, as deployed: the hostile clients' own Python work here must not
     # take the server's GIL, or the streamer's lateness would measure this test, not us.
-    with served(CONFIG) as url:
+    with served(CONFIG, SHARED_CPU_ENV) as url:
         server = Server(url)
         streamer = SpeechStreamer(server.ws_url)
         streamer.start()
