@@ -29,6 +29,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
+from metronome.vllm.backends import UnsupportedBackend, refused_features
 from metronome.vllm.config import SinksWindow, bound_from_vllm_config
 from metronome.vllm.kernel import in_place_kernel
 from metronome.vllm.layout import cell_offsets
@@ -155,16 +156,11 @@ class SinksWindowCPUImpl(CPUAttentionBackendImpl):
         self.bound = bound if self.attn_type == AttentionType.DECODER else None
         if self.bound is None:
             return
-        unsupported = {
-            "ALiBi": self.alibi_slopes is not None,
-            "logit soft-capping": bool(self.logits_soft_cap),
-            "learned attention sinks": self.sinks is not None,
-            "a model sliding window": self.sliding_window != -1,
-            f"kv_cache_dtype={self.kv_cache_dtype}": self.kv_cache_dtype != "auto",
-        }
-        found = [name for name, present in unsupported.items() if present]
+        found = refused_features(self) + (
+            ["a model sliding window"] if self.sliding_window != -1 else [])
         if found:
-            raise ValueError(f"the sinks+window bound does not support {', '.join(found)}")
+            raise UnsupportedBackend(
+                f"the sinks+window bound does not support {', '.join(found)}")
 
     def forward(
         self,

