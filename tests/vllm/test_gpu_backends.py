@@ -228,15 +228,39 @@ def test_flex_metadata_with_prefix_s_is_our_rule_and_skips_the_gap():
 # ---- vLLM's Triton kernel, in Triton's interpreter ---------------------------------------------
 def test_vllm_triton_kernel_with_prefix_s_and_compaction_is_exact(tmp_path):
     """The GPU check's dry run: vLLM's own kernel on CPU, R-SWA at prefix S over the full
-    table, and over the compacted table with NaN gap blocks, both against fp32 dense."""
+    table, and over the compacted table with NaN gap blocks, and eager flex_attention with
+    our paged block mask, all against fp32 dense; its timing proxy (interpreter time grows
+    with the tiles visited) shows the full table's cost grow with L and the compacted not."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
                            "--kernels", str(tmp_path / "kernels"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     modes = {(row["case"], row["mode"]) for row in result["correctness"] if row["ok"]}
-    assert len(modes) == 8 and result["ok"]
+    assert len(modes) == 12 and result["ok"]  # 4 cases x (rswa, compact, flex)
     assert "| chunk64 | compact | nan |" in (tmp_path / "gpu_check.md").read_text()
+    short, long = result["timing"]  # L = 4 (S + W) and 16 (S + W)
+    assert long["rswa_ms"] > 1.5 * short["rswa_ms"]
+    assert long["compact_ms"] < 1.3 * short["compact_ms"]
+
+
+def test_our_flex_block_mask_lists_only_sink_and_window_pages():
+    from metronome.vllm.flex_mask import paged_block_mask
+
+    requests = [(200, 1), (57, 16), (3, 1), (130, 16)]
+    table = torch.arange(1, 1 + 4 * 16, dtype=torch.int32).view(4, 16)
+    common = common_metadata(requests, table, [0] * 4)
+    mask = paged_block_mask(table, common.seq_lens, common.query_start_loc, S, W, BS, 80)
+    token = 0
+    for r, (n, q) in enumerate(requests):
+        for i in range(q):
+            p = n - q + i
+            pages = {int(table[r, b]) for b in range(p // BS + 1)
+                     if b < -(-S // BS) or (b + 1) * BS > p - W + 1}
+            count = int(mask.kv_num_blocks[0, 0, token])
+            assert set(mask.kv_indices[0, 0, token, :count].tolist()) == pages, (r, i)
+            assert count == len(pages)  # each page once
+            token += 1
 
 
 def test_the_stock_prompt_prefix_would_not_be_our_rule(tmp_path):
@@ -261,3 +285,26 @@ print(error)
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.split()[-1]) > 1e-2
+
+
+def test_vllm_triton_builder_gets_prefix_s_and_the_compacted_table():
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
+
+    gpu_metadata.install()
+    config = fake_vllm_config(64)
+    config.compilation_config.static_forward_context = {}
+    builder = TritonAttentionMetadataBuilder(SPEC, ["layers.0.attn"], config, torch.device("cpu"))
+    requests = [(300, 1), (40, 16), (120, 16)]
+    table = torch.arange(1, 1 + 3 * 20, dtype=torch.int32).view(3, 20)
+    common = common_metadata(requests, table, [n for n, _ in requests])
+    md = builder.build(0, common)
+    assert md.rswa_window == W and md.rswa_prefix_lens.tolist() == [S, S, S]
+    assert md.rswa_prefix_lens.data_ptr() == builder.persistent_rswa_prefix_lens.data_ptr()
+    # request 0: window from 268 -> blocks 16.. move behind the sink block; 2: from 73 -> 4..
+    assert md.seq_lens.tolist() == [300 - 15 * BS, 40, 120 - 3 * BS]
+    assert md.block_table[0, :5].tolist() == [1, 17, 18, 19, 20]
+    assert md.block_table[2, :5].tolist() == [41, 45, 46, 47, 48]
+    assert md.max_seq_len >= max(md.seq_lens.tolist())
+    again = builder.build(0, common)  # the same persistent buffers every step (CUDA graphs)
+    assert again.block_table.data_ptr() == md.block_table.data_ptr()
+    assert again.seq_lens.data_ptr() == md.seq_lens.data_ptr()

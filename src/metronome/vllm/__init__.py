@@ -35,6 +35,10 @@ segfault (measured: position 9000 on an 8192-row table).
 Modules: `config` (the bound, from hf_overrides), `spec` (KV cache spec + manager: what is
 pinned and freed), `attention` (exact CPU attention: vLLM's kernel inside S + W, past it
 `kernel`'s in-place C++ kernel, or the gather fallback), `layout` (where vLLM's CPU cache
-writer puts each K/V element), `plugin` (the entry point).
-Attention backends: CPU_ATTN only; the others are refused with the reason (`plugin`).
+writer puts each K/V element), `plugin` (the entry point); on GPUs `backends` (which
+attention backends apply the bound), `gpu_metadata` (prefix S in the metadata builds),
+`compaction` (Triton's block table cut to sink + window blocks); for the GPU check
+`triton_sources`, `flex_mask`, `gpu_check`.
+Attention backends: CPU_ATTN on CPU; TRITON_ATTN, FLEX_ATTENTION and FA4 on GPUs (their
+R-SWA mask with the prefix at S); the others are refused with the reason (`backends`).
 """

@@ -8,7 +8,9 @@ on paged KV whose gap entries point at stale or garbage blocks:
             feeds the stock Triton build) over the full block table: exact, O(L) tiles;
 * `compact` the same over the compacted table (`metronome.vllm.compaction`): exact, O(S+W);
             its gap blocks are filled with NaN, which any read would turn into NaN output;
-* `window`  vLLM's plain sliding window of S + W tokens (no sinks): the cost to match.
+* `window`  vLLM's plain sliding window of S + W tokens (no sinks): the cost to match;
+* `flex`    torch's flex_attention with our paged block mask (`metronome.vllm.flex_mask`:
+            what vLLM's Flex backend builds with the prefix at S), compiled on the GPU.
 
 Correctness: decode rows, 16- and 64-token chunks and a mixed batch, at lengths below S + W,
 with the window starting inside / right after the sink block, and far past, against an fp32
@@ -31,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -180,6 +183,28 @@ class TritonRunner:
                                   sh.window_tokens, sh.block_size)
         return table, lens, bound
 
+    def flex(self, batch: Batch, block_mask=None):
+        """torch's flex_attention with our paged sinks+window block mask (compiled on GPUs)."""
+        from metronome.vllm.flex_mask import flex_paged_attention, paged_block_mask
+
+        sh = self.shapes
+        if block_mask is None:
+            block_mask = paged_block_mask(batch.block_table, batch.seq_lens,
+                                          batch.query_start_loc, sh.sink_tokens,
+                                          sh.window_tokens, sh.block_size, batch.k.shape[0])
+        return flex_paged_attention(self.flex_attention, batch.q, batch.k, batch.v, block_mask,
+                                    batch.scale)
+
+    @property
+    def flex_attention(self):
+        if getattr(self, "_flex", None) is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            on_gpu = self.segm_max.is_cuda
+            self._flex = self.torch.compile(flex_attention, dynamic=False) if on_gpu else (
+                flex_attention)
+        return self._flex
+
     def __call__(self, batch: Batch, mode: str, out=None, compacted=None):
         sh = self.shapes
         table, lens, max_len = batch.block_table, batch.seq_lens, batch.max_seq_len
@@ -205,33 +230,52 @@ def check_correctness(torch, runner: TritonRunner, shapes: Shapes, device, toler
                       log) -> list[dict]:
     rows = []
     generator = torch.Generator(device=device).manual_seed(0)
+    # eager flex (CPU) computes the whole grid, so a NaN anywhere would reach every output;
+    # compiled flex on a GPU reads only the listed pages, like the compacted Triton call
+    flex_fill = float("nan") if device.type == "cuda" else 1e3
     for case, requests in correctness_cases(shapes).items():
-        for mode, fill in (("rswa", 1e3), ("compact", float("nan"))):
+        for mode, fill in (("rswa", 1e3), ("compact", float("nan")), ("flex", flex_fill)):
             batch = Batch(torch, shapes, requests, device, fill, generator)
             expected = reference(torch, batch)
-            got = runner(batch, mode).float()
-            error = (got - expected).abs().max().item()
+            row = {"case": case, "mode": mode, "gap_blocks": "nan" if fill != fill
+                   else "finite garbage", "requests": requests, "tolerance": tolerance}
+            try:
+                got = (runner.flex(batch) if mode == "flex" else runner(batch, mode)).float()
+                error = (got - expected).abs().max().item()
+            except Exception as failed:  # noqa: BLE001 - a GPU's Triton may differ: record it
+                row["error"] = f"{type(failed).__name__}: {failed}"[:500]
+                error = float("nan")
             ok = math.isfinite(error) and error <= tolerance
-            rows.append({"case": case, "mode": mode, "gap_blocks": "nan" if fill != fill
-                         else "finite garbage", "requests": requests, "max_abs_error": error,
-                         "tolerance": tolerance, "ok": ok})
-            log(f"  {case:8s} {mode:8s} max |err| {error:.2e} {'ok' if ok else 'FAILED'}")
+            rows.append(row | {"max_abs_error": error, "ok": ok})
+            log(f"  {case:8s} {mode:8s} max |err| {error:.2e} {'ok' if ok else 'FAILED'}"
+                + (f" ({row['error']})" if "error" in row else ""))
     return rows
 
 
 def time_grid(torch, runner: TritonRunner, shapes: Shapes, device, sessions: list[int],
-              lengths: list[int], repeats: int, log) -> list[dict]:
+              lengths: list[int], repeats: int, log, flex_budget_s: float = 240.0
+              ) -> list[dict]:
     rows = []
     generator = torch.Generator(device=device).manual_seed(1)
     on_gpu = device.type == "cuda"
+    flex_until = time.monotonic() + flex_budget_s  # each new shape compiles flex anew
     for n in sessions:
         for length in lengths:
             batch = Batch(torch, shapes, [(length, 1)] * n, device, 1e3, generator)
             cells = {}
             arms = timed_arms(runner, batch, torch.empty_like(batch.q))
+            if on_gpu and time.monotonic() < flex_until:
+                arms["flex"] = flex_arm(runner, batch)
             for name, fn in arms.items():
-                cells[name] = median_ms(torch, fn, repeats, on_gpu)
+                try:
+                    cells[name] = median_ms(torch, fn, repeats, on_gpu)
+                except Exception as failed:  # noqa: BLE001 - recorded, the grid goes on
+                    cells[name] = float("nan")
+                    log(f"  {name} failed at N={n} L={length}: {type(failed).__name__}: "
+                        f"{str(failed)[:300]}")
+            cells.setdefault("flex", float("nan"))  # not timed: CPU, or past its budget
             row = {"sessions": n, "tokens": length, **{f"{k}_ms": v for k, v in cells.items()},
+                   "flex_over_window": cells["flex"] / cells["window"],
                    "rswa_over_window": cells["rswa"] / cells["window"],
                    "compact_over_window": cells["compact"] / cells["window"],
                    "compact_total_over_window": cells["compact_total"] / cells["window"]}
@@ -256,6 +300,16 @@ def timed_arms(runner: TritonRunner, batch: Batch, out) -> dict:
     }
 
 
+def flex_arm(runner: TritonRunner, batch: Batch):
+    """The flex call with its block mask built once (vLLM builds it once per step)."""
+    from metronome.vllm.flex_mask import paged_block_mask
+
+    sh = runner.shapes
+    mask = paged_block_mask(batch.block_table, batch.seq_lens, batch.query_start_loc,
+                            sh.sink_tokens, sh.window_tokens, sh.block_size, batch.k.shape[0])
+    return lambda: runner.flex(batch, mask)
+
+
 def median_ms(torch, fn, repeats: int, on_gpu: bool) -> float:
     for _ in range(2):
         fn()
@@ -275,6 +329,16 @@ def median_ms(torch, fn, repeats: int, on_gpu: bool) -> float:
     return statistics.median(samples)
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def report(result: dict) -> str:
     lines = [f"# GPU check: sinks+window on vLLM's Triton attention ({result['mode']})", "",
              f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
@@ -289,15 +353,15 @@ def report(result: dict) -> str:
         what = ("interpreter ms: proportional to the tiles visited, not GPU time"
                 if result["mode"].startswith("dry") else "median ms")
         lines += ["", f"## Decode, one layer: {what} (ratios to vLLM's plain S+W window)", "",
-                  "| N | L | window | rswa (full table) | compact | compaction | rswa/window | "
-                  "compact/window | (compact+compaction)/window |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| N | L | window | rswa (full table) | compact | compaction | flex | "
+                  "rswa/window | compact/window | (compact+compaction)/window | flex/window |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["timing"]:
             lines.append(
                 f"| {r['sessions']} | {r['tokens']} | {r['window_ms']:.3f} | {r['rswa_ms']:.3f} | "
-                f"{r['compact_ms']:.3f} | {r['compaction_only_ms']:.3f} | "
+                f"{r['compact_ms']:.3f} | {r['compaction_only_ms']:.3f} | {r['flex_ms']:.3f} | "
                 f"{r['rswa_over_window']:.2f} | {r['compact_over_window']:.2f} | "
-                f"{r['compact_total_over_window']:.2f} |")
+                f"{r['compact_total_over_window']:.2f} | {r['flex_over_window']:.2f} |")
     lines += ["", f"Verdict: {'all exact' if result['ok'] else 'FAILED'}", ""]
     return "\n".join(lines)
 
@@ -329,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+        warnings.filterwarnings("ignore", message=".*flex_attention called without "
+                                "torch.compile.*")  # eager is the point on CPU
+        warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
         if not (args.kernels / triton_sources.FILES[0]).exists():
             triton_sources.prepare(args.kernels)
     import torch
@@ -356,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"timing (decode, one layer{proxy}):")
     timing = time_grid(torch, runner, shapes, device, sessions, lengths, repeats, log)
     machine = (torch.cuda.get_device_name() if device.type == "cuda"
-               else f"{platform.processor() or platform.machine()} (CPU, Triton interpreter)")
+               else f"{cpu_name()}, {os.cpu_count()} CPUs (Triton's interpreter)")
     result = {"mode": "dry run (CPU)" if args.dry_run else "GPU",
               "command": "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine, "torch": torch.__version__, "triton": triton.__version__,
