@@ -26,6 +26,7 @@ from metronome.vllm.backends import (  # noqa: E402
     UnsupportedBackend,
     check_backend,
     check_layer_features,
+    check_parallelism,
     check_window_config,
 )
 from metronome.vllm.config import SinksWindow  # noqa: E402
@@ -74,9 +75,18 @@ def test_layer_features_no_backend_bounds_are_refused():
     for change, name in [({"alibi_slopes": torch.ones(4)}, "ALiBi"),
                          ({"logits_soft_cap": 30.0}, "soft-capping"),
                          ({"sinks": torch.zeros(4)}, "learned attention sinks"),
-                         ({"kv_cache_dtype": "fp8"}, "quantized KV cache")]:
+                         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype=fp8")]:
         with pytest.raises(UnsupportedBackend, match=name):
             check_layer_features(SimpleNamespace(**(vars(plain) | change)), "layers.0.attn")
+    check_layer_features(SimpleNamespace(**(vars(plain) | {"kv_cache_dtype": "bfloat16"})),
+                         "layers.0.attn")  # unquantized, explicit: the GPU kernels take it
+
+
+def test_context_parallelism_is_refused():
+    check_parallelism(1, 1)
+    for dcp, pcp in ((2, 1), (1, 2)):
+        with pytest.raises(UnsupportedBackend, match="context parallelism"):
+            check_parallelism(dcp, pcp)
 
 
 def test_the_window_reaches_the_backends_through_rswa_window():
@@ -132,8 +142,9 @@ def fake_vllm_config(num_blocks):
 class RecordingBuilder:
     """A stand-in builder: its stock `build` records what it was given."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, rswa_window=W):
         self.kv_cache_spec, self.vllm_config, self.seen = spec, fake_vllm_config(64), []
+        self.rswa_window = rswa_window  # what vLLM's builders read from the model config
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         self.seen.append((common_prefix_len, common_attn_metadata))
@@ -157,9 +168,11 @@ def test_bounded_builds_carry_prefix_s_and_others_are_untouched():
     assert seen.seq_lens.tolist() == [300 - 15 * BS, 40]  # window from 268: block 16 -> 1
     assert seen.block_table_tensor[0, 0] == table[0, 0] and seen.max_seq_len < 300
     assert stock.rswa_prefix_lens.tolist() == [300, 40]  # the runner's metadata is not mutated
-    plain = Triton(FULL)
+    plain = Triton(FULL, rswa_window=None)
     plain.build(7, stock)
     assert plain.seen[0] == (7, stock)  # a layer without the bound: stock, same object
+    with pytest.raises(UnsupportedBackend, match="rswa_window=None, not W"):
+        Triton(SPEC, rswa_window=None).build(0, stock)  # would drop the prefix: refused
 
 
 # ---- vLLM's FlexAttention metadata builder, on CPU -----------------------------------------

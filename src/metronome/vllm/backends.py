@@ -52,20 +52,36 @@ def check_backend(backend: str, on_cpu: bool, flash_attn_version: int | None = N
         f"so it would silently attend the freed gap. Fix: {FIX}.")
 
 
-def refused_features(impl) -> list[str]:
-    """Layer features no backend runs under the bound, read off an attention impl."""
+UNQUANTIZED_KV_DTYPES = frozenset({"auto", "bfloat16", "float16", "half", "float32", "float"})
+
+
+def refused_features(impl, any_explicit_kv_dtype: bool = True) -> list[str]:
+    """Layer features no backend runs under the bound, read off an attention impl. The CPU
+    attention reads the cache in the model's dtype only (`any_explicit_kv_dtype`: refuse
+    every kv_cache_dtype but "auto"); the GPU kernels take any unquantized one."""
     kv_cache_dtype = getattr(impl, "kv_cache_dtype", "auto")
+    allowed = {"auto"} if any_explicit_kv_dtype else UNQUANTIZED_KV_DTYPES
     found = {
         "ALiBi": getattr(impl, "alibi_slopes", None) is not None,
         "logit soft-capping": bool(getattr(impl, "logits_soft_cap", None)),
         "learned attention sinks": getattr(impl, "sinks", None) is not None,
-        f"quantized KV cache (kv_cache_dtype={kv_cache_dtype})": kv_cache_dtype != "auto",
+        f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype not in allowed,
     }
     return [name for name, present in found.items() if present]
 
 
+def check_parallelism(decode_context_parallel: int, prefill_context_parallel: int) -> None:
+    """Context parallelism splits a request's KV over ranks; vLLM 0.32's DCP path (e.g.
+    FlashAttention's `_forward_with_dcp`) never applies R-SWA's mask: refused."""
+    if decode_context_parallel > 1 or prefill_context_parallel > 1:
+        raise UnsupportedBackend(
+            f"context parallelism (decode {decode_context_parallel}, prefill "
+            f"{prefill_context_parallel}) is not supported with the sinks+window bound: its "
+            "attention path ignores R-SWA's prefix. Fix: decode/prefill_context_parallel_size=1")
+
+
 def check_layer_features(impl, layer_name: str) -> None:
-    found = refused_features(impl)
+    found = refused_features(impl, any_explicit_kv_dtype=False)
     if found:
         raise UnsupportedBackend(
             f"layer {layer_name}: the sinks+window bound does not support {', '.join(found)}")

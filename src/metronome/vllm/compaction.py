@@ -52,7 +52,8 @@ def compact_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor,
     `query_start_loc` (R + 1,) int32. Writes into `out_table[:R, :M]` / `out_seq_lens[:R]`
     when given (persistent buffers), else into new tensors; returns the two views. A request
     whose window still touches its sink blocks is left as it is. Columns past a request's
-    compacted length repeat its last table entry (never read: the kernel stops at its length).
+    compacted length hold later original columns (clamped to the last): never read, the
+    kernel stops at the request's length.
     """
     num_reqs, width = block_table.shape
     assert seq_lens.shape[0] >= num_reqs and query_start_loc.shape[0] >= num_reqs + 1, (

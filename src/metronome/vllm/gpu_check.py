@@ -201,6 +201,9 @@ class TritonRunner:
             from torch.nn.attention.flex_attention import flex_attention
 
             on_gpu = self.segm_max.is_cuda
+            if on_gpu:  # every new shape compiles again; past dynamo's default limit (8)
+                # it would quietly fall back to eager flex and time that instead
+                self.torch._dynamo.config.recompile_limit = 256
             self._flex = self.torch.compile(flex_attention, dynamic=False) if on_gpu else (
                 flex_attention)
         return self._flex

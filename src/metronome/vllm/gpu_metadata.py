@@ -17,8 +17,11 @@ wholly in the gap once the prefix is S. FlashAttention 4 applies the mask per to
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from metronome.vllm.backends import UnsupportedBackend
 from metronome.vllm.compaction import compact_block_table, max_compacted_len
 from metronome.vllm.spec import SinksWindowSpec
 
@@ -28,6 +31,7 @@ _BUILDERS = (  # (module, class, compact the block table)
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder", False),
 )
 _WRAPPED = "_metronome_stock_build"
+log = logging.getLogger(__name__)
 
 
 class SinksWindowBuffers:
@@ -50,9 +54,12 @@ class SinksWindowBuffers:
         changes: dict = {"rswa_prefix_lens": self.prefix_lens[:num_reqs]}
         if self.compact:
             source = common.block_table_tensor
-            if self.table is None or self.table.shape[1] < source.shape[1]:
+            if self.table is None:  # once: CUDA graphs replay its address from then on
                 self.table = torch.zeros(self.prefix_lens.shape[0], source.shape[1],
                                          dtype=source.dtype, device=source.device)
+            assert source.shape[1] <= self.table.shape[1], (
+                f"block table widened from {self.table.shape[1]} to {source.shape[1]} columns "
+                "after the compacted buffer was allocated")
             spec = self.spec
             table, seq_lens = compact_block_table(
                 source[:num_reqs], common.seq_lens, common.query_start_loc, spec.sink_tokens,
@@ -72,6 +79,13 @@ def _bounded_build(stock_build, compact: bool):
         spec = getattr(self, "kv_cache_spec", None)
         if not isinstance(spec, SinksWindowSpec):
             return stock_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+        if getattr(self, "rswa_window", None) != spec.window_tokens:
+            # without R-SWA the stock build would drop the prefix: plain causal attention over
+            # the freed gap (or, compacted, over the sink blocks' slots past S)
+            raise UnsupportedBackend(
+                f"{type(self).__name__} has rswa_window={getattr(self, 'rswa_window', None)}, "
+                f"not W = {spec.window_tokens}: add \"rswa_window\": {spec.window_tokens} to "
+                "hf_overrides")
         buffers = getattr(self, "_metronome_buffers", None)
         if buffers is None:
             max_num_reqs = self.vllm_config.scheduler_config.max_num_seqs
@@ -102,7 +116,9 @@ def install() -> list[str]:
     for module_name, class_name, compact in _BUILDERS:
         try:
             module = importlib.import_module(module_name)
-        except ImportError:
+        except Exception as missing:  # noqa: BLE001 - e.g. an extension that fails to load
+            log.info("sinks+window: %s not wrapped (%s cannot be imported here: %s)",
+                     class_name, module_name, missing)
             continue
         wrap_builder(getattr(module, class_name), compact)
         wrapped.append(class_name)

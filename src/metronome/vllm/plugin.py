@@ -24,6 +24,7 @@ from metronome.vllm.backends import (
     UnsupportedBackend,
     check_backend,
     check_layer_features,
+    check_parallelism,
     check_window_config,
 )
 from metronome.vllm.config import HF_OVERRIDE_KEY, SinksWindow, bound_from_vllm_config
@@ -64,6 +65,9 @@ def bounded_kv_cache_spec(layer: Attention, vllm_config):
         check_window_config(vllm_config.model_config.rswa_window, bound.window_tokens, on_cpu)
         if not on_cpu:  # the CPU impl checks its own (metronome.vllm.attention)
             check_layer_features(layer.impl, layer.layer_name)
+            parallel = vllm_config.parallel_config
+            check_parallelism(getattr(parallel, "decode_context_parallel_size", 1),
+                              getattr(parallel, "prefill_context_parallel_size", 1))
     return bounded_spec(
         _stock_get_kv_cache_spec(layer, vllm_config), bound,
         layer.attn_backend.get_name(), layer.layer_name, vllm_config.max_in_flight_tokens,
