@@ -100,17 +100,15 @@ class VllmEngineConfig:
         return str(self.policy)
 
     def engine_args(self, kv_bytes_per_token: int, on_cpu: bool = True) -> dict:
-        """Keyword arguments of vLLM's `EngineArgs` for this engine. On a GPU platform
-        (`on_cpu=False`) a bounded engine also tells the backends its window (the model
-        config's `rswa_window` = W) and asks for Triton's attention, which applies the bound
-        (`metronome.vllm.backends`; FA3, Hopper's default, would be refused)."""
+        """Keyword arguments of vLLM's `EngineArgs` for this engine; on GPUs a bounded one
+        gives the backends W as `rswa_window` and takes Triton (`metronome.vllm.backends`)."""
         num_blocks = self.pool_tokens // self.block_size
         overrides = dict(self.hf_overrides or {})
         extra: dict = {}
         if self.policy.bounded:
             overrides[HF_OVERRIDE_KEY] = self.policy_spec
             if not on_cpu:
-                overrides.setdefault("rswa_window", parse_bound(self.policy_spec).window_tokens)
+                overrides.setdefault("rswa_window", self.policy.window_tokens)
                 extra["attention_backend"] = "TRITON_ATTN"
         if overrides:
             extra["hf_overrides"] = overrides

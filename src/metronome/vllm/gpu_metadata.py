@@ -44,7 +44,8 @@ class SinksWindowBuffers:
         self.prefix_lens = torch.full((max_num_reqs,), spec.sink_tokens, dtype=torch.int32,
                                       device=device)
         self.table: torch.Tensor | None = None  # shaped on first use (the runner's width)
-        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device) if (
+            compact) else None
 
     def bounded(self, common):
         """`common` (a `CommonAttentionMetadata`) with the prefix at S, compacted if asked."""
@@ -79,11 +80,12 @@ def _bounded_build(stock_build, compact: bool):
         spec = getattr(self, "kv_cache_spec", None)
         if not isinstance(spec, SinksWindowSpec):
             return stock_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-        if getattr(self, "rswa_window", None) != spec.window_tokens:
+        window = getattr(self, "rswa_window", None)
+        if window != spec.window_tokens:
             # without R-SWA the stock build would drop the prefix: plain causal attention over
             # the freed gap (or, compacted, over the sink blocks' slots past S)
             raise UnsupportedBackend(
-                f"{type(self).__name__} has rswa_window={getattr(self, 'rswa_window', None)}, "
+                f"{type(self).__name__} has rswa_window={window}, "
                 f"not W = {spec.window_tokens}: add \"rswa_window\": {spec.window_tokens} to "
                 "hf_overrides")
         buffers = getattr(self, "_metronome_buffers", None)
