@@ -17,6 +17,7 @@ from metronome.serve import protocol as p
 from metronome.serve.auth import chosen_subprotocol, key_matches, offered_keys
 from metronome.serve.guard import ABORT_EXTENSION, TransportLimits, protocols
 from metronome.serve.outbox import Outbox
+from metronome.serve.peers import PeerLimits, PeerSlot, PeerTable, Refusal, peer_key
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.rate_limit import RateLimit, Verdict
 
@@ -96,6 +97,77 @@ def test_errors_carry_the_event_id_and_shortened_client_keys():
                                "session": {"k" * 100_000: 1}}))
     assert (err.code, err.event_id) == (ErrorCode.UNKNOWN_PARAMETER, "evt_2")
     assert err.param == "session." + "k" * 32
+
+
+@pytest.mark.parametrize("message", [
+    # nesting past the bound: refused after parsing, the id read from what was parsed
+    json.dumps({"type": "session.update", "session": {"a": [[[[[[[1]]]]]]]}, "event_id": "e"}),
+    # too many values: refused unparsed, the id read from the leading members
+    json.dumps({"type": "session.update", "event_id": "e", "x": list(range(600))}),
+    '{"type": "session.update", "event_id": "e", "session": {',  # not JSON
+    r'{"event_id": "e", "type": "nope", "x": "\ud800"}',  # a lone surrogate elsewhere
+    json.dumps({"type": "session.update", "event_id": "e", "session": 5}),
+])
+def test_every_refusal_echoes_a_readable_event_id(message):
+    assert error_of(message).event_id == "e"
+
+
+@pytest.mark.parametrize(("text", "event_id"), [
+    ('{"type": "x", "event_id": "evt_1", "item": {}}', "evt_1"),
+    (' { "event_id" : "evt_2" }', "evt_2"),
+    ('{"item": {"event_id": "nested"}, "event_id": "late"}', None),  # not a leading member
+    (r'{"type": "a\"b", "event_id": "evt_3"}', None),  # escapes end the reading
+    ('{"a": "1", "b": "2", "c": "3", "d": "4", "event_id": "fifth"}', None),
+    ('["event_id", "evt_4"]', None),
+    ('{"type": "x", "event_id": "' + "i" * 129 + '"}', None),  # longer than any id
+])
+def test_an_event_id_is_read_from_leading_string_members_only(text, event_id):
+    assert p.readable_event_id(text) == event_id
+
+
+# ---- connections per peer -----------------------------------------------------------------------
+def test_a_peer_holds_at_most_max_open_and_opens_at_its_rate():
+    table = PeerTable(PeerLimits(max_open=2, per_s=1.0, burst=3))
+    first, second = table.open("10.0.0.1", 0.0), table.open("10.0.0.1", 0.0)
+    assert isinstance(first, PeerSlot) and isinstance(second, PeerSlot)
+    full = table.open("10.0.0.1", 0.0)
+    assert (full.reason, full.retry_after_s) == (Refusal.TOO_MANY_OPEN, 1)
+    assert isinstance(table.open("10.0.0.2", 0.0), PeerSlot)  # another peer is not held
+    first.release()
+    first.release()  # once only
+    assert table.num_open("10.0.0.1") == 1
+    assert isinstance(table.open("10.0.0.1", 0.0), PeerSlot)  # the burst's third
+    second.release()
+    fast = table.open("10.0.0.1", 0.5)  # half a token back: 0.5 s to wait, told as 1 s
+    assert (fast.reason, fast.retry_after_s) == (Refusal.TOO_FAST, 1)
+    assert isinstance(table.open("10.0.0.1", 1.0), PeerSlot)
+
+
+def test_idle_peers_are_forgotten_once_their_bucket_is_full():
+    table = PeerTable(PeerLimits(max_open=2, per_s=1.0, burst=2))
+    table.open("10.0.0.1", 0.0).release()
+    held = table.open("10.0.0.2", 0.0)
+    assert len(table) == 2
+    table.open("10.0.0.3", 2.5)  # 10.0.0.1 is refilled and holds nothing: forgotten
+    assert len(table) == 2 and table.num_open("10.0.0.2") == 1
+    held.release()
+
+
+def test_ipv6_peers_are_their_64_and_mapped_ipv4_is_ipv4():
+    assert peer_key("2001:db8:1:2:aaaa::1") == peer_key("2001:db8:1:2:bbbb::2") == (
+        "2001:db8:1:2::/64")
+    assert peer_key("::ffff:10.0.0.1") == "10.0.0.1"
+    assert peer_key("10.0.0.1") == "10.0.0.1"
+
+
+def test_the_forwarded_peer_is_the_rightmost_address_no_trusted_proxy_wrote():
+    table = PeerTable(PeerLimits(2, 1.0, 2, trusted_proxies=frozenset({"10.0.0.9", "10.0.0.8"})))
+    headers = [(b"host", b"x"), (b"x-forwarded-for", b"6.6.6.6, 1.2.3.4"),
+               (b"x-forwarded-for", b"10.0.0.8")]
+    assert table.forwarded_peer(headers) == "1.2.3.4"  # 6.6.6.6 is the client's own word
+    assert table.forwarded_peer([(b"x-forwarded-for", b"10.0.0.8")]) is None
+    assert table.forwarded_peer([]) is None
+    assert table.is_trusted_proxy("10.0.0.9") and not table.is_trusted_proxy("1.2.3.4")
 
 
 # ---- the rate limit -----------------------------------------------------------------------------
@@ -179,8 +251,9 @@ def test_a_key_is_offered_by_bearer_header_or_browser_subprotocol():
 
 
 # ---- the transport guard ------------------------------------------------------------------------
+UNLIMITED_PEERS = PeerLimits(max_open=100, per_s=1000, burst=1000)  # the global caps' tests
 LIMITS = TransportLimits(request_timeout_s=0.5, max_header_bytes=2048, max_connections=4,
-                         pings_per_s=10, ping_burst=8)
+                         pings_per_s=10, ping_burst=8, peers=UNLIMITED_PEERS)
 PING = bytes([0x89, 0x80]) + b"\0\0\0\0"  # masked, empty
 PONG = bytes([0x8A, 0x00])
 
@@ -271,6 +344,37 @@ def test_headers_past_the_cap_get_431(guarded_port):
     assert _read_all(sock).startswith(b"HTTP/1.1 431")
 
 
+UPGRADE = (b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n")
+
+
+@pytest.mark.parametrize("request_head", [b"GET / HTTP/1.1\r\nHost: x\r\n", UPGRADE])
+@pytest.mark.parametrize(("header_bytes", "piece_bytes"), [
+    (20_000, None), (100_000, None),  # whole, in one send (the parser reads it at once)
+    (2100, None),  # just past the cap
+    (20_000, 1000),  # in pieces
+])
+def test_headers_past_the_cap_get_431_however_they_arrive(guarded_port, request_head,
+                                                          header_bytes, piece_bytes):
+    whole = request_head + b"X-Big: " + b"a" * header_bytes + b"\r\n\r\n"
+    step = piece_bytes or len(whole)
+    sock = _open(guarded_port)
+    for start in range(0, len(whole), step):
+        try:
+            sock.sendall(whole[start: start + step])
+        except OSError:
+            break  # refused before the rest: fine, if 431 was the answer
+        time.sleep(0.001 if piece_bytes else 0)
+    assert _read_all(sock).startswith(b"HTTP/1.1 431")
+
+
+def test_headers_within_the_cap_in_one_send_are_served(guarded_port):
+    sock = _open(guarded_port, b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1900
+                 + b"\r\n\r\n")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    sock.close()
+
+
 def test_connections_past_the_cap_get_503_at_once(guarded_port):
     held = [_open(guarded_port) for _ in range(LIMITS.max_connections)]
     time.sleep(0.1)
@@ -308,3 +412,92 @@ def test_a_ping_flood_drops_the_transport(guarded_port):
     assert answered == PONG * 5
     sock.sendall(PING * 50)  # past it: the transport is dropped (without: a timeout)
     assert len(_read_all(sock)) <= 50 * len(PONG)  # (the pongs of one read go out at once)
+
+
+# ---- the transport guard, per peer --------------------------------------------------------------
+PEER_LIMITS = TransportLimits(request_timeout_s=0.5, max_header_bytes=2048, max_connections=50,
+                              pings_per_s=10, ping_burst=8, peers=PeerLimits(
+                                  max_open=2, per_s=2.0, burst=3,
+                                  trusted_proxies=frozenset({"127.0.0.1"})))
+
+
+@pytest.fixture(scope="module")
+def peer_guarded_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(tiny_app, log_level="warning",
+                                           **protocols(PEER_LIMITS)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def _open_from(port: int, source: str, data: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+    sock.settimeout(3)
+    sock.sendall(data)
+    return sock
+
+
+def _status_and_retry_after(response: bytes) -> tuple[int, str | None]:
+    head = response.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in head[1:])
+    return int(head[0].split()[1]), headers.get("retry-after")
+
+
+def test_a_peer_past_its_open_connections_gets_503_and_others_get_in(peer_guarded_port):
+    held = [_open_from(peer_guarded_port, "127.0.0.2") for _ in range(2)]
+    time.sleep(0.05)
+    refused = _read_all(_open_from(peer_guarded_port, "127.0.0.2"))
+    assert _status_and_retry_after(refused) == (503, "1")
+    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+        "server_at_capacity")
+    other = _open_from(peer_guarded_port, "127.0.0.3", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert other.recv(65536).startswith(b"HTTP/1.1 200")
+    for sock in [*held, other]:
+        sock.close()
+
+
+def test_a_peer_connecting_past_its_rate_gets_429_with_retry_after(peer_guarded_port):
+    for _ in range(3):  # the burst, each closed at once
+        sock = _open_from(peer_guarded_port, "127.0.0.4", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        sock.close()
+    refused = _read_all(_open_from(peer_guarded_port, "127.0.0.4"))
+    assert _status_and_retry_after(refused) == (429, "1")
+    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+        "rate_limit_exceeded")
+
+
+def _upgrade_from_proxy(port: int, forwarded_for: str) -> socket.socket:
+    return _open_from(port, "127.0.0.1",  # the trusted proxy
+                      UPGRADE + f"X-Forwarded-For: {forwarded_for}\r\n\r\n".encode())
+
+
+def test_upgrades_through_a_trusted_proxy_count_for_the_forwarded_peer(peer_guarded_port):
+    held = [_upgrade_from_proxy(peer_guarded_port, "6.6.6.6, 10.1.1.1") for _ in range(2)]
+    for sock in held:  # 10.1.1.1: what the proxy saw; 6.6.6.6: the client's own word
+        assert sock.recv(65536).startswith(b"HTTP/1.1 101")
+    refused = _read_all(_upgrade_from_proxy(peer_guarded_port, "10.1.1.1"))
+    assert _status_and_retry_after(refused) == (503, "1")
+    another = _upgrade_from_proxy(peer_guarded_port, "10.1.1.2")  # behind the same proxy
+    assert another.recv(65536).startswith(b"HTTP/1.1 101")
+    for sock in [*held, another]:
+        sock.close()
+
+
+def test_a_forwarded_for_header_from_an_untrusted_peer_is_ignored(peer_guarded_port):
+    held = [_open_from(peer_guarded_port, "127.0.0.5",
+                       UPGRADE + f"X-Forwarded-For: 10.9.9.{k}\r\n\r\n".encode())
+            for k in range(2)]
+    for sock in held:
+        assert sock.recv(65536).startswith(b"HTTP/1.1 101")
+    refused = _read_all(_open_from(peer_guarded_port, "127.0.0.5"))
+    assert _status_and_retry_after(refused)[0] == 503  # its own two, whatever it claims
+    for sock in held:
+        sock.close()

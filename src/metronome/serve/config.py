@@ -15,6 +15,8 @@ from metronome.engine.engine import EngineConfig, check_policy_limits, check_poo
 from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.serve.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
+from metronome.serve.guard import TransportLimits
+from metronome.serve.peers import PeerLimits
 from metronome.workload_defaults import (
     BLOCK_SIZE_TOKENS,
     DEADLINE_FRACTION,
@@ -119,6 +121,22 @@ class ServerConfig(BaseModel):
                                   "plus headers; larger ones are answered 431")
     max_connections: int = Field(512, ge=2, description="open TCP connections, WebSockets "
                                  "included; one more is answered 503 at once and closed")
+    # Per peer (one client address; IPv6: its /64), before the upgrade (serve.peers).
+    max_connections_per_peer: int = Field(128, ge=1, description="open connections one "
+                                          "peer may hold; one more is answered 503 with "
+                                          "Retry-After at once and closed")
+    connections_per_s_per_peer: float = Field(32.0, gt=0, description="new connections per "
+                                              "second one peer may open; faster ones are "
+                                              "answered 429 with Retry-After")
+    connection_burst_per_peer: int = Field(64, ge=1, description="new connections a peer may "
+                                           "open at once above that rate")
+    trusted_proxies: tuple[str, ...] = Field((), description="addresses of reverse proxies "
+                                             "whose forwarded-for header names the peer (at "
+                                             "the upgrade); from anyone else the header is "
+                                             "ignored and the socket's address is the peer")
+    forwarded_for_header: str = Field("x-forwarded-for", description="the header trusted "
+                                      "proxies name the client in (the rightmost address "
+                                      "that is not a trusted proxy)")
 
     @model_validator(mode="before")
     @classmethod
@@ -161,6 +179,15 @@ class ServerConfig(BaseModel):
             raise ValueError(f"rate_limit_burst_bytes ({self.rate_limit_burst_bytes}) must be "
                              f"at least max_message_bytes ({self.max_message_bytes})")
         return self
+
+    def transport_limits(self) -> TransportLimits:
+        """What `serve.guard` enforces before any handler runs."""
+        peers = PeerLimits(self.max_connections_per_peer, self.connections_per_s_per_peer,
+                           self.connection_burst_per_peer, frozenset(self.trusted_proxies),
+                           self.forwarded_for_header.lower().encode("latin-1"))
+        return TransportLimits(self.request_timeout_s, self.max_header_bytes,
+                               self.max_connections, self.rate_limit_messages_per_s,
+                               self.rate_limit_burst_messages, peers)
 
     def audio_format(self, sample_rate_hz: int) -> AudioFormat:
         return AudioFormat(sample_rate_hz=sample_rate_hz, token_rate_hz=self.token_rate_hz)

@@ -9,9 +9,16 @@ headers are complete, so such sockets are never refused either. Here, per connec
   its first byte, and a new connection must start its first one within `request_timeout_s`
   of the connect, or the transport is dropped (aborted: a client that does not read must
   not keep it either);
-- the request line and headers may take `max_header_bytes`; past that, 431 and dropped;
+- the request line and headers may take `max_header_bytes`; past that, 431 and closed,
+  however the bytes arrive: counted as the parser reads them (all of them in one read) and,
+  for headers not complete yet, as they are read (one byte at a time). Nothing of a refused
+  request runs (no app call, no upgrade), and its socket lingers at most `LINGER_S` (what
+  the client still sends is dropped) so that the answer is read, not reset;
 - with `max_connections` connections open (WebSockets included), one more is answered 503
-  at once, before it sends anything, and closed.
+  at once, before it sends anything, and closed;
+- per peer (`serve.peers`): one holding its `max_open` connections is answered 503, one
+  connecting faster than its rate 429, both with `Retry-After`, at once and closed. A
+  connection from a trusted proxy is counted at its upgrade, under the forwarded peer.
 
 WebSockets:
 - uvicorn parses all of one read (256 KiB) at once and queues every message in it: 32k
@@ -40,11 +47,13 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from metronome.serve import protocol as p
+from metronome.serve.peers import PeerLimits, PeerSlot, PeerTable, Refused
 from metronome.serve.rate_limit import TokenBucket
 
 ABORT_EXTENSION = "metronome.transport.abort"
 MAX_WRITE_BACKLOG_BYTES = 1 << 20  # unsent output a pong may not add to
 PARSE_SLICE_BYTES = 16 << 10  # ~13 ms of parsing for the worst frames (2-byte messages)
+LINGER_S = 1.0  # a refused request's socket stays this long at most for its answer to be read
 
 
 @dataclass(frozen=True)
@@ -54,70 +63,168 @@ class TransportLimits:
     max_connections: int
     pings_per_s: float  # WebSocket pings, pongs and continuation frames, per connection
     ping_burst: int
+    peers: PeerLimits
 
 
-def _response(status_line: str, code: p.ErrorCode, message: str) -> bytes:
+HEADER_LINE_OVERHEAD_BYTES = 4  # ": " and CRLF of each header line, which the parser drops
+_STATUS_LINES = {503: "503 Service Unavailable", 429: "429 Too Many Requests"}
+
+
+def _response(status_line: str, code: p.ErrorCode, message: str,
+              retry_after_s: int | None = None) -> bytes:
     error = p.ErrorDetail(type=p.ErrorType.SERVER, code=code, message=message)
     body = json.dumps({"error": error.model_dump(mode="json")}).encode()
-    head = (f"HTTP/1.1 {status_line}\r\ncontent-type: application/json\r\n"
+    retry = "" if retry_after_s is None else f"retry-after: {retry_after_s}\r\n"
+    head = (f"HTTP/1.1 {status_line}\r\ncontent-type: application/json\r\n{retry}"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode() + body
 
 
-class GuardedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the request timer, header cap and connection cap."""
+def _peer_refusal(refused: Refused) -> bytes:
+    code = refused.reason.value
+    error_code = p.ErrorCode.AT_CAPACITY if code == 503 else p.ErrorCode.RATE_LIMITED
+    return _response(_STATUS_LINES[code], error_code, refused.message, refused.retry_after_s)
 
-    def __init__(self, *args, limits: TransportLimits, **kwargs) -> None:
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the request timer, the header cap, and the
+    connection caps (all connections, and per peer)."""
+
+    def __init__(self, *args, limits: TransportLimits, peers: PeerTable, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self.peers = peers
+        self._peer_slot: PeerSlot | None = None  # this connection, counted for its peer
         self._request_timer: asyncio.TimerHandle | None = None
         self._reading_headers = True  # until a request's headers are complete
-        self._header_bytes = 0
+        self._header_bytes_read = 0  # reads that ended with the headers still incomplete
+        self._header_bytes_parsed = 0  # the request line and headers the parser has read
+        self._refusal: bytes | None = None  # the answer to a refused request, once parsed
+        self._lingering = False  # refused and answered: the rest is dropped
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        if len(self.connections) >= self.limits.max_connections:
+        refusal = self._connection_refusal(transport)
+        if refusal is not None:
             self.transport = transport  # for connection_lost; never counted as open
-            transport.write(_response("503 Service Unavailable", p.ErrorCode.AT_CAPACITY,
-                                      f"{self.limits.max_connections} connections are open; "
-                                      "retry later"))
+            transport.write(refusal)
             transport.close()
             return
         super().connection_made(transport)
         self._arm_request_timer()
 
+    def _connection_refusal(self, transport: asyncio.Transport) -> bytes | None:
+        """The answer to a connection refused before it sends anything, else None (and the
+        connection is counted for its peer, unless that is a trusted proxy)."""
+        if len(self.connections) >= self.limits.max_connections:
+            return _response("503 Service Unavailable", p.ErrorCode.AT_CAPACITY,
+                             f"{self.limits.max_connections} connections are open; retry "
+                             "later", retry_after_s=1)
+        address = _host(transport.get_extra_info("peername"))
+        if address is None or self.peers.is_trusted_proxy(address):
+            return None  # a Unix socket; a proxy: counted at the upgrade, per forwarded peer
+        return self._count_peer(address)
+
+    def _count_peer(self, address: str) -> bytes | None:
+        opened = self.peers.open(address, self.loop.time())
+        if isinstance(opened, Refused):
+            return _peer_refusal(opened)
+        self._peer_slot = opened
+        return None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_request_timer()
+        self._release_peer_slot()
         super().connection_lost(exc)
 
+    def _release_peer_slot(self) -> None:
+        if self._peer_slot is not None:
+            self._peer_slot.release()
+            self._peer_slot = None
+
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing() or self._lingering:
+            return  # (lingering: read and dropped)
+        super().data_received(data)
         if self.transport.is_closing():
             return
-        super().data_received(data)
-        if self._reading_headers and not self.transport.is_closing():
-            self._header_bytes += len(data)  # all of it is request line and headers so far
-            if self._header_bytes > self.limits.max_header_bytes:
-                self.transport.write(_response(
-                    "431 Request Header Fields Too Large", p.ErrorCode.MESSAGE_TOO_LARGE,
-                    f"request line and headers exceed {self.limits.max_header_bytes} bytes"))
-                self.transport.abort()
+        if self._reading_headers and self._refusal is None:
+            self._header_bytes_read += len(data)  # all of it is request line and headers
+            self._check_header_bytes(self._header_bytes_read)
+        if self._refusal is not None:
+            self._answer_and_linger(self._refusal)
+
+    def _answer_and_linger(self, response: bytes) -> None:
+        """Answer a refused request and close, lingering: what the client still sends is
+        read and dropped until it closes or `LINGER_S` passes (a socket closed with unread
+        bytes is reset, and the client may lose the answer before it reads it)."""
+        self._lingering = True
+        self.transport.write(response)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()  # after the answer; the client's EOF then closes it
+        self.loop.call_later(LINGER_S, self.transport.abort)
+
+    def _check_header_bytes(self, num_bytes: int) -> None:
+        if num_bytes > self.limits.max_header_bytes and self._refusal is None:
+            self._refusal = _response(
+                "431 Request Header Fields Too Large", p.ErrorCode.MESSAGE_TOO_LARGE,
+                f"request line and headers exceed {self.limits.max_header_bytes} bytes")
 
     # ---- parser callbacks --------------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._reading_headers = True
-        self._header_bytes = 0
+        self._header_bytes_read = self._header_bytes_parsed = 0
         self._arm_request_timer()
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._header_bytes_parsed += len(url)
+        self._check_header_bytes(self._header_bytes_parsed)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._header_bytes_parsed += len(name) + len(value) + HEADER_LINE_OVERHEAD_BYTES
+        self._check_header_bytes(self._header_bytes_parsed)
 
     def on_headers_complete(self) -> None:
         self._reading_headers = False
+        if self._refusal is None and self._peer_slot is None and self._is_upgrade():
+            self._count_forwarded_peer()
+        if self._refusal is not None:
+            return  # nothing of a refused request runs
         super().on_headers_complete()
-        if self.parser.should_upgrade() and self._should_upgrade():  # a WebSocket: its
-            # protocol takes the transport over
+        if self._is_upgrade():  # a WebSocket: its protocol takes the transport over
             self._disarm_request_timer()
 
+    def _is_upgrade(self) -> bool:
+        return self.parser.should_upgrade() and self._should_upgrade()
+
+    def _count_forwarded_peer(self) -> None:
+        """An upgrade through a trusted proxy: counted for the peer it forwards (a proxy
+        that names none: for itself)."""
+        proxy = _host(self.transport.get_extra_info("peername"))
+        if proxy is None:
+            return
+        self._refusal = self._count_peer(self.peers.forwarded_peer(self.headers) or proxy)
+
+    def on_body(self, body: bytes) -> None:
+        if self._refusal is None:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._refusal is not None:
+            return
         super().on_message_complete()
         self._disarm_request_timer()
+
+    def handle_websocket_upgrade(self) -> None:
+        if self._refusal is not None:
+            return
+        super().handle_websocket_upgrade()
+        websocket = self.transport.get_protocol()  # holds this connection from now on
+        websocket.peer_slot, self._peer_slot = self._peer_slot, None
 
     # ---- the request timer -------------------------------------------------------------------
     def _arm_request_timer(self) -> None:
@@ -143,6 +250,13 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._pings = TokenBucket.full(limits.pings_per_s, limits.ping_burst, self.loop.time())
         self._unparsed = bytearray()  # received, not yet parsed: about a slice and a read
         self._slice_scheduled = False
+        self.peer_slot: PeerSlot | None = None  # the HTTP protocol's, handed over
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer_slot is not None:
+            self.peer_slot.release()
+            self.peer_slot = None
+        super().connection_lost(exc)
 
     # ---- parsing in slices ---------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -213,7 +327,13 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         return False
 
 
+def _host(peername) -> str | None:
+    """The address of a transport's peer (None: not an IP socket)."""
+    return peername[0] if isinstance(peername, tuple) and peername else None
+
+
 def protocols(limits: TransportLimits) -> dict:
-    """The `http` and `ws` arguments of `uvicorn.Config`."""
-    return {"http": functools.partial(GuardedHttpProtocol, limits=limits),
+    """The `http` and `ws` arguments of `uvicorn.Config` (one peer table for the server)."""
+    peers = PeerTable(limits.peers)
+    return {"http": functools.partial(GuardedHttpProtocol, limits=limits, peers=peers),
             "ws": functools.partial(GuardedWebSocketProtocol, limits=limits)}

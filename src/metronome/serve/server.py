@@ -15,7 +15,7 @@ import uvicorn
 from metronome.model.llama import LlamaModel
 from metronome.serve.app import create_app
 from metronome.serve.config import ServerConfig
-from metronome.serve.guard import TransportLimits, protocols
+from metronome.serve.guard import protocols
 
 STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model (~20 s on 2 cores)
 
@@ -36,14 +36,11 @@ DENIAL_LOG_FILTER = _DenialLogFilter()  # one instance: adding it again is a no-
 
 
 def uvicorn_config(app, config: ServerConfig, log_level: str = "info") -> uvicorn.Config:
-    limits = TransportLimits(config.request_timeout_s, config.max_header_bytes,
-                             config.max_connections, config.rate_limit_messages_per_s,
-                             config.rate_limit_burst_messages)
     settings = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=log_level,
         ws_max_size=config.ws_max_message_bytes,  # the hard cap; see ServerConfig
         ws_per_message_deflate=False,  # PCM does not compress; deflate costs CPU per message
-        **protocols(limits),
+        **protocols(config.transport_limits()),
     )
     logging.getLogger("uvicorn.error").addFilter(DENIAL_LOG_FILTER)  # after uvicorn's setup
     return settings

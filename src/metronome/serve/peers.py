@@ -1,0 +1,150 @@
+"""Connections per peer: how many one peer holds open, and how fast it may open more.
+
+A peer is one client address (an IPv6 client: its /64, which one host usually holds whole).
+Each peer may hold `max_open` connections (WebSockets included, from connect to close) and
+open new ones at `per_s` with bursts of `burst` (a token bucket); one past either is refused
+before it is read (`serve.guard` answers 503 or 429 with `Retry-After`). So one peer,
+reconnecting as fast as it is dropped, holds at most `max_open` of the server's
+`max_connections`, and every other peer (a real client, a health check) still gets in.
+
+Behind a reverse proxy every connection comes from the proxy's address: its peers are read
+from the forwarded-for header, and only for connections from `trusted_proxies` (a header
+from anyone else is the client's own word, and ignored). Those connections are counted
+once their headers are in, under the address the nearest trusted proxy saw (the rightmost
+entry that is not itself a trusted proxy).
+
+A peer's entry lives while it holds a connection or its bucket is refilling; `PeerSlot`
+is one counted connection, released once (its transport closes; the WebSocket it became
+takes it over at the upgrade).
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import math
+from dataclasses import dataclass, field
+
+from metronome.serve.rate_limit import TokenBucket
+
+IPV6_PREFIX_BITS = 64
+PRUNE_INTERVAL_S = 1.0  # idle peers are forgotten at most this often (a scan of the table)
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    max_open: int  # connections one peer may hold open
+    per_s: float  # new connections per second, per peer
+    burst: int  # new connections a peer may open at once above the rate
+    trusted_proxies: frozenset[str] = frozenset()  # addresses whose forwarded-for is read
+    forwarded_for_header: bytes = b"x-forwarded-for"
+
+
+class Refusal(enum.Enum):
+    TOO_MANY_OPEN = 503  # the peer holds `max_open` connections
+    TOO_FAST = 429  # the peer opened its burst above the rate
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: Refusal
+    retry_after_s: int  # whole seconds, at least 1 (the `Retry-After` header)
+    message: str
+
+
+@dataclass
+class _Peer:
+    bucket: TokenBucket
+    num_open: int = 0
+
+
+@dataclass(eq=False)
+class PeerSlot:
+    """One open connection counted for `peer`; `release` gives it back (once)."""
+
+    table: PeerTable
+    peer: str
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.table._release(self.peer)
+
+
+class PeerTable:
+    def __init__(self, limits: PeerLimits) -> None:
+        self.limits = limits
+        self._peers: dict[str, _Peer] = {}
+        self._pruned_at_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def num_open(self, peer: str) -> int:
+        entry = self._peers.get(peer_key(peer))
+        return 0 if entry is None else entry.num_open
+
+    def open(self, address: str, now_s: float) -> PeerSlot | Refused:
+        """Count a new connection from `address`, or say why it is refused."""
+        self._prune(now_s)
+        limits, peer = self.limits, peer_key(address)
+        entry = self._peers.get(peer)
+        if entry is None:
+            entry = self._peers[peer] = _Peer(TokenBucket.full(limits.per_s, limits.burst,
+                                                               now_s))
+        if entry.num_open >= limits.max_open:
+            return Refused(Refusal.TOO_MANY_OPEN, 1, f"{limits.max_open} connections from "
+                           "your address are open; close one or retry later")
+        entry.bucket.refill(now_s)
+        if not entry.bucket.holds(1):
+            wait_s = (1 - entry.bucket.tokens) / limits.per_s
+            return Refused(Refusal.TOO_FAST, max(1, math.ceil(wait_s)), f"more than "
+                           f"{limits.per_s:g} new connections per second (burst "
+                           f"{limits.burst}) from your address; slow down")
+        entry.bucket.take(1)
+        entry.num_open += 1
+        return PeerSlot(self, peer)
+
+    def is_trusted_proxy(self, address: str | None) -> bool:
+        return address is not None and address in self.limits.trusted_proxies
+
+    def forwarded_peer(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """The client a trusted proxy forwarded (the rightmost forwarded-for entry that is
+        not a trusted proxy), or None if the header is absent or names only proxies."""
+        values = [value for name, value in headers if name == self.limits.forwarded_for_header]
+        entries = [e.strip() for v in values for e in v.decode("latin-1").split(",")]
+        for entry in reversed(entries):
+            if entry and entry not in self.limits.trusted_proxies:
+                return entry
+        return None
+
+    def _release(self, peer: str) -> None:
+        entry = self._peers[peer]
+        assert entry.num_open > 0, peer
+        entry.num_open -= 1
+
+    def _prune(self, now_s: float) -> None:
+        """Forget peers that hold nothing and whose bucket is full again: what they would
+        get back is what a new entry gets."""
+        if now_s - self._pruned_at_s < PRUNE_INTERVAL_S:
+            return
+        self._pruned_at_s = now_s
+        for peer, entry in list(self._peers.items()):
+            entry.bucket.refill(now_s)
+            if entry.num_open == 0 and entry.bucket.tokens >= entry.bucket.burst:
+                del self._peers[peer]
+
+
+def peer_key(address: str) -> str:
+    """The peer an address belongs to: itself, or for IPv6 its /64 (an address that does
+    not parse, e.g. a forwarded name, is its own peer)."""
+    if ":" not in address:
+        return address
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d is the IPv4 peer a.b.c.d
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/{IPV6_PREFIX_BITS}", strict=False))
