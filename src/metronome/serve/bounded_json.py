@@ -29,9 +29,12 @@ class JsonRefused(ValueError):
     """The message is not JSON this server reads: bad syntax, over a bound, or a lone
     surrogate. `param` names where, when it is known."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None,
+                 parsed: object = None) -> None:
         super().__init__(message)
         self.param = param
+        self.parsed = parsed  # the message as parsed, when refused after parsing (nesting,
+        # a lone surrogate): what can still be read of it, e.g. its event_id
 
 
 def loads_bounded(text: str, max_values: int = DEFAULT_MAX_VALUES,
@@ -43,7 +46,10 @@ def loads_bounded(text: str, max_values: int = DEFAULT_MAX_VALUES,
         value = json.loads(text)
     except (ValueError, RecursionError) as err:
         raise JsonRefused(f"message is not valid JSON: {err}") from None
-    _check_depth_and_strings(value, max_depth)
+    try:
+        _check_depth_and_strings(value, max_depth)
+    except JsonRefused as err:
+        raise JsonRefused(str(err), err.param, parsed=value) from None
     return value
 
 

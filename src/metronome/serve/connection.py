@@ -179,7 +179,7 @@ class Connection:
             size = len(message.get("bytes") or b"")
         verdict = limit.admit(min(size, max_bytes), now_s)
         if verdict is not Verdict.ACCEPT:
-            self._on_refused(verdict, limit)
+            self._on_refused(verdict, limit, text)
             return
         if text is None:
             self._error(ClientError(ErrorCode.BINARY_NOT_SUPPORTED,
@@ -187,7 +187,8 @@ class Connection:
             return
         if size > max_bytes:
             self._error(ClientError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {size} bytes "
-                                    f"exceeds {max_bytes} bytes; split the audio"))
+                                    f"exceeds {max_bytes} bytes; split the audio"),
+                        p.readable_event_id(text))
             return
         try:
             event = p.parse_client_event(text, self.config.max_message_values,
@@ -200,12 +201,15 @@ class Connection:
         except ClientError as err:
             self._error(err, event.event_id)
 
-    def _on_refused(self, verdict: Verdict, limit: RateLimit) -> None:
+    def _on_refused(self, verdict: Verdict, limit: RateLimit, text: str | None) -> None:
+        """One error per run of refused messages, echoing the first one's event_id (read
+        from its leading members, never parsed: it is over the rate)."""
         if verdict is Verdict.REFUSE:
             self._error(ClientError(
                 ErrorCode.RATE_LIMITED, f"over the rate limit of {limit.describe()}: this "
                 "message is dropped, and so is every one until the rate falls back; a further "
-                "burst over it closes the connection (1008)"))
+                "burst over it closes the connection (1008)"),
+                None if text is None else p.readable_event_id(text))
         elif verdict is Verdict.CLOSE:
             error = ClientError(ErrorCode.RATE_LIMITED, f"a further burst over the rate limit "
                                 f"of {limit.describe()}: closing")

@@ -18,6 +18,7 @@ that opted in (`?metronome_events=true` on the URL).
 from __future__ import annotations
 
 import enum
+import re
 import secrets
 from typing import Annotated, Literal, Union
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -263,11 +264,13 @@ def parse_client_event(text: str, max_values: int = DEFAULT_MAX_VALUES,
     try:
         raw = loads_bounded(text, max_values, max_depth)
     except JsonRefused as err:
-        raise ClientError(ErrorCode.INVALID_JSON, str(err), err.param) from None
+        event_id = _event_id_of(err.parsed) if err.parsed is not None else (
+            readable_event_id(text))
+        raise ClientError(ErrorCode.INVALID_JSON, str(err), err.param,
+                          event_id=event_id) from None
     if not isinstance(raw, dict):
         raise ClientError(ErrorCode.INVALID_JSON, "an event must be a JSON object")
-    event_id = raw.get("event_id")
-    event_id = event_id if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS else None
+    event_id = _event_id_of(raw)
     event_type = raw.get("type")
     if not isinstance(event_type, str) or event_type not in CLIENT_EVENT_TYPES:
         shown = event_type if isinstance(event_type, str) else type(event_type).__name__
@@ -281,6 +284,41 @@ def parse_client_event(text: str, max_values: int = DEFAULT_MAX_VALUES,
         raise _as_client_error(err, event_id) from None
 
 
+# The top-level object's leading members, while each is a plain string (no escapes): how an
+# event_id is read from a message that is not parsed (over a bound, not JSON, over the rate).
+# Each match is bounded, and so is their number: the cost never grows with the message.
+_OBJECT_START = re.compile(r"\s*\{")
+_STRING_MEMBER = re.compile(
+    rf'\s*"([^"\\]{{1,32}})"\s*:\s*"([^"\\]{{0,{MAX_ID_CHARS}}})"\s*([,}}])')
+_MAX_LEADING_MEMBERS = 4  # events lead with `type` and `event_id`
+
+
+def readable_event_id(text: str) -> str | None:
+    """A message's `event_id` without parsing it, when it is among the top-level object's
+    first few members and those are plain strings (as clients write events); else None."""
+    start = _OBJECT_START.match(text)
+    position = 0 if start is None else start.end()
+    for _ in range(_MAX_LEADING_MEMBERS if start is not None else 0):
+        member = _STRING_MEMBER.match(text, position)
+        if member is None:
+            return None
+        if member.group(1) == "event_id":
+            return member.group(2)
+        if member.group(3) == "}":
+            return None
+        position = member.end()
+    return None
+
+
+def _event_id_of(raw: object) -> str | None:
+    """The client's `event_id` of a parsed message, if it is one an error can echo."""
+    event_id = raw.get("event_id") if isinstance(raw, dict) else None
+    if not isinstance(event_id, str) or len(event_id) > MAX_ID_CHARS:
+        return None
+    return None if _LONE_SURROGATE.search(event_id) else event_id
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _UNION_TAGS = frozenset({"message", "function_call", "function_call_output", "server_vad",
                          "semantic_vad"})
 
