@@ -42,9 +42,11 @@ def recv_until(ws, event_type: str, count: int = 1, timeout_s: float = 10.0) -> 
     return events
 
 
-def metric(server, name: str, **labels: str) -> float:
-    """Sample `name` with `labels` of `server`'s /metrics (`server.url`: its base URL)."""
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+def metric(server, name: str, headers: dict | None = None, **labels: str) -> float:
+    """Sample `name` with `labels` of `server`'s /metrics (`server.url`: its base URL;
+    `headers`: e.g. its key)."""
+    text = httpx.get(server.url + "/metrics", headers=headers).text
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value

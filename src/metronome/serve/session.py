@@ -9,8 +9,9 @@ result comes back and is rendered into events (`serve.events`). Its settings are
 `serve.settings`, its audio framing `serve.audio_input`, its server VAD
 `serve.turn_detection`. No socket here: events come in through `handle` (already parsed),
 go out through `emit`, and `ClientError` means "answer with an error, the session is
-unchanged". The host (`serve.state`) provides the beat, the clock and the audio encoder
-thread: audio is cut into frames on the loop and encoded there, off the loop.
+unchanged". The host (`serve.state`) provides the beat, the clock and the encoder
+thread: audio is cut into frames on the loop and encoded there, off the loop; text is
+tokenized there, its room checked first against the most tokens it can make.
 
 Responses: a frame whose profile asks for output is one response (opened at submit, closed
 when the beat answers it: `serve.events` has the events and their order). In duplex mode
@@ -226,17 +227,24 @@ class RealtimeSession:
         return self.record.unanswered_frames * self.host.config.frame_period_s
 
     def _check_input_room(self, num_tokens: int, what: str, code: ErrorCode,
-                          param: str | None = None) -> None:
+                          param: str | None = None, upper_bound: bool = False) -> None:
         """Refuse input that would leave more of this session's input unprocessed than its
         bound allows (`max_queued_input_tokens`, checked by the record); nothing is
-        accepted, so nothing is lost."""
+        accepted, so nothing is lost. `upper_bound`: `num_tokens` is the most the input can
+        make (text, before it is tokenized: one token per UTF-8 byte at most)."""
         record = self.record
         if record.fits(num_tokens):
             return
         limit, queued = record.profile.max_queued_input_tokens, record.queued_input_tokens
-        advice = (f"it alone exceeds the limit: send it in parts of at most {limit} tokens"
-                  if num_tokens > limit else "retry once the engine has caught up")
-        raise ClientError(code, f"{what} of {num_tokens} tokens refused: {queued} tokens of "
+        if num_tokens <= limit:
+            advice = "retry once the engine has caught up"
+        elif upper_bound:
+            advice = ("it alone may exceed the limit (text counts one token per UTF-8 byte "
+                      f"until it is tokenized): send it in parts of at most {limit} bytes")
+        else:
+            advice = f"it alone exceeds the limit: send it in parts of at most {limit} tokens"
+        size = f"up to {num_tokens}" if upper_bound else f"{num_tokens}"
+        raise ClientError(code, f"{what} of {size} tokens refused: {queued} tokens of "
                           f"this session's input are not processed yet (limit {limit}); "
                           f"{advice}", param)
 
@@ -297,13 +305,19 @@ class RealtimeSession:
         chat = self._chat()
         self._check_text_length(text, param)
         self._check_room_for_a_frame()
-        token_ids = chat.item_ids(role, text)
-        self._check_input_room(len(token_ids), "text item", ErrorCode.TOO_MANY_PENDING,
-                               param)
+        # Nothing is tokenized on the loop: the room is checked against the most tokens the
+        # text can make (`ChatText.max_item_tokens`, from its UTF-8 size: O(1) for ASCII),
+        # which is reserved in the session's queued input until the encoder thread has
+        # tokenized it. So a text that may not fit costs no tokenizer time at all, and one
+        # session's tokenizing is bounded by what the engine takes of its own input.
+        max_tokens = chat.max_item_tokens(role, text)
+        self._check_input_room(max_tokens, "text item", ErrorCode.TOO_MANY_PENDING, param,
+                               upper_bound=True)
         if content_type is not None:
             self._add_item(se.ItemOut(id=item_id or p.new_id("item"), role=role,
                                       content=[se.ContentOut(type=content_type, text=text)]))
-        self._queue_frame("text", lambda: Input(token_ids=token_ids), len(token_ids))
+        self._queue_frame("text", lambda: Input(token_ids=chat.item_ids(role, text)),
+                          max_tokens)
 
     def _check_text_length(self, text: str, param: str) -> None:
         if len(text) > self.host.config.max_text_chars:

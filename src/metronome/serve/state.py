@@ -1,10 +1,11 @@
 """The server's shared serving state: one per process, created inside the running loop.
 
 Owns the wall driver (engine thread + beat), observability (metrics on an injected
-registry, stall detector, forecast), the admission controller, the audio encoder thread,
-the VAD thread with its Silero network (loaded there on first use) and the admitted
-sessions. Every method runs on the event loop thread; `_probe` hands a
-function to the engine thread, which sends its reading back to the loop.
+registry, stall detector, forecast, the loop's lag probe), the admission controller, the
+encoder thread (audio encoding and text tokenizing), the VAD thread with its Silero network
+(loaded there on first use) and the admitted sessions. Every method runs on the event loop
+thread; `_probe` hands a function to the engine thread, which sends its reading back to the
+loop.
 
 It knows sessions only as `AdmittedSession` (close, describe): the Realtime session
 (`serve.session`) depends on this state through its `SessionHost` protocol, not the other
@@ -37,6 +38,7 @@ from metronome.runtime.profile import SessionProfile
 from metronome.runtime.record import Accepted, SessionRecord
 from metronome.runtime.wall import WallDriver
 from metronome.serve.config import ServerConfig
+from metronome.serve.loop_lag import LoopLagProbe
 from metronome.serve.status import StatusBoard
 from metronome.serve.text import ChatText
 
@@ -71,9 +73,10 @@ class ServerState:
         # closes it as the server goes away (1001)
         self.draining = False  # set once (`drain`): no new session from then on
         self._frontends: dict[int, AudioFrontEnd] = {}
-        # One thread encodes every session's audio (log-mel + projection): off the loop, so
-        # one session's audio never delays another's deadline timers, and in submission
-        # order, so each session's stateful encoder sees its audio in sequence.
+        # One thread prepares every session's input, audio (log-mel + projection) and text
+        # (tokenizing): off the loop, so one session's input never delays another's deadline
+        # timers, and in submission order, so each session's stateful encoder sees its audio
+        # in sequence.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-audio")
         # Server VAD has a thread of its own: detecting a turn never delays a frame's
         # encoding, and each session's VAD stream sees its audio in sequence. The network
@@ -98,6 +101,8 @@ class ServerState:
             frontend = self.frontend(rate_hz)  # first STFT/projection calls set up kernels:
             frontend.encode(torch.zeros(2 * frontend.fmt.samples_per_token))  # pay it now
         self.controller.start(self.driver.timer, self.driver.now_s())
+        self.loop_lag = LoopLagProbe(self.driver.loop, registry)  # the attack suite's gauge
+        self.loop_lag.start()
 
     # ---- admission and session lifecycle ---------------------------------------------------
     def admit(self) -> Decision:
@@ -150,8 +155,8 @@ class ServerState:
         return self._frontends[sample_rate_hz]
 
     def encode(self, work: Callable[[], T]) -> asyncio.Future[T]:
-        """Run audio-encoding `work` on the encoder thread; its future resolves on the loop,
-        futures in the order of the calls."""
+        """Run `work` (encoding audio, tokenizing text) on the encoder thread; its future
+        resolves on the loop, futures in the order of the calls."""
         return self.driver.loop.run_in_executor(self._encoder, work)
 
     def detect(self, work: Callable[[SileroVad], T]) -> asyncio.Future[T]:
@@ -256,6 +261,7 @@ class ServerState:
         return {"object": "list", "data": data, "kv_pool": vars(self.pool)}
 
     def close(self) -> None:
+        self.loop_lag.stop()
         self.driver.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
         self._vad.shutdown(wait=False, cancel_futures=True)

@@ -8,6 +8,10 @@ gets text through, framed in markers it was not trained on.
 
 from __future__ import annotations
 
+from metronome.serve.protocol import text_bytes
+
+CHATML_MARKERS = 2  # <|im_start|> and <|im_end|>: special tokens, one each
+CHATML_NEWLINES = 2  # after the role and after the end marker
 REPLACEMENT_CHAR = "\ufffd"
 MAX_HELD_TOKENS = 8  # a UTF-8 character spans at most 4 byte-level tokens; hold no longer
 
@@ -18,7 +22,17 @@ class ChatText:
         self.response_prefix_ids: list[int] = tokenizer.encode("<|im_start|>assistant\n").ids
 
     def item_ids(self, role: str, text: str) -> list[int]:
+        """The text's tokens, framed (costly: ~2 us per byte; the encoder thread's work)."""
         return self.tokenizer.encode(f"<|im_start|>{role}\n{text}<|im_end|>\n").ids
+
+    @staticmethod
+    def max_item_tokens(role: str, text: str) -> int:
+        """The most tokens `item_ids(role, text)` can make, without tokenizing: the two
+        markers are one token each, and every other token covers at least one UTF-8 byte
+        (byte-level BPE: a character of 2-4 bytes can be 2-4 tokens, so counting characters
+        would not be a bound; SentencePiece with byte fallback: a piece is at least one
+        character, a fallback token one byte). O(1) for ASCII text."""
+        return CHATML_MARKERS + text_bytes(role) + text_bytes(text) + CHATML_NEWLINES
 
     def decoder(self) -> DeltaDecoder:
         return DeltaDecoder(self.tokenizer)
