@@ -179,8 +179,10 @@ def test_engine_paths_select_the_fast_or_the_reference_code():
     base = EngineConfig(block_size=4, pool_tokens=256)
     reference = for_engine_path(model, base, "reference")
     assert reference.attention == "dense" and not model.packed_linear
+    assert model.fused is None, "the reference path runs torch's elementwise ops"
     fast = for_engine_path(model, base, "fast")
     assert fast.attention == "auto" and model.packed_linear
+    assert model.fused is native.fused_ops()
     with pytest.raises(ValueError, match="engine path must be one of fast, reference"):
         for_engine_path(model, base, "turbo")
     with pytest.raises(ValueError, match="engine_path must be one of fast, reference"):

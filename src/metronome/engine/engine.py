@@ -141,11 +141,13 @@ ENGINE_PATHS = ("fast", "reference")
 def for_engine_path(model: LlamaModel, config: EngineConfig, path: str) -> EngineConfig:
     """Set up `model` and `config` for one of the engine's code paths: "fast" (the defaults:
     paged kernel where it builds, prepacked projections) or "reference" (dense attention and
-    plain `F.linear`: the engine as it was before its fast path, for before/after runs)."""
+    plain `F.linear` and torch's elementwise ops: the engine as it was before its fast path,
+    for before/after runs)."""
     if path not in ENGINE_PATHS:
         raise ValueError(f"engine path must be one of {', '.join(ENGINE_PATHS)}, got {path!r}")
     reference = path == "reference"
     model.use_packed_linear(not reference and packing_supported(model.dtype))
+    model.use_fused_ops(not reference)
     return replace(config, attention="dense") if reference else config
 
 

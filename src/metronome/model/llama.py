@@ -75,6 +75,7 @@ class LlamaModel:
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
         self.use_packed_linear(packing_supported(embed.dtype))
+        self.use_fused_ops(True)
 
     def use_packed_linear(self, enabled: bool) -> None:
         """Run the projections as prepacked oneDNN products (`model.linear`), or as plain
@@ -88,6 +89,14 @@ class LlamaModel:
             for w in self.layers
         ]
         self.lm_head_projection = Projection(self.lm_head, None, enabled)
+
+    def use_fused_ops(self, enabled: bool) -> None:
+        """Run RMSNorm (with the residual add), SiLU-and-multiply and RoPE as the fused kernels
+        of `native.fused_ops` (same rounding as torch's ops, one pass over memory each) when
+        they build here, or as torch's ops (the reference)."""
+        from metronome.model import native
+
+        self.fused = native.fused_ops() if enabled else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,16 +128,42 @@ class LlamaModel:
                 kvh * dense.batch_size, 1, dense.max_chunk_tokens, -1)
             fused_mask = torch.zeros(attend.shape, dtype=x.dtype).masked_fill_(
                 ~attend, float("-inf"))
+        h = self._norm(x, self.layers[0].attn_norm)
+        last = len(self.layers) - 1
         for layer_idx, (w, proj) in enumerate(zip(self.layers, self.projections, strict=True)):
-            h = rms_norm(x, w.attn_norm, self.config.rms_norm_eps)
-            x = x + self._attention(layer_idx, w, proj, h, batch, cache, buffers, (cos, sin),
-                                    sink_rope, fused_mask, kernel)
-            h = rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
-            gate, up = proj.gate_up(h).chunk(2, dim=-1)
-            x = x + proj.down(F.silu(gate) * up)
-        x = x.index_select(0, batch.logits_index)
-        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+            attn = self._attention(layer_idx, w, proj, h, batch, cache, buffers, (cos, sin),
+                                   sink_rope, fused_mask, kernel)
+            x, h = self._add_norm(x, attn, w.mlp_norm)
+            mlp = proj.down(self._silu_mul(proj.gate_up(h)))
+            if layer_idx < last:
+                x, h = self._add_norm(x, mlp, self.layers[layer_idx + 1].attn_norm)
+        rows = batch.logits_index
+        x = x.index_select(0, rows) + mlp.index_select(0, rows)
+        x = self._norm(x, self.final_norm)
         return self.lm_head_projection(x).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
+        """(x + delta, its RMSNorm with `weight`): the residual stream and the next input."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+        x = x + delta
+        return x, rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rope(x, cos, sin)
+        return rope.apply(x, cos, sin)
 
     def _attention(self, layer_idx, w, proj, h, batch, cache, buffers, rope_cs, sink_rope,
                    fused_mask, kernel):
@@ -143,8 +178,8 @@ class LlamaModel:
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        cache.write(layer_idx, batch.slot_ids, rope.apply(k, cos, sin), v)
-        q_rot = rope.apply(q, cos, sin)
+        cache.write(layer_idx, batch.slot_ids, self._rope(k, cos, sin), v)
+        q_rot = self._rope(q, cos, sin)
         outs = []
         split = 0 if batch.paged is None else batch.paged.num_tokens
         if batch.paged is not None:

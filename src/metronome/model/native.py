@@ -1,4 +1,5 @@
-"""The compiled paged-attention kernel (`csrc/paged_attention.cpp`): built on first use, cached.
+"""The compiled kernels: paged attention (`csrc/paged_attention.cpp`) and the fused elementwise
+ops of the forward pass (`csrc/fused_ops.cpp`). Each is built on first use and cached.
 
 `kernel()` returns the loaded extension, or None when it cannot be built here (no C++
 compiler, no ninja): then `unavailable_reason()` says why and the engine runs the dense
@@ -26,6 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+FUSED_SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 DISABLE_ENV = "METRONOME_NATIVE_ATTENTION"
 # -ffast-math lets GCC use glibc's vector expf in the softmax loop; the kernel uses no
 # infinities or NaNs (a finite sentinel masks). Compile flags only: linking a shared object
@@ -103,6 +105,7 @@ class Extension:
 
 
 PAGED = Extension("paged_attention", SOURCE, "paged-attention kernel")
+FUSED = Extension("fused_ops", FUSED_SOURCE, "fused elementwise kernels")
 
 
 def build_dir() -> Path:
@@ -119,15 +122,26 @@ def unavailable_reason() -> str | None:
     return PAGED.reason()
 
 
+def fused_ops():
+    """The fused elementwise ops module (rms_norm, add_rms_norm, silu_mul, rope), or None if
+    it cannot be built here (`FUSED.reason()` says why; the model then runs torch's ops)."""
+    return FUSED.module()
+
+
 def main() -> int:
-    """`python -m metronome.model.native`: build (or find) the kernel; exit 0 either way
-    (a machine without a compiler still runs, on the dense path), but say which."""
+    """`python -m metronome.model.native`: build (or find) both kernels; exit 0 either way
+    (a machine without a compiler still runs, on the reference ops), but say which."""
     module = kernel()
     if module is None:
         print(f"metronome: {unavailable_reason()}; the engine will use the dense path",
               file=sys.stderr)
     else:
         print(f"metronome: paged-attention kernel ready ({build_dir()})")
+    if fused_ops() is None:
+        print(f"metronome: {FUSED.reason()}; the model will use torch's elementwise ops",
+              file=sys.stderr)
+    else:
+        print(f"metronome: fused elementwise kernels ready ({FUSED.build_dir()})")
     return 0
 
 

@@ -1,0 +1,166 @@
+// Fused elementwise kernels for the forward pass: one pass over memory instead of torch's
+// chain of small ops (each a full read and write of the activations, several with a dtype
+// round trip). They reproduce the reference ops of metronome.model.llama / rope rounding for
+// rounding: every intermediate the reference rounds to the activation dtype is rounded here
+// too (c10's float -> bf16/half conversion rounds to nearest even, as torch's ops do), so the
+// only differences are float reassociation in the sums (a few ulp of float32).
+//
+//   rms_norm(x, w, eps)          w * round(xf * rsqrt(mean(xf^2) + eps))
+//   add_rms_norm(x, d, w, eps)   s = round(x + d); (s, rms_norm(s, w, eps))
+//   silu_mul(gate_up)            round(round(silu(gate)) * up), gate and up the two halves
+//   rope(x, cos, sin)            round(round(x * cos) + round(rotate_half(x) * sin))
+//
+// Layouts: x (T, H) with unit stride in H (rows may be strided, e.g. views of a fused qkv);
+// rope's x (T, heads, D) with unit stride in D; cos/sin (T, 1, D) contiguous.
+// Compiled by metronome.model.native.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+template <typename T>
+inline float f(T x) { return static_cast<float>(x); }
+
+// rows per task: small tensors (a decode step's few rows) stay on one thread
+inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+
+template <typename scalar_t>
+void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t H, float eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = f(x[i]);
+    sum += v * v;
+  }
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) {
+    out[i] = round_to<scalar_t>(f(w[i]) * f(round_to<scalar_t>(f(x[i]) * r)));
+  }
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (T, H) with unit stride in H");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
+              "weight must be contiguous (H,)");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, w);
+  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0);
+  auto out = torch::empty({T, H}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, grain_rows(H), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) norm_row(xp + t * xs, wp, op + t * H, H, (float)eps);
+    });
+  });
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor d,
+                                                      torch::Tensor w, double eps) {
+  check_rows(x, w);
+  TORCH_CHECK(d.sizes() == x.sizes() && d.stride(1) == 1 && d.scalar_type() == x.scalar_type(),
+              "the addend must match x");
+  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0), ds = d.stride(0);
+  auto sum = torch::empty({T, H}, x.options());
+  auto out = torch::empty({T, H}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* dp = d.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, grain_rows(H), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* srow = sp + t * H;
+        for (int64_t i = 0; i < H; ++i) {
+          srow[i] = round_to<scalar_t>(f(xp[t * xs + i]) + f(dp[t * ds + i]));
+        }
+        norm_row(srow, wp, op + t * H, H, (float)eps);
+      }
+    });
+  });
+  return {sum, out};
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be (T, 2I) with unit stride in its last dim");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  auto out = torch::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, grain_rows(I), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* g = gp + t * gs;
+        const scalar_t* u = g + I;
+        scalar_t* o = op + t * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float x = f(g[i]);
+          const float s = f(round_to<scalar_t>(x / (1.f + std::exp(-x))));
+          o[i] = round_to<scalar_t>(s * f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x must be (T, heads, D) with unit stride in D, D even");
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D &&
+              sin.numel() == T * D, "cos and sin must be contiguous (T, 1, D)");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos, sin and x must share a dtype");
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  auto out = torch::empty({T, NH, D}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, grain_rows(NH * D), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* c = cp + t * D;
+        const scalar_t* s = sp + t * D;
+        for (int64_t h = 0; h < NH; ++h) {
+          const scalar_t* xr = xp + t * s0 + h * s1;
+          scalar_t* o = op + (t * NH + h) * D;
+          for (int64_t i = 0; i < D; ++i) {
+            // rotate_half: (-x[half:], x[:half]); the negation is exact in any dtype
+            const float rot = i < half ? -f(xr[i + half]) : f(xr[i - half]);
+            const float a = f(round_to<scalar_t>(f(xr[i]) * f(c[i])));
+            const float b = f(round_to<scalar_t>(rot * f(s[i])));
+            o[i] = round_to<scalar_t>(a + b);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm as metronome.model.llama.rms_norm rounds it");
+  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm: (sum, normed)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused (T, 2I) gate_up");
+  m.def("rope", &rope, "rotate-half RoPE as metronome.model.rope.apply rounds it");
+}
