@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from metronome.admission.limits import AIMDLimit, IntervalSample, StaticLimit, make_limit
+from metronome.admission.limits import (
+    AIMDLimit,
+    IntervalSample,
+    SlowStartLimit,
+    StaticLimit,
+    make_limit,
+)
 
 
 def sample(p95=0.5, misses=0, stalled=0, active=30, frames=20):
@@ -72,3 +78,39 @@ def test_static_and_off():
         make_limit("pid")
     with pytest.raises(ValueError):
         AIMDLimit(decrease=1.5)
+
+
+def test_slow_start_grows_to_the_n_star_the_latency_predicts():
+    limit = SlowStartLimit(initial_cap=4)
+    assert limit.update(sample(p95=0.3, active=4)) == 8  # p0 = 0.3: no load yet, doubles
+    # latency ~ p0 / (1 - n / M): 0.55 at 8 gives M = 8 / (1 - 0.3 / 0.55) = 17.6, and the
+    # load at the 0.8 target M (1 - 0.3 / 0.8) = 11.0
+    assert limit.update(sample(p95=0.55, active=8)) == 11
+    assert limit.update(sample(p95=0.3, active=10)) == 11  # not binding: not raised
+    # the latency came from a mean of 10 sessions, not the 11 at the interval's end
+    limit.update(IntervalSample([0.3] * 20, 0, 0, 11, mean_active_sessions=10.0))
+    assert limit.cap == 20
+    assert limit.update(sample(p95=0.79, active=20)) == 21  # near the target: + increase
+
+
+def test_slow_start_ends_at_the_first_over_target_signal():
+    limit = SlowStartLimit(initial_cap=10)
+    assert limit.update(sample(p95=0.3, active=10)) == 20
+    assert limit.update(sample(p95=0.85, active=20)) == 18  # AIMD's cut
+    assert not limit.slow_start
+    assert limit.update(sample(p95=0.3, active=18)) == 19  # AIMD from now on: + 1
+
+
+def test_severe_misses_cut_even_while_a_cut_is_pending():
+    limit = SlowStartLimit(initial_cap=30)
+    assert limit.update(sample(p95=1.0, misses=1, active=30)) == 27
+    # 2 misses of 20 frames (10 % >= 5 %): admitted sessions are hurt now, cut again
+    assert limit.update(sample(p95=1.0, misses=2, active=30)) == 24
+    # a p95 just over target with one miss in 40 frames is not severe: the cut waits
+    assert limit.update(sample(p95=0.9, misses=1, active=30, frames=40)) == 24
+
+
+def test_aimd_is_the_slow_start_limit():
+    assert isinstance(make_limit("aimd"), SlowStartLimit)
+    with pytest.raises(ValueError, match="growth"):
+        SlowStartLimit(growth=1.0)

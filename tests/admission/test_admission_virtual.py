@@ -7,7 +7,7 @@ from statistics import fmean
 
 import pytest
 
-from metronome.admission.limits import AIMDLimit
+from metronome.admission.limits import AIMDLimit, SlowStartLimit
 from metronome.runtime.frame import FrameStatus
 from metronome.sim.cost_model import PACKAGED_STEP_COST, StepCostModel
 from metronome.sim.scenario import Scenario, run_controlled, sweep_n_star
@@ -48,11 +48,12 @@ def test_admitted_sessions_meet_deadlines_after_convergence(bounded):
     assert run.counts["refused:at_capacity"] > 0  # arrivals did exceed capacity
 
 
-def test_unbounded_kv_makes_aimd_over_admit_into_the_wall(tiny_model, cost):
+@pytest.mark.parametrize("limit", [AIMDLimit, SlowStartLimit])
+def test_unbounded_kv_makes_aimd_over_admit_into_the_wall(tiny_model, cost, limit):
     # a pool that holds ~40 sessions' first 8 s: latency stays flat while it fills
     scenario = Scenario(tiny_model, cost, policy="unbounded", pool_tokens=40 * 8 * 16,
                         output_tokens=4)
-    run = run_controlled(scenario, AIMDLimit(initial_cap=4), 60.0, session_s=60.0)
+    run = run_controlled(scenario, limit(initial_cap=4), 60.0, session_s=60.0)
     assert run.saturated_at_s is not None, "the pool never filled"
     before = [s for s in run.history if s.at_s < run.saturated_at_s]
     # the cap climbed all the way while the latency signal looked fine ...

@@ -63,6 +63,7 @@ class AdmissionController:
     _misses: int = 0
     _stalled: int = 0
     _self_paced: int = 0
+    _active_sum: int = 0  # active sessions summed over the interval's signal frames
 
     def start(self, timer: Timer, at_s: float = 0.0) -> None:
         """Tick every interval on the runtime's timer, from `at_s` on."""
@@ -105,12 +106,15 @@ class AdmissionController:
             self._self_paced += 1
             return
         self._fractions.append(result.latency_fraction)
+        self._active_sum += self.active_sessions()
         self._misses += not result.deadline_met
         self._stalled += result.status is FrameStatus.STALLED_KV
 
     def end_interval(self, now_s: float) -> int:
+        frames = len(self._fractions)
         sample = IntervalSample(self._fractions, self._misses, self._stalled,
-                                self.active_sessions())
+                                self.active_sessions(),
+                                self._active_sum / frames if frames else None)
         q = self.limit.percentile
         cap = self.limit.update(sample)
         record = CapSample(now_s, cap, sample.active_sessions, sample.percentile(q), q,
@@ -120,4 +124,5 @@ class AdmissionController:
         if self.on_update is not None:
             self.on_update(record)
         self._fractions, self._misses, self._stalled, self._self_paced = [], 0, 0, 0
+        self._active_sum = 0
         return cap

@@ -98,8 +98,10 @@ class ControlledRun:
 
 def run_controlled(scenario: Scenario, limit: ConcurrencyLimit, duration_s: float,
                    arrival_every_s: float = 0.25, session_s: float = 30.0,
-                   jitter: float = 0.3, interval_s: float = 2.0, seed: int = 0) -> ControlledRun:
-    """Sessions arrive faster than capacity; the controller admits or refuses each."""
+                   jitter: float = 0.3, interval_s: float = 2.0, seed: int = 0,
+                   cost_change: tuple[float, StepCostModel] | None = None) -> ControlledRun:
+    """Sessions arrive faster than capacity; the controller admits or refuses each.
+    `cost_change` (at_s, cost): steps cost that from at_s on (a sudden loss of capacity)."""
     recorder = RunRecorder()
     controller = AdmissionController(limit, lambda: len(engine.sessions), interval_s)
     engine, driver = scenario.driver(Listeners.of(recorder, controller))
@@ -109,6 +111,9 @@ def run_controlled(scenario: Scenario, limit: ConcurrencyLimit, duration_s: floa
     schedule(workload, scenario.profile(), driver.beat, driver.clock, scenario.source(),
              gate=controller.try_admit)
     controller.start(driver.clock)
+    if cost_change is not None:
+        at_s, cost = cost_change
+        driver.clock.call_at(at_s, lambda _t: setattr(driver, "cost_model", cost))
     driver.run_until(duration_s)
     stalls = [r.finish_s for r in results if r.status is FrameStatus.STALLED_KV]
     return ControlledRun(controller.history, results, dict(controller.counts),
