@@ -42,15 +42,20 @@ def recv_until(ws, event_type: str, count: int = 1, timeout_s: float = 10.0) -> 
     return events
 
 
-def metric(server, name: str, headers: dict | None = None, **labels: str) -> float:
-    """Sample `name` with `labels` of `server`'s /metrics (`server.url`: its base URL;
-    `headers`: e.g. its key)."""
-    text = httpx.get(server.url + "/metrics", headers=headers).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
+def metric(server, name: str, **labels: str) -> float:
+    """Sample `name` with `labels` of `server`'s /metrics (`server.url`: its base URL)."""
+    for sample in metric_samples(server, name):
+        if all(sample.labels.get(k) == v for k, v in labels.items()):
+            return sample.value
     raise KeyError(name)
+
+
+def metric_samples(server, name: str, headers: dict | None = None) -> list:
+    """Every sample named `name` in one scrape of `server`'s /metrics (`headers`: e.g. its
+    key), e.g. a histogram's buckets, read at one instant."""
+    text = httpx.get(server.url + "/metrics", headers=headers).text
+    return [sample for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name]
 
 
 @contextmanager

@@ -1,8 +1,15 @@
 """Attacks on `metronome serve` (a subprocess on 127.0.0.1, with an API key): lone UTF-16
 surrogates, messages that are costly to validate, message floods, a client that never
-reads, slowloris, and the key's surface. A well-behaved session streams speech beside them
-the whole time: it keeps >= 99 % of its frames on time, and the server's resident memory
-(VmRSS in /proc/<pid>/status) stays within RSS_BOUND_MB of where it was when they began.
+reads, slowloris, the key's surface, and four that stay inside every per-connection limit
+(text that is costly to tokenize, a reconnecting slowloris, headers past the cap in one
+send, refusals that must echo the client's event_id). Each of those four runs in an
+`AttackWindow`: while it runs the streamer's frames are on time and the server's loop lag
+(its probe timer's histogram) stays under 50 ms, and after it sessions, KV blocks and
+connections are back to where they were. Attackers other than the reference clients
+connect from other loopback addresses (127.0.0.2 and up), as other peers. A well-behaved
+session streams speech beside them the whole time: it keeps >= 99 % of its frames on time,
+and the server's resident memory (VmRSS in /proc/<pid>/status) stays within RSS_BOUND_MB of
+where it was when they began.
 That verdict is the server fixture's, given when it ends, over whichever attacks ran (all
 of them, in any order, or one), so no test depends on another having run before it."""
 
@@ -10,21 +17,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import random
 import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import psutil
 import pytest
-from served import SHARED_CPU_ENV, served
+from served import SHARED_CPU_ENV, metric_samples, served
 from streamer import SpeechStreamer, recv
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from metronome.serve.config import ServerConfig
+from metronome.serve.loop_lag import LOOP_LAG_SECONDS
 
 pytestmark = pytest.mark.model
 KEY = "sk-attack-test"
@@ -344,8 +354,9 @@ SLOWLORIS_SOCKETS = 800
 def test_slowloris_sockets_are_dropped_and_connections_capped(world):
     selector = selectors.DefaultSelector()
     opened_at: dict[socket.socket, float] = {}
-    for _ in range(SLOWLORIS_SOCKETS):
-        sock = socket.create_connection(("127.0.0.1", world.port))
+    for k in range(SLOWLORIS_SOCKETS):  # from 20 peers, each within its own limits
+        sock = socket.create_connection(("127.0.0.1", world.port),
+                                        source_address=(f"127.0.0.{10 + k % 20}", 0))
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
         sock.setblocking(False)
         selector.register(sock, selectors.EVENT_READ)
@@ -405,3 +416,284 @@ def test_the_key_guards_docs_and_the_upgrade_and_browsers_can_send_it(world):
     with connect(world.ws_url, subprotocols=BROWSER) as ws:
         assert ws.subprotocol == "realtime"
         assert recv(ws)["type"] == "session.created"
+
+
+# ---- 9. attacks inside every per-connection limit -----------------------------------------------
+ATTACK_S = 8.0  # each attack runs this long (its attempts are bounded by it and its rate)
+MAX_LOOP_LAG_S = 0.05
+SETTLE_S = 1.5  # after an attack: the frame it overlapped is answered
+IDLE_TIMEOUT_S = 5.0  # sessions, blocks and connections back to idle within this long
+
+
+def loop_lag_buckets(world: World) -> dict[float, float]:
+    """The server's loop-lag probes so far, by histogram bucket (`le` in seconds)."""
+    return {float(sample.labels["le"]): sample.value for sample in metric_samples(
+        world, LOOP_LAG_SECONDS + "_bucket", headers=BEARER)}
+
+
+def idle_numbers(world: World) -> tuple[int, int, int]:
+    """(sessions, KV blocks used beyond what the open sessions' resident tokens need, server
+    connections): the attack left nothing behind when these are back."""
+    listing = httpx.get(world.url + "/v1/sessions", headers=BEARER).json()
+    pool = listing["kv_pool"]
+    needed = sum(math.ceil((s["resident_kv_tokens"] or 0) / pool["block_size"]) + 1
+                 for s in listing["data"])  # (+1: a sink block's partial fill)
+    return len(listing["data"]), max(0, pool["used_blocks"] - needed), len(
+        world.server_sockets())
+
+
+@dataclass
+class AttackWindow:
+    """`with AttackWindow(world, name) as attack:` around one attack; `attack.attempts` is
+    what the attacker tried. On exit: the streamer's frames answered meanwhile were all on
+    time (>= 99 %), no loop-lag probe ran later than MAX_LOOP_LAG_S, and sessions, blocks
+    and connections went back to their numbers before it. Prints the row of the results
+    table (docs/results/hardening.md)."""
+
+    world: World
+    name: str
+    attempts: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def __enter__(self) -> AttackWindow:
+        self.frames_before = len(self.world.streamer.frames)
+        self.lag_before = loop_lag_buckets(self.world)
+        self.idle_before = idle_numbers(self.world)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            return
+        time.sleep(SETTLE_S)
+        frames = self.world.streamer.frames[self.frames_before:]
+        late = [f for f in frames if f["status"] != "ok" or not f["deadline_met"]]
+        after = loop_lag_buckets(self.world)
+        probes = {le: after[le] - self.lag_before[le] for le in after}
+        worst_le = min(le for le, n in probes.items() if n == probes[math.inf])
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while not _at_most(idle := idle_numbers(self.world), self.idle_before):
+            assert time.monotonic() < deadline, (self.name, idle, self.idle_before)
+            time.sleep(0.1)
+        on_time = 1 - len(late) / max(1, len(frames))
+        print(f"| {self.name} | {self.attempts:,} | {len(frames) - len(late)}/{len(frames)} "
+              f"| <= {worst_le * 1e3:g} ms ({int(probes[math.inf])} probes) | "
+              f"{'; '.join(self.notes)} |")
+        assert len(frames) >= ATTACK_S - 2, "the streamer was not answered meanwhile"
+        assert on_time >= MIN_ON_TIME, late
+        assert probes[MAX_LOOP_LAG_S] == probes[math.inf], probes
+
+
+def _at_most(numbers: tuple, bounds: tuple) -> bool:
+    return all(n <= bound for n, bound in zip(numbers, bounds, strict=True))
+
+
+def _attacker(source: str) -> dict:
+    """`socket.create_connection` options for an attacker at loopback address `source`."""
+    return {"source_address": (source, 0)}
+
+
+# 9a. text that is costly to tokenize: refused before it is tokenized --------------------------
+TEXT_ATTACKERS = 3
+_PRINTABLE = "".join(chr(c) for c in range(0x21, 0x7F))
+
+
+def test_text_costly_to_tokenize_is_refused_before_it_is_tokenized(world):
+    text = "".join(random.Random(25).choice(_PRINTABLE) for _ in range(8192))  # 7,132 tokens
+    message = json.dumps({"type": "conversation.item.create", "event_id": "evt_attack",
+                          "item": {"type": "message", "role": "user",
+                                   "content": [{"type": "input_text", "text": text}]}})
+    rate_per_s = min(CONFIG.rate_limit_messages_per_s,  # the byte rate: ~61 msg/s
+                     CONFIG.rate_limit_bytes_per_s / len(message)) * 0.98
+    attackers: list = []
+    sent = [0] * TEXT_ATTACKERS
+
+    def attack(k: int) -> None:
+        started = time.monotonic()
+        while (elapsed_s := time.monotonic() - started) < ATTACK_S:
+            if sent[k] < elapsed_s * rate_per_s:
+                attackers[k].send(message)
+                sent[k] += 1
+            else:
+                time.sleep(0.002)
+
+    with AttackWindow(world, f"{TEXT_ATTACKERS} connections x 8,192-char text items at "
+                      f"{rate_per_s:.0f} msg/s each") as window:
+        attackers += [session(world, max_queue=None) for _ in range(TEXT_ATTACKERS)]
+        threads = [threading.Thread(target=attack, args=(k,)) for k in range(TEXT_ATTACKERS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for k, ws in enumerate(attackers):
+            errors = [recv(ws)["error"] for _ in range(sent[k])]
+            assert {(e["code"], e["event_id"]) for e in errors} == {
+                ("too_many_pending_frames", "evt_attack")}
+            assert "may exceed the limit" in errors[0]["message"]
+            ws.close()
+        window.attempts = sum(sent)
+        window.notes.append("every one refused `too_many_pending_frames` before tokenizing")
+
+
+# 9b. a reconnecting slowloris from one peer ---------------------------------------------------
+RECONNECTING_SOCKETS = 800
+MAX_CONNECTS_PER_S = 400  # what the issue's attacker managed (10,976 in 30 s)
+
+
+class ReconnectingSlowloris:
+    """Up to `num_sockets` partial upgrades from `source`, each reopened as soon as the
+    server refuses or drops it, at most `max_per_s` connects a second, for `duration_s`."""
+
+    PARTIAL = (b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+               b"Connection: Upgrade\r\n")  # never finished
+
+    def __init__(self, port: int, source: str, num_sockets: int, max_per_s: float) -> None:
+        self.port, self.source = port, source
+        self.num_sockets, self.max_per_s = num_sockets, max_per_s
+        self.connects = 0
+        self.answers: dict[str, int] = {}  # first bytes of what the server said, or "drop"
+        self.selector = selectors.DefaultSelector()
+
+    def run(self, duration_s: float) -> None:
+        started = time.monotonic()
+        while (elapsed_s := time.monotonic() - started) < duration_s:
+            while (len(self.selector.get_map()) < self.num_sockets
+                   and self.connects < elapsed_s * self.max_per_s):
+                self._open()
+            for key, _ in self.selector.select(timeout=0.005):
+                self._on_readable(key.fileobj)
+        for key in list(self.selector.get_map().values()):
+            self._close(key.fileobj)
+
+    def _open(self) -> None:
+        self.connects += 1
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), **_attacker(self.source))
+            sock.sendall(self.PARTIAL)
+        except OSError:
+            self._count("connect failed")
+            return
+        sock.setblocking(False)
+        self.selector.register(sock, selectors.EVENT_READ)
+
+    def _on_readable(self, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        self._count(data[:12].decode(errors="replace") if data else "dropped")
+        self._close(sock)
+
+    def _count(self, answer: str) -> None:
+        self.answers[answer] = self.answers.get(answer, 0) + 1
+
+    def _close(self, sock: socket.socket) -> None:
+        self.selector.unregister(sock)
+        sock.close()
+
+
+def test_a_reconnecting_slowloris_holds_only_its_peers_share(world):
+    attacker = ReconnectingSlowloris(world.port, "127.0.0.2", RECONNECTING_SOCKETS,
+                                     MAX_CONNECTS_PER_S)
+    thread = threading.Thread(target=attacker.run, args=(ATTACK_S,))
+    per_peer = CONFIG.max_connections_per_peer
+    with AttackWindow(world, f"reconnecting slowloris: {RECONNECTING_SOCKETS} partial "
+                      f"upgrades from one peer, reopened at once") as window:
+        thread.start()
+        most_held, healthz, sessions = 0, [], 0
+        while thread.is_alive():
+            held = [c for c in world.server_sockets() if c.raddr.ip == "127.0.0.2"]
+            most_held = max(most_held, len(held))
+            healthz.append(httpx.get(world.url + "/healthz").status_code)
+            with session(world) as ws:  # an authenticated client gets in and is served
+                ws.send(json.dumps({"type": "session.update", "session": {}}))
+                assert recv(ws)["type"] == "session.updated"
+                sessions += 1
+            time.sleep(0.3)
+        thread.join()
+        window.attempts = attacker.connects
+        window.notes.append(f"server answers {attacker.answers}; the peer held at most "
+                            f"{most_held} sockets (its cap {per_peer}); /healthz "
+                            f"{healthz.count(200)}/{len(healthz)} 200, {sessions} sessions "
+                            "opened and served")
+    assert most_held <= per_peer
+    assert healthz and set(healthz) == {200}
+    assert attacker.answers.get("HTTP/1.1 503", 0) + attacker.answers.get(
+        "HTTP/1.1 429", 0) > 0
+
+
+# 9c. headers past the cap in one send -----------------------------------------------------------
+HEADER_SIZES_BYTES = (20_000, 100_000, 250_000)
+
+
+def _ask_healthz(world: World, source: str, header_bytes: int) -> bytes:
+    """GET /healthz with one header of `header_bytes`, all in one send; the status line."""
+    with socket.create_connection(("127.0.0.1", world.port), **_attacker(source)) as sock:
+        sock.settimeout(5)
+        try:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: "
+                         + b"a" * header_bytes + b"\r\n\r\n")
+        except OSError:
+            pass  # refused before the rest
+        try:
+            return sock.recv(4096).split(b"\r\n", 1)[0]
+        except OSError:
+            return b"reset"
+
+
+def test_headers_past_the_cap_in_one_send_get_431(world):
+    rate_per_s = CONFIG.connections_per_s_per_peer * 0.95  # the highest the peer limit allows
+    statuses: dict[tuple[int, bytes], int] = {}
+    sizes_kb = "/".join(str(n // 1000) for n in HEADER_SIZES_BYTES)
+    with AttackWindow(world, f"GET /healthz with a {sizes_kb} kB header in one send, "
+                      f"{rate_per_s:.0f}/s from one peer") as window:
+        started = time.monotonic()
+        while (elapsed_s := time.monotonic() - started) < ATTACK_S:
+            if window.attempts >= elapsed_s * rate_per_s:
+                time.sleep(0.005)
+                continue
+            size = HEADER_SIZES_BYTES[window.attempts % len(HEADER_SIZES_BYTES)]
+            status = _ask_healthz(world, "127.0.0.3", size)
+            statuses[size, status] = statuses.get((size, status), 0) + 1
+            window.attempts += 1
+        window.notes.append(", ".join(f"{size // 1000} kB: {n} x {status.decode()}"
+                                      for (size, status), n in sorted(statuses.items())))
+    assert {status for _, status in statuses} == {
+        b"HTTP/1.1 431 Request Header Fields Too Large"}
+    assert _ask_healthz(world, "127.0.0.3", 1000) == b"HTTP/1.1 200 OK"  # within the cap
+
+
+# 9d. every refused message echoes the client's event_id -------------------------------------
+REFUSED_WITH_IDS = [  # (its event_id, the error's code, the message)
+    ("evt_deep", "invalid_json", json.dumps({"type": "session.update", "event_id": "evt_deep",
+                                             "session": {"a": [[[[[[[1]]]]]]]}})),
+    ("evt_values", "invalid_json", json.dumps({"type": "session.update",
+                                               "event_id": "evt_values",
+                                               "session": {"x": list(range(600))}})),
+    ("evt_syntax", "invalid_json", '{"type": "session.update", "event_id": "evt_syntax", "s'),
+    ("evt_type", "unknown_event_type", '{"type": "nope", "event_id": "evt_type"}'),
+    ("evt_param", "unknown_parameter",
+     '{"type": "session.update", "event_id": "evt_param", "session": {"nope": 1}}'),
+    ("evt_commit", "input_audio_buffer_commit_empty",
+     '{"type": "input_audio_buffer.commit", "event_id": "evt_commit"}'),
+]
+TOO_LARGE = ('{"type": "session.update", "event_id": "evt_big", "session": {"instructions": "'
+             + "x" * CONFIG.max_message_bytes + '"}}')
+
+
+def test_every_refused_message_echoes_its_event_id(world):
+    with AttackWindow(world, "refused messages of 7 kinds, each with an event_id, at the "
+                      "message rate limit") as window, session(world) as ws:
+        ws.send(TOO_LARGE)  # once: the byte rate allows about one a second
+        too_large = recv(ws)["error"]
+        assert (too_large["code"], too_large["event_id"]) == ("message_too_large", "evt_big")
+        started = time.monotonic()
+        while time.monotonic() - started < ATTACK_S:
+            for event_id, code, message in REFUSED_WITH_IDS:
+                ws.send(message)
+                error = recv(ws)["error"]
+                assert (error["code"], error["event_id"]) == (code, event_id), error
+                window.attempts += 1
+            time.sleep(len(REFUSED_WITH_IDS) / CONFIG.rate_limit_messages_per_s)
+        window.notes.append("every error carried its message's event_id")
