@@ -2,7 +2,9 @@
 
 Bounded (sinks + window): the offline sweep finds N* (largest fixed N with steady p95
 latency <= 0.8 x deadline); AIMD, with sessions arriving faster than capacity, should find
-the same N* online. Unbounded, pool that fills: the latency signal stays flat until the pool
+the same N* online, and soon: the controller (slow start, then AIMD) runs beside the old
+rule (+1 per interval from the start), with the intervals each took to reach 0.9 N*.
+Unbounded, pool that fills: the latency signal stays flat until the pool
 is dry, so AIMD keeps raising the cap and over-admits; what the pool can actually carry is
 found by sweeping a *static* cap over the same arrival stream for the largest cap under which
 no frame ever stalls on KV (the memory N*).
@@ -32,7 +34,7 @@ from metronome.sim.scenario import Scenario, run_controlled
 from metronome.sim.search import largest_passing
 
 NAME = "admission"
-REQUIRED_FIELDS = ("bounded", "unbounded", "sweep", "memory_sweep", "paper")
+REQUIRED_FIELDS = ("bounded", "bounded_linear", "unbounded", "sweep", "memory_sweep", "paper")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,13 @@ def memory_n_star(scenario: Scenario, duration_s: float, n_max: int, advance) ->
     return n_star, [{"cap": n, "stalled_frames": table[n]} for n in sorted(table)]
 
 
+def _against_swept(b: dict) -> dict:
+    """A bounded run's summary with what it found online beside the swept N*."""
+    mean, n_star = b["steady_cap_mean"], b["n_star"]
+    return b | {"swept_n_star": n_star, "discovered_n_star": mean,
+                "discovered_over_swept": mean / n_star if n_star and mean else None}
+
+
 def run(ctx: RunContext, cfg: Config) -> dict:
     cost, cost_source = cost_model(cfg.step_cost)
     ctx.log(f"admission: offline N* sweep and AIMD runs (step cost from {cost_source})")
@@ -75,6 +84,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         mem_n, mem_table = memory_n_star(unbounded, v["duration_s"], cfg.memory_max_cap,
                                           advance)
     b, u = v["bounded"], v["unbounded"]
+    b, linear = (_against_swept(run) for run in (b, v["bounded_linear"]))
     u_caps = [h["cap"] for h in u["history"]]
     saturated = u["saturated_at_s"]
     cap_at_saturation = next((h["cap"] for h in reversed(u["history"])
@@ -82,11 +92,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     ctx.record(model="tiny random Llama (virtual clock)", dtype="float32")
     summary = {
         "experiment": NAME, "clock": VIRTUAL_CLOCK, "workload": v["workload"],
-        "bounded": b | {"swept_n_star": b["n_star"],
-                                "discovered_n_star": b["steady_cap_mean"],
-                                "discovered_over_swept": (b["steady_cap_mean"] / b["n_star"]
-                                                          if b["n_star"] and b["steady_cap_mean"]
-                                                          else None)},
+        "bounded": b, "bounded_linear": linear,
         "unbounded": u | {
             "memory_n_star": mem_n, "max_cap": max(u_caps, default=None),
             "cap_at_saturation": cap_at_saturation,
@@ -102,6 +108,15 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     plot_run(f"unbounded, pool {v['unbounded_pool_tokens']} tokens: AIMD over-admits "
              f"(memory N* = {mem_n})", u, mem_n, ctx.plot_path("aimd_unbounded.png"))
     return summary
+
+
+def _convergence_row(name: str, b: dict) -> str:
+    never = b["convergence_intervals"] is None
+    return (f"| {name} | {'not reached' if never else b['convergence_intervals']} | "
+            f"{'-' if never else fmt(b['convergence_s'], '.0f')} | {b['peak_cap']} | "
+            f"{fmt(b['miss_rate_before_convergence'], '.2%')} | "
+            f"{fmt(b['discovered_n_star'], '.1f')} ({b['steady_cap_min']}..{b['steady_cap_max']})"
+            f" | {fmt(b['discovered_over_swept'], '.2f')} |")
 
 
 def report(s: dict) -> str:
@@ -122,6 +137,16 @@ def report(s: dict) -> str:
         f"{fmt(u['steady_cap_mean'], '.1f')} ({u['steady_cap_min']}..{u['steady_cap_max']}) |"
         f" {fmt(u['over_admission'], '.2f')} (max cap) | {u['stalled_frames']} | "
         f"{u['goodput']:.1%} |", "",
+        f"Convergence from a cold cap of 4 (bounded, swept N* = {b['swept_n_star']}; control "
+        f"interval {w['interval_s']:g} s):", "",
+        "| rule | intervals to 0.9 N* | seconds | peak cap | misses before | cap, 2nd half mean "
+        "(min..max) | / swept |", "|---|---|---|---|---|---|---|",
+    ]
+    lines += [_convergence_row(name, run) for name, run in (
+        ("slow start, then AIMD (now)", b), ("AIMD +1 from the start (before)",
+                                              s["bounded_linear"]))]
+    lines += [
+        "",
         f"Unbounded: AIMD raised the cap to {u['max_cap']} although at most "
         f"{u['memory_n_star']} sessions fit the pool over this arrival stream "
         f"(over-admission {fmt(u['over_admission'], '.1f')}x); the pool ran dry at t = "

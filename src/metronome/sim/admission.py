@@ -1,6 +1,10 @@
 """AIMD against the swept N* on the virtual clock: the runs `metronome bench admission` and
 `metronome experiment admission` share, condensed to the numbers both report, and the one
-sentence both use to state the workload those runs had (read from their result)."""
+sentence both use to state the workload those runs had (read from their result).
+
+The controller is the server's (`SlowStartLimit`: AIMD after a slow start); the bounded run
+is repeated with the old rule (`AIMDLimit`: +1 per interval from the start) for the
+convergence time side by side."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from statistics import fmean
 
 import torch
 
-from metronome.admission.limits import AIMDLimit
+from metronome.admission.limits import AIMDLimit, SlowStartLimit
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
 from metronome.runtime.frame import FrameStatus
@@ -24,14 +28,22 @@ def log(message: str) -> None:
 def summarize(run, n_star: int | None, converged_s: float) -> dict:
     steady = [s.cap for s in run.history if s.at_s >= converged_s]
     after = [r for r in run.results if r.arrival_s >= converged_s]
-    reach = None
+    reach = None  # (interval, at_s) of the first cap >= 0.9 N*
     if n_star:
-        reach = next((s.at_s for s in run.history if s.cap >= 0.9 * n_star), None)
+        reach = next(((i + 1, s.at_s) for i, s in enumerate(run.history)
+                      if s.cap >= 0.9 * n_star), None)
+    before = run.results if reach is None else [r for r in run.results
+                                                if r.arrival_s < reach[1]]
     return {
         "n_star": n_star,
         "steady_cap_mean": fmean(steady) if steady else None,
         "steady_cap_min": min(steady, default=None), "steady_cap_max": max(steady, default=None),
-        "convergence_s": reach,
+        "convergence_s": None if reach is None else reach[1],
+        "convergence_intervals": None if reach is None else reach[0],
+        "miss_rate_before_convergence": (
+            sum(not r.deadline_met for r in before) / len(before) if before else None
+        ),
+        "peak_cap": max((s.cap for s in run.history), default=None),
         "miss_rate_after_convergence": (
             sum(not r.deadline_met for r in after) / len(after) if after else None
         ),
@@ -63,11 +75,14 @@ def virtual_runs(cost, duration_s: float, n_max: int) -> dict:
     log(f"virtual: N* = {n_star}; AIMD bounded run")
     stream = {"arrival_every_s": ARRIVAL_EVERY_S, "jitter": DURATION_JITTER,
               "interval_s": INTERVAL_S}
-    run_b = run_controlled(bounded, AIMDLimit(initial_cap=4), duration_s,
+    run_b = run_controlled(bounded, SlowStartLimit(initial_cap=4), duration_s,
                            session_s=BOUNDED_SESSION_S, **stream)
+    log("virtual: the old rule (+1 per interval from the start), bounded")
+    run_linear = run_controlled(bounded, AIMDLimit(initial_cap=4), duration_s,
+                                session_s=BOUNDED_SESSION_S, **stream)
     unbounded = Scenario(model, cost, policy="unbounded", pool_tokens=UNBOUNDED_POOL_TOKENS)
     log("virtual: AIMD unbounded run (pool fills)")
-    run_u = run_controlled(unbounded, AIMDLimit(initial_cap=4), duration_s,
+    run_u = run_controlled(unbounded, SlowStartLimit(initial_cap=4), duration_s,
                            session_s=UNBOUNDED_SESSION_S, **stream)
     profile = bounded.profile()
     workload = {
@@ -78,6 +93,7 @@ def virtual_runs(cost, duration_s: float, n_max: int) -> dict:
         "target_fraction": bounded.target_fraction, "bounded_session_s": BOUNDED_SESSION_S,
         "unbounded_session_s": UNBOUNDED_SESSION_S} | stream
     return {"sweep": table, "bounded": summarize(run_b, n_star, duration_s / 2),
+            "bounded_linear": summarize(run_linear, n_star, duration_s / 2),
             "unbounded": summarize(run_u, None, duration_s / 2),
             "unbounded_pool_tokens": unbounded.pool_tokens, "duration_s": duration_s,
             "workload": workload}
