@@ -168,6 +168,7 @@ def test_the_forwarded_peer_is_the_rightmost_address_no_trusted_proxy_wrote():
     assert table.forwarded_peer([(b"x-forwarded-for", b"10.0.0.8")]) is None
     assert table.forwarded_peer([]) is None
     assert table.is_trusted_proxy("10.0.0.9") and not table.is_trusted_proxy("1.2.3.4")
+    assert table.is_trusted_proxy("::ffff:10.0.0.9")  # on a dual-stack socket
 
 
 # ---- the rate limit -----------------------------------------------------------------------------

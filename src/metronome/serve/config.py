@@ -6,9 +6,10 @@ Lower layers take plain values derived here: a `SessionProfile` per session mode
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from metronome.audio.frontend import AudioFormat
 from metronome.engine.engine import EngineConfig, check_policy_limits, check_pool_fits
@@ -134,9 +135,15 @@ class ServerConfig(BaseModel):
                                              "whose forwarded-for header names the peer (at "
                                              "the upgrade); from anyone else the header is "
                                              "ignored and the socket's address is the peer")
-    forwarded_for_header: str = Field("x-forwarded-for", description="the header trusted "
-                                      "proxies name the client in (the rightmost address "
-                                      "that is not a trusted proxy)")
+    forwarded_for_header: str = Field("x-forwarded-for", min_length=1, description="the "
+                                      "header trusted proxies name the client in (the "
+                                      "rightmost address that is not a trusted proxy)")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _normalized_addresses(cls, addresses: tuple[str, ...]) -> tuple[str, ...]:
+        """As a socket reports its peer (`::1`, not `0:0:0:0:0:0:0:1`); refused if not IPs."""
+        return tuple(str(ipaddress.ip_address(address)) for address in addresses)
 
     @model_validator(mode="before")
     @classmethod

@@ -107,7 +107,7 @@ class PeerTable:
         return PeerSlot(self, peer)
 
     def is_trusted_proxy(self, address: str | None) -> bool:
-        return address is not None and address in self.limits.trusted_proxies
+        return address is not None and unmapped(address) in self.limits.trusted_proxies
 
     def forwarded_peer(self, headers: list[tuple[bytes, bytes]]) -> str | None:
         """The client a trusted proxy forwarded (the rightmost forwarded-for entry that is
@@ -115,7 +115,7 @@ class PeerTable:
         values = [value for name, value in headers if name == self.limits.forwarded_for_header]
         entries = [e.strip() for v in values for e in v.decode("latin-1").split(",")]
         for entry in reversed(entries):
-            if entry and entry not in self.limits.trusted_proxies:
+            if entry and not self.is_trusted_proxy(entry):
                 return entry
         return None
 
@@ -139,12 +139,22 @@ class PeerTable:
 def peer_key(address: str) -> str:
     """The peer an address belongs to: itself, or for IPv6 its /64 (an address that does
     not parse, e.g. a forwarded name, is its own peer)."""
+    address = unmapped(address)
+    if ":" not in address:
+        return address
+    try:
+        return str(ipaddress.ip_network(f"{address}/{IPV6_PREFIX_BITS}", strict=False))
+    except ValueError:
+        return address
+
+
+def unmapped(address: str) -> str:
+    """`::ffff:a.b.c.d` (an IPv4 client on a dual-stack socket) as `a.b.c.d`; IPv6 in its
+    compressed form; anything else as it is."""
     if ":" not in address:
         return address
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return address
-    if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d is the IPv4 peer a.b.c.d
-        return str(ip.ipv4_mapped)
-    return str(ipaddress.ip_network(f"{ip}/{IPV6_PREFIX_BITS}", strict=False))
+    return str(ip.ipv4_mapped or ip)
