@@ -114,3 +114,16 @@ def test_aimd_is_the_slow_start_limit():
     assert isinstance(make_limit("aimd"), SlowStartLimit)
     with pytest.raises(ValueError, match="growth"):
         SlowStartLimit(growth=1.0)
+
+
+def test_an_idle_or_non_binding_cap_returns_to_its_resting_cap():
+    limit = SlowStartLimit(initial_cap=4)
+    for active in (4, 3):  # a burst of misses cut it (each cut bites: active <= cap)
+        limit.update(sample(p95=1.0, misses=10, active=active))
+    assert limit.cap == 2
+    assert limit.update(IntervalSample([], 0, 0, 0)) == 3  # idle: half the gap to 4
+    assert limit.update(sample(p95=0.3, active=1)) == 4  # under target, not binding
+    assert limit.update(IntervalSample([], 0, 0, 0)) == 4  # at rest: no higher
+    planned = SlowStartLimit(initial_cap=4, resting_cap=200)  # the planner's N*
+    assert planned.update(IntervalSample([], 0, 0, 0)) == 102
+    assert planned.update(sample(p95=0.9, active=2)) == 91  # over target: cut, not rest

@@ -9,9 +9,10 @@ Two guards beside the limit:
 * the memory ceiling (`memory_ceiling`): how many sessions of the server's bound the KV pool
   holds at their peak. It is a fact of memory, not of load, so it binds whatever the limit
   says (refusal reason `kv_memory`).
-* frames judged by the work they asked for: a frame whose own session queued more input
-  than one engine step processes for a session (`self_paced_tokens`: its input plus the
-  session's backlog ahead of it) is late because of its own size, not because the server is
+* frames judged by their own session (`admission.pacing`): a frame whose session queued
+  more input than one engine step processes for a session (`self_paced_tokens`), or sends
+  input faster than real time so that the frame queued behind its own previous one
+  (`frame_period_s`), is late because of its own session, not because the server is
   loaded. Such frames are counted (`CapSample.self_paced`) but are no signal, so one client
   flooding its own session cannot cut the cap and close the server to everyone else; what
   its flood does to other sessions' frames still shows in theirs.
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from metronome.admission.limits import ConcurrencyLimit, IntervalSample
+from metronome.admission.pacing import SelfPacing
 from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.runtime.ports import Timer
 
@@ -56,7 +58,8 @@ class AdmissionController:
     interval_s: float = 2.0  # ~2 frames per session at 1 s frames: a p95 over enough samples
     on_update: Callable[[CapSample], None] | None = None
     memory_ceiling: int | None = None  # sessions the KV pool holds at their peak; None: any
-    self_paced_tokens: int | None = None  # None: every frame is a signal
+    self_paced_tokens: int | None = None  # None: a frame's size is never held against it
+    frame_period_s: float | None = None  # None: its session's pace is never held against it
     history: list[CapSample] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)  # admitted / refused:<reason>
     _fractions: list[float] = field(default_factory=list)
@@ -64,6 +67,9 @@ class AdmissionController:
     _stalled: int = 0
     _self_paced: int = 0
     _active_sum: int = 0  # active sessions summed over the interval's signal frames
+
+    def __post_init__(self) -> None:
+        self.pacing = SelfPacing(self.self_paced_tokens, self.frame_period_s)
 
     def start(self, timer: Timer, at_s: float = 0.0) -> None:
         """Tick every interval on the runtime's timer, from `at_s` on."""
@@ -92,17 +98,13 @@ class AdmissionController:
         self.counts[f"refused:{reason}"] += 1
         return Decision(False, reason, retry_after_s=self.interval_s)
 
-    def self_paced(self, result: FrameResult) -> bool:
-        """Was the frame slow by its own session's input (see the module docstring)?"""
-        limit = self.self_paced_tokens
-        return limit is not None and result.own_work_tokens > limit
-
     def on_result(self, result: FrameResult) -> None:
         """Feed every frame result (a runtime listener); frames that never reach the engine
         are no signal."""
         if result.status in (FrameStatus.REJECTED, FrameStatus.CANCELLED):
             return
-        if result.status is not FrameStatus.STALLED_KV and self.self_paced(result):
+        self_paced = self.pacing.judge(result)
+        if result.status is not FrameStatus.STALLED_KV and self_paced:
             self._self_paced += 1
             return
         self._fractions.append(result.latency_fraction)
@@ -125,4 +127,5 @@ class AdmissionController:
             self.on_update(record)
         self._fractions, self._misses, self._stalled, self._self_paced = [], 0, 0, 0
         self._active_sum = 0
+        self.pacing.forget_before(now_s - self.interval_s)
         return cap

@@ -136,6 +136,12 @@ class SlowStartLimit(AIMDLimit):
       good: the cap is cut as AIMD cuts it and AIMD takes over. Admitted sessions are never
       evicted, so an overshoot lasts until sessions leave; slow start is where one would come
       from, which is why it ends at once.
+    * an idle interval (no frames) or one under target with the cap not binding halves the
+      gap between a cap below `resting_cap` (the planner's N*, by default where the cap
+      started) and it: a cap cut by a burst of misses does not stay low on an idle server
+      (AIMD never raises a cap that does not bind: after an attack it stayed at 1 with 0
+      sessions). A resting cap is one the operator vouched for; above it the cap is raised
+      only by load that presses on it.
     * misses in at least `severe_miss_fraction` of an interval's frames cut the cap even
       while an earlier cut is pending (AIMD holds then): admitted sessions are being hurt
       now, and the cap must be at the new capacity by the time enough of them leave. A step
@@ -145,31 +151,43 @@ class SlowStartLimit(AIMDLimit):
 
     growth: float = 2.0  # the most the cap may multiply the measured load by per interval
     severe_miss_fraction: float = 0.05  # misses this common cut even while a cut is pending
+    resting_cap: int | None = None  # where an idle cap returns (the planned N*); None: initial
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.growth <= 1:
             raise ValueError(f"need growth > 1, got {self.growth}")
+        if self.resting_cap is not None and not self.min_cap <= self.resting_cap <= self.max_cap:
+            raise ValueError(f"need min_cap <= resting_cap <= max_cap, got {self.resting_cap}")
         self.slow_start = True
         self._lowest_fraction: float | None = None  # p0: the lowest latency seen
 
     def update(self, sample: IntervalSample) -> int:
-        if sample.num_frames and self.severe(sample) and sample.active_sessions > self._cap:
+        if sample.num_frames == 0:
+            return self._return_to_rest()
+        if self.over_target(sample):
             self.slow_start = False
-            self._cap = max(self.min_cap, math.floor(self._cap * self.decrease))
-            return self._cap
-        if not self.slow_start or sample.num_frames == 0:
+            if self.severe(sample) and sample.active_sessions > self._cap:
+                self._cap = max(self.min_cap, math.floor(self._cap * self.decrease))
+                return self._cap
+            return super().update(sample)
+        if sample.active_sessions < self.near_cap_fraction * self._cap:
+            return self._return_to_rest()
+        if not self.slow_start:
             return super().update(sample)
         p = sample.percentile(self.percentile)
         lowest = self._lowest_fraction
         self._lowest_fraction = p if lowest is None else min(lowest, p)
-        if self.over_target(sample):
-            self.slow_start = False
-            return super().update(sample)
-        if sample.active_sessions >= self.near_cap_fraction * self._cap:
-            # a hair of slack: a prediction that is exactly an integer is not lost to rounding
-            grown = math.floor(sample.load * self.predicted_growth(p) + 1e-9)
-            self._cap = min(self.max_cap, max(self._cap + self.increase, grown))
+        # a hair of slack: a prediction that is exactly an integer is not lost to rounding
+        grown = math.floor(sample.load * self.predicted_growth(p) + 1e-9)
+        self._cap = min(self.max_cap, max(self._cap + self.increase, grown))
+        return self._cap
+
+    def _return_to_rest(self) -> int:
+        """An idle or non-binding cap below `resting_cap` halves the gap to it."""
+        resting = self.initial_cap if self.resting_cap is None else self.resting_cap
+        if self._cap < resting:
+            self._cap += math.ceil((resting - self._cap) / 2)
         return self._cap
 
     def severe(self, sample: IntervalSample) -> bool:

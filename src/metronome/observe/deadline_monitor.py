@@ -8,9 +8,12 @@ beat); `rejected`, `cancelled` and `context_full` frames say nothing about load.
 
 Frames that were late by their own session's input are no sign of overload: a frame whose
 own work (its input plus its session's input still queued ahead of it) exceeds what one
-engine step processes for a session (`self_paced_tokens`) is left out, as the admission
-controller leaves it out, so one client flooding its own session does not make the server
-read "overloaded"; what its flood does to other sessions shows in their frames.
+engine step processes for a session (`self_paced_tokens`), or whose session the admission
+controller judged to be sending faster than real time (`self_paced_session`, its
+`SelfPacing.latest`), is left out, as the controller leaves it out, so one client flooding
+its own session does not make the server read "overloaded"; what its flood does to other
+sessions shows in their frames. Those frames are kept in a window of their own, so the
+reason can say "one session overloads itself" while the verdict stays on the others.
 
 Same window (`FrameWindow`, by count and by age) and thresholds shape as the stall detector:
 `degraded_missed_fraction = 0.05` (the admission controller's target leaves 20 % of the
@@ -20,7 +23,7 @@ deadline as headroom, so a sustained miss rate is already past capacity) and
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from metronome.observe.frame_window import FrameWindow, WindowFrame
 from metronome.observe.stall_detector import Health
@@ -31,7 +34,8 @@ TIMED_STATUSES = frozenset({"ok", "late"})
 class DeadlineMonitor:
     def __init__(self, window_frames: int = 200, degraded_missed_fraction: float = 0.05,
                  critical_missed_fraction: float = 0.5, min_frames: int = 20,
-                 window_s: float | None = None, self_paced_tokens: int | None = None) -> None:
+                 window_s: float | None = None, self_paced_tokens: int | None = None,
+                 self_paced_session: Callable[[Hashable], bool] | None = None) -> None:
         if not 0 < degraded_missed_fraction <= critical_missed_fraction <= 1:
             raise ValueError("need 0 < degraded_missed_fraction <= critical_missed_fraction "
                              f"<= 1, got {degraded_missed_fraction}, {critical_missed_fraction}")
@@ -41,20 +45,34 @@ class DeadlineMonitor:
         self.critical_missed_fraction = critical_missed_fraction
         self.min_frames = min_frames
         self.self_paced_tokens = self_paced_tokens
+        # the verdict on a session's latest frame, asked as each frame is observed (the
+        # admission controller's; it must hear of each result first)
+        self.self_paced_session = self_paced_session
         self.window = FrameWindow(window_frames, window_s)
+        self.self_paced = FrameWindow(window_frames, window_s)  # the frames left out
         self.num_self_paced = 0  # frames left out (all time)
 
     def observe(self, status: str, deadline_met: bool, own_work_tokens: int = 0,
                 at_s: float = 0.0, session_id: Hashable = None) -> None:
-        limit = self.self_paced_tokens
-        if status not in TIMED_STATUSES or (limit is not None and own_work_tokens > limit):
-            self.num_self_paced += status in TIMED_STATUSES
+        frame = WindowFrame(at_s, session_id, not deadline_met, deadline_met)
+        if status not in TIMED_STATUSES:
+            self.advance(at_s)
+        elif self._self_paced(own_work_tokens, session_id):
+            self.num_self_paced += 1
             self.window.advance(at_s)
-            return
-        self.window.add(WindowFrame(at_s, session_id, not deadline_met, deadline_met))
+            self.self_paced.add(frame)
+        else:
+            self.self_paced.advance(at_s)
+            self.window.add(frame)
+
+    def _self_paced(self, own_work_tokens: int, session_id: Hashable) -> bool:
+        limit, judged = self.self_paced_tokens, self.self_paced_session
+        return (limit is not None and own_work_tokens > limit) or (
+            judged is not None and judged(session_id))
 
     def advance(self, now_s: float) -> None:
         self.window.advance(now_s)
+        self.self_paced.advance(now_s)
 
     @property
     def missed_fraction(self) -> float:
@@ -74,9 +92,22 @@ class DeadlineMonitor:
     def reason(self) -> str:
         window = self.window
         if len(window) < self.min_frames:
-            return f"{len(window)} timed frames observed, fewer than the {self.min_frames} needed"
+            line = f"{len(window)} timed frames observed, fewer than the {self.min_frames} needed"
+            return line + self._self_paced_reason()
         line = f"{self.missed_fraction:.0%} of {window.describe()} missed their deadline"
         state = self.state
-        if state is Health.OK:
-            return line
-        return line + (": overload" if state is Health.CRITICAL else ": near capacity")
+        if state is not Health.OK:
+            line += ": overload" if state is Health.CRITICAL else ": near capacity"
+        return line + self._self_paced_reason()
+
+    def _self_paced_reason(self) -> str:
+        """Who is late by their own input, if anyone: not the server's overload."""
+        late = sorted((str(sid), t.bad) for sid, t in self.self_paced.by_session.items()
+                      if t.bad)
+        if not late:
+            return ""
+        who = ", ".join(f"{sid} ({n} late)" for sid, n in late)
+        verdict = ("one session overloads itself" if len(late) == 1
+                   else f"{len(late)} sessions overload themselves")
+        return (f"; {verdict}, sending input faster than it is served: {who} (left out: no "
+                "sign of the server's load)")

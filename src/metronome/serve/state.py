@@ -90,10 +90,14 @@ class ServerState:
             limit, lambda: len(self.sessions), config.admission_interval_s,
             on_update=self._on_admission_update,
             memory_ceiling=engine.memory_ceiling(_ceiling_policy(config, engine)),
-            self_paced_tokens=self_paced_tokens,
+            self_paced_tokens=self_paced_tokens, frame_period_s=config.frame_period_s,
         )
+        # Health leaves out the frames the controller judged self-paced (more than one step's
+        # chunk of their own input, or input faster than real time), so the controller hears
+        # of each result before the observer does.
+        self.observer.deadlines.self_paced_session = self.controller.pacing.latest
         self.status_board = StatusBoard()  # the status page's per-session frame strips
-        self.driver = WallDriver(engine, Listeners.of(self.observer, self.controller, self,
+        self.driver = WallDriver(engine, Listeners.of(self.controller, self.observer, self,
                                                       self.status_board))
         self.metrics.set_admission_cap(limit.cap)
         self.metrics.set_memory_ceiling(self.controller.memory_ceiling)

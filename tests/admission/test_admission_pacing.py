@@ -1,0 +1,119 @@
+"""Frames late by their own session's pace are no congestion signal: the judgement
+(`SelfPacing`), the controller that leaves them out on the virtual clock, and the health
+verdict that names the session instead of reading "overload"."""
+
+from __future__ import annotations
+
+from metronome.admission.controller import AdmissionController
+from metronome.admission.limits import SlowStartLimit
+from metronome.admission.pacing import SelfPacing
+from metronome.engine.engine import Engine, EngineConfig
+from metronome.kv.residency import ResidencyPolicy
+from metronome.observe.deadline_monitor import DeadlineMonitor
+from metronome.observe.stall_detector import Health
+from metronome.runtime.frame import Frame, FrameResult, FrameStatus
+from metronome.runtime.ports import Listeners
+from metronome.runtime.profile import SessionProfile
+from metronome.sim.cost_model import StepCostModel
+from metronome.sim.recorder import RunRecorder
+from metronome.sim.virtual import VirtualDriver
+
+
+def result(arrival_s: float, finish_s: float, deadline_s: float = 1.0, tokens: int = 12,
+           index: int = 0) -> FrameResult:
+    late = finish_s > arrival_s + deadline_s
+    return FrameResult(7, index, FrameStatus.LATE if late else FrameStatus.OK, [],
+                       arrival_s, arrival_s, min(finish_s, arrival_s + deadline_s),
+                       arrival_s + deadline_s, True, input_tokens=tokens)
+
+
+def verdicts(pacing: SelfPacing, frames: list[tuple[float, float]], deadline_s=1.0):
+    return [pacing.judge(result(a, f, deadline_s)) for a, f in frames]
+
+
+def test_input_faster_than_real_time_that_queues_behind_itself_is_self_paced():
+    # 1 s of audio every 0.15 s; each frame answered at its deadline, queued behind the last
+    frames = [(0.15 * i, 0.15 * i + 1.0) for i in range(5)]
+    # ahead of real time: 0, 0.85, 1.7, 2.55, 3.4 s: beyond one period from the third on
+    assert verdicts(SelfPacing(frame_period_s=1.0), frames) == [False, False, True, True,
+                                                                   True]
+    assert verdicts(SelfPacing(), frames) == [False] * 5  # pace not judged: all are signal
+
+
+def test_real_time_input_is_never_self_paced_however_chunked_or_congested():
+    # 0.6 s chunks: frames complete at 1.2, 2.4, 3.0, 4.2, 5.4, 6.0; each takes 0.9 s, so
+    # the bunched ones queue behind their predecessor
+    chunked = [(a, a + 0.9) for a in (1.2, 2.4, 3.0, 4.2, 5.4, 6.0)]
+    assert not any(verdicts(SelfPacing(frame_period_s=1.0), chunked))
+    # a 2 s deadline on 1 s frames, congested: every frame waits for the one before
+    congested = [(float(a), a + 1.5) for a in range(1, 8)]
+    assert not any(verdicts(SelfPacing(frame_period_s=1.0), congested, deadline_s=2.0))
+
+
+def test_a_pause_buys_one_frame_of_burst_and_size_is_still_judged():
+    frames = [(0.0, 0.5), (10.0, 10.9), (10.0, 10.95), (10.0, 11.0), (10.0, 11.0)]
+    # ahead: 0, -1 (credit capped at one period), 0, 1, 2
+    assert verdicts(SelfPacing(frame_period_s=1.0), frames) == [False] * 4 + [True]
+    assert SelfPacing(max_own_tokens=64).judge(result(0.0, 1.0, tokens=65))
+    assert not SelfPacing(max_own_tokens=64).judge(result(0.0, 1.0, tokens=64))
+
+
+SLOW = StepCostModel(fixed_s=0.05, per_token_s=0.001, per_context_token_s=0.0)
+
+
+def attack_run(model, frame_period_s: float | None, attack_every_s=0.15, duration_s=20.0):
+    """3 sessions send 12 tokens each second; a 4th sends a 1 s frame every 0.15 s (6.7x
+    real time) until `duration_s` / 2, then leaves."""
+    engine = Engine(model, EngineConfig(block_size=16, pool_tokens=256 * 16))
+    recorder = RunRecorder()
+    controller = AdmissionController(SlowStartLimit(initial_cap=4), lambda: 4,
+                                     self_paced_tokens=64, frame_period_s=frame_period_s)
+    driver = VirtualDriver(engine, SLOW, Listeners.of(recorder, controller))
+    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=2,
+                             policy=ResidencyPolicy.sinks_window(4, 64))
+    beat = driver.beat
+    calm = [beat.open_session(profile) for _ in range(3)]
+    attacker = beat.open_session(profile)
+    controller.start(driver.clock)
+    for i in range(int(duration_s)):
+        for sid in calm:
+            driver.clock.call_at(i + 1.0, lambda t, sid=sid, i=i: beat.submit_frame(
+                Frame(sid, i, t, [5 + k for k in range(12)]), t))
+    for j in range(int(duration_s / 2 / attack_every_s)):
+        driver.clock.call_at((j + 1) * attack_every_s, lambda t, j=j: beat.submit_frame(
+            Frame(attacker, j, t, [9 + k for k in range(12)]), t))
+    driver.run_until(duration_s)
+    return controller, recorder, calm, attacker
+
+
+def test_one_client_faster_than_real_time_does_not_cut_the_cap(tiny_model):
+    controller, recorder, calm, attacker = attack_run(tiny_model, frame_period_s=1.0)
+    mine = [r for r in recorder.results if r.session_id == attacker]
+    theirs = [r for r in recorder.results if r.session_id in calm]
+    assert sum(not r.deadline_met for r in mine) >= 20  # the attacker is late ...
+    assert all(r.deadline_met for r in theirs)  # ... its neighbours are not
+    assert not cuts(controller) and not any(s.misses for s in controller.history)
+    assert sum(s.self_paced for s in controller.history) >= 20
+    blind, *_ = attack_run(tiny_model, frame_period_s=None)  # its misses would count
+    assert len(cuts(blind)) >= 3
+
+
+def cuts(controller: AdmissionController) -> list[int]:
+    caps = [s.cap for s in controller.history]
+    return [b for a, b in zip(caps, caps[1:], strict=False) if b < a]
+
+
+def test_health_names_a_session_that_overloads_itself_instead_of_overload():
+    judged = {"flooder"}
+    monitor = DeadlineMonitor(window_frames=1 << 16, min_frames=1, window_s=2.0,
+                              self_paced_session=lambda sid: sid in judged)
+    for i in range(30):
+        monitor.observe("late", False, at_s=i * 0.05, session_id="flooder")
+        monitor.observe("ok", True, at_s=i * 0.05, session_id=f"calm{i % 3}")
+    assert monitor.state is Health.OK and monitor.num_self_paced == 30
+    assert monitor.reason == (
+        "0% of the 30 frames of the last 2 s missed their deadline; one session overloads "
+        "itself, sending input faster than it is served: flooder (30 late) (left out: no "
+        "sign of the server's load)")
+    monitor.advance(10.0)  # the window moves on: the verdict is gone with the frames
+    assert "overloads" not in monitor.reason
