@@ -137,11 +137,11 @@ class SlowStartLimit(AIMDLimit):
       evicted, so an overshoot lasts until sessions leave; slow start is where one would come
       from, which is why it ends at once.
     * an idle interval (no frames) or one under target with the cap not binding halves the
-      gap between a cap below `resting_cap` (the planner's N*, by default where the cap
-      started) and it: a cap cut by a burst of misses does not stay low on an idle server
-      (AIMD never raises a cap that does not bind: after an attack it stayed at 1 with 0
-      sessions). A resting cap is one the operator vouched for; above it the cap is raised
-      only by load that presses on it.
+      gap between a cap below `resting_cap` and it (by default where the cap started: the
+      server's `--admission-cap`, which `metronome plan` advises), so a cap cut by a burst
+      of misses does not stay low on an idle server (AIMD never raises a cap that does not
+      bind: after an attack it stayed at 1 with 0 sessions). A resting cap is one the
+      operator vouched for; above it the cap rises only by load that presses on it.
     * misses in at least `severe_miss_fraction` of an interval's frames cut the cap even
       while an earlier cut is pending (AIMD holds then): admitted sessions are being hurt
       now, and the cap must be at the new capacity by the time enough of them leave. A step
@@ -151,7 +151,7 @@ class SlowStartLimit(AIMDLimit):
 
     growth: float = 2.0  # the most the cap may multiply the measured load by per interval
     severe_miss_fraction: float = 0.05  # misses this common cut even while a cut is pending
-    resting_cap: int | None = None  # where an idle cap returns (the planned N*); None: initial
+    resting_cap: int | None = None  # where an idle cap returns (a planned N*); None: initial
 
     def __post_init__(self) -> None:
         super().__post_init__()

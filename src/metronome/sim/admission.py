@@ -32,8 +32,9 @@ def summarize(run, n_star: int | None, converged_s: float) -> dict:
     if n_star:
         reach = next(((i + 1, s.at_s) for i, s in enumerate(run.history)
                       if s.cap >= 0.9 * n_star), None)
-    before = run.results if reach is None else [r for r in run.results
-                                                if r.arrival_s < reach[1]]
+    # frames until the cap reached 0.9 N* (all of them if it never did)
+    before = [] if not n_star else [r for r in run.results
+                                    if reach is None or r.arrival_s < reach[1]]
     return {
         "n_star": n_star,
         "steady_cap_mean": fmean(steady) if steady else None,
