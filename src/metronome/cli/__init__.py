@@ -78,6 +78,10 @@ def run(
         config.profile()
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
+    if config.clock == "wall" and config.engine == "native":
+        from metronome.runtime.cores import reserve_for_engine_thread
+
+        reserve_for_engine_thread()  # before the model loads: runtime.cores says why
     summary = run_local(config)
     typer.echo(json.dumps({k: summary[k] for k in (
         "frames", "goodput", "deadline_met_fraction", "frames_by_status", "latency_ms",

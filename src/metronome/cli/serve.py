@@ -41,6 +41,10 @@ def serve(log_level: str = "info", **options) -> None:
     except ValidationError as err:
         raise typer.BadParameter(str(err)) from None
     if cluster is None:
+        if config.engine == "native":  # before the model loads: runtime.cores says why
+            from metronome.runtime.cores import reserve_for_engine_thread
+
+            reserve_for_engine_thread()
         serve_forever(config, log_level)
         return
     from metronome.cluster.launch import serve_cluster

@@ -36,6 +36,7 @@ from metronome.cluster.board import BOARD_NAME, ClusterBoard
 from metronome.cluster.config import ClusterConfig
 from metronome.cluster.headroom import ReplicaRoom
 from metronome.observe.labelled_registry import LabelledRegistry
+from metronome.runtime.cores import reserve_for_engine_thread
 from metronome.serve.app import create_app
 from metronome.serve.config import ServerConfig
 from metronome.serve.state import ServerState
@@ -59,7 +60,10 @@ def board_handle(cluster: ClusterConfig):
 @serve.ingress()
 class MetronomeReplica:
     def __init__(self, config: ServerConfig, cluster: ClusterConfig) -> None:
-        torch.set_num_threads(cluster.torch_threads)
+        if config.engine == "native":  # the engine thread's, the rest single-threaded
+            reserve_for_engine_thread(cluster.torch_threads)
+        else:
+            torch.set_num_threads(cluster.torch_threads)
         self.config = config
         self.cluster = cluster
         context = serve.get_replica_context()

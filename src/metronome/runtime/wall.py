@@ -19,6 +19,7 @@ from collections.abc import Callable
 from metronome.engine.engine import SessionError
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import PreparedInput
+from metronome.runtime.cores import enter_engine_thread
 from metronome.runtime.driver import Driver, EngineCommandsBase
 from metronome.runtime.ports import EnginePort, Listeners
 
@@ -94,6 +95,7 @@ class WallDriver(Driver):
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        enter_engine_thread()  # the cores reserved for this thread (runtime.cores)
         while not self._stop.is_set():
             self._drain(block=not self.should_step)
             if self.should_step and not self._stop.is_set():

@@ -31,6 +31,7 @@ from metronome.audio.silero import SileroVad
 from metronome.engine.engine import Engine
 from metronome.engine.types import PoolStats, Rebound
 from metronome.kv.residency import ResidencyPolicy
+from metronome.runtime.cores import single_threaded
 from metronome.runtime.frame import Frame, FrameResult
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.ports import Listeners
@@ -77,11 +78,13 @@ class ServerState:
         # (tokenizing): off the loop, so one session's input never delays another's deadline
         # timers, and in submission order, so each session's stateful encoder sees its audio
         # in sequence.
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-audio")
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-audio",
+                                           initializer=single_threaded)
         # Server VAD has a thread of its own: detecting a turn never delays a frame's
         # encoding, and each session's VAD stream sees its audio in sequence. The network
         # runs in ONNX Runtime on that one thread: the engine's torch threads are untouched.
-        self._vad = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-vad")
+        self._vad = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-vad",
+                                       initializer=single_threaded)
         self._silero: SileroVad | None = None  # the VAD thread's only
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         self.resident_tokens: dict[int, int] = {}  # engine session id -> live KV tokens

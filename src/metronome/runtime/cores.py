@@ -1,0 +1,56 @@
+"""Which thread runs torch's parallel kernels: the engine thread, alone.
+
+torch's CPU kernels run on OpenMP, and libgomp keeps one pool of worker threads for every
+thread that has opened a parallel region. A live server steps its engine on `WallDriver`'s
+thread while the model was loaded and warmed up on the main thread. Measured on a 2-core
+machine (SmolLM2 in bf16, one session decoding; docs/results/engine_vs_vllm.md): a step on the
+engine thread took 22.6 ms when the main thread had run torch with 2 threads before, and
+12.9 ms when the main thread had run it with 1 (13.4 ms for the same step on the main thread
+alone). Making the main thread single-threaded afterwards does not undo it (21.2 ms): its pool
+exists by then. So the wall-clock entry points (`metronome serve`, `metronome run`, a cluster
+replica, the wall-clock benches) call `reserve_for_engine_thread()` before anything parallel
+runs on the main thread, and the engine thread calls `enter_engine_thread()` first thing.
+
+torch keeps the last count set as the default for threads that start later, so helper threads
+that run torch (the audio encoder) call `single_threaded()` first: they never get a pool.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_engine_threads: int | None = None
+
+
+def reserve_for_engine_thread(threads: int | None = None) -> int:
+    """Run the calling thread's torch on one thread, and keep `threads` (default: torch's count
+    now) for the engine thread. Call on the main thread before it runs anything parallel
+    (before loading the model); calling again keeps the first reservation. Returns it."""
+    global _engine_threads
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    with _lock:
+        if _engine_threads is None:
+            _engine_threads = threads or torch.get_num_threads()
+        torch.set_num_threads(1)
+        return _engine_threads
+
+
+def reserved_engine_threads() -> int | None:
+    """The engine thread's reserved count (None: nothing reserved, torch's defaults hold)."""
+    return _engine_threads
+
+
+def enter_engine_thread() -> None:
+    """First thing on the engine thread: take the reserved threads (none reserved: keep
+    torch's default for a new thread)."""
+    if _engine_threads is not None:
+        torch.set_num_threads(_engine_threads)
+
+
+def single_threaded() -> None:
+    """First thing on a helper thread that runs torch (a ThreadPoolExecutor initializer)."""
+    torch.set_num_threads(1)
