@@ -61,41 +61,62 @@ def test_a_pause_buys_one_frame_of_burst_and_size_is_still_judged():
 SLOW = StepCostModel(fixed_s=0.05, per_token_s=0.001, per_context_token_s=0.0)
 
 
-def attack_run(model, frame_period_s: float | None, attack_every_s=0.15, duration_s=20.0):
+def attack_run(model, frame_period_s: float | None, attack_every_s=0.15, duration_s=24.0):
     """3 sessions send 12 tokens each second; a 4th sends a 1 s frame every 0.15 s (6.7x
-    real time) until `duration_s` / 2, then leaves."""
+    real time) for the first half, then leaves; a new user (3 frames) tries to join every
+    2 s, through admission."""
     engine = Engine(model, EngineConfig(block_size=16, pool_tokens=256 * 16))
     recorder = RunRecorder()
-    controller = AdmissionController(SlowStartLimit(initial_cap=4), lambda: 4,
+    beat_sessions = lambda: len(driver.beat.sessions)  # noqa: E731 (driver is made below)
+    controller = AdmissionController(SlowStartLimit(initial_cap=4), beat_sessions,
                                      self_paced_tokens=64, frame_period_s=frame_period_s)
     driver = VirtualDriver(engine, SLOW, Listeners.of(recorder, controller))
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=2,
                              policy=ResidencyPolicy.sinks_window(4, 64))
-    beat = driver.beat
+    beat, clock = driver.beat, driver.clock
     calm = [beat.open_session(profile) for _ in range(3)]
     attacker = beat.open_session(profile)
-    controller.start(driver.clock)
-    for i in range(int(duration_s)):
-        for sid in calm:
-            driver.clock.call_at(i + 1.0, lambda t, sid=sid, i=i: beat.submit_frame(
+    controller.start(clock)
+
+    def stream(sid: int, frames: int, start_s: float = 0.0) -> None:
+        for i in range(frames):
+            clock.call_at(start_s + i + 1.0, lambda t, i=i: beat.submit_frame(
                 Frame(sid, i, t, [5 + k for k in range(12)]), t))
+
+    def new_user(now_s: float) -> None:
+        joined.append(controller.try_admit(now_s).admitted)
+        if joined[-1]:
+            sid = beat.open_session(profile, now_s)
+            stream(sid, 3, now_s)
+            clock.call_at(now_s + 3.5, lambda t: beat.close_session(sid, t))
+
+    joined: list[bool] = []
+    for sid in calm:
+        stream(sid, int(duration_s))
     for j in range(int(duration_s / 2 / attack_every_s)):
-        driver.clock.call_at((j + 1) * attack_every_s, lambda t, j=j: beat.submit_frame(
+        clock.call_at((j + 1) * attack_every_s, lambda t, j=j: beat.submit_frame(
             Frame(attacker, j, t, [9 + k for k in range(12)]), t))
+    clock.call_at(duration_s / 2 + 0.5, lambda t: beat.close_session(attacker, t))
+    for k in range(1, 11):
+        clock.call_at(2.0 * k + 0.1, new_user)
     driver.run_until(duration_s)
-    return controller, recorder, calm, attacker
+    return controller, recorder, calm, attacker, joined
 
 
 def test_one_client_faster_than_real_time_does_not_cut_the_cap(tiny_model):
-    controller, recorder, calm, attacker = attack_run(tiny_model, frame_period_s=1.0)
+    controller, recorder, calm, attacker, joined = attack_run(tiny_model, frame_period_s=1.0)
     mine = [r for r in recorder.results if r.session_id == attacker]
     theirs = [r for r in recorder.results if r.session_id in calm]
     assert sum(not r.deadline_met for r in mine) >= 20  # the attacker is late ...
     assert all(r.deadline_met for r in theirs)  # ... its neighbours are not
     assert not cuts(controller) and not any(s.misses for s in controller.history)
     assert sum(s.self_paced for s in controller.history) >= 20
-    blind, *_ = attack_run(tiny_model, frame_period_s=None)  # its misses would count
-    assert len(cuts(blind)) >= 3
+    assert sum(joined) >= 9, joined  # new users get in during the attack and after it
+    blind, *_, blind_joined = attack_run(tiny_model, frame_period_s=None)  # misses count
+    assert len(cuts(blind)) >= 3 and sum(blind_joined) < sum(joined)
+    print(f"new users admitted: {sum(joined)}/10 judged, {sum(blind_joined)}/10 blind; "
+          f"caps judged {[s.cap for s in controller.history]}, blind "
+          f"{[s.cap for s in blind.history]}")
 
 
 def cuts(controller: AdmissionController) -> list[int]:
