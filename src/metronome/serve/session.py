@@ -1,10 +1,10 @@
 """One Realtime session: client events in, frames to the beat, frame results out as events.
 
-Owns what the client's events do to the session (items, commits, responses, the limits on
-its input) and its frames on the server side: each is accepted in the beat's session record
-(`Beat.accept`: the record counts it and its input from then on, and the limits here read
-the record, never a count of their own), its input made on the encoder thread, then
-submitted; what it belongs to (its `FrameOrigin`) is kept here by frame index until its
+Owns what the client's events do to the session (items, commits, responses; the limits on
+its input are `serve.input_limits`') and its frames on the server side: each is accepted in
+the beat's session record (`Beat.accept`: the record counts it and its input from then on,
+and the limits read the record, never a count of their own), its input made on the encoder
+thread, then submitted; what it belongs to (its `FrameOrigin`) is kept here by frame index until its
 result comes back and is rendered into events (`serve.events`). Its settings are
 `serve.settings`, its audio framing `serve.audio_input`, its server VAD
 `serve.turn_detection`. No socket here: events come in through `handle` (already parsed),
@@ -49,6 +49,12 @@ from metronome.serve.events import (
     assistant_item,
     response_opened,
     result_events,
+)
+from metronome.serve.input_limits import (
+    check_input_room,
+    check_room_for_a_frame,
+    check_text_length,
+    unanswered_s,
 )
 from metronome.serve.kv_events import BoundOut, MetronomeSessionBounded
 from metronome.serve.protocol import ClientError, ErrorCode
@@ -148,7 +154,8 @@ class RealtimeSession:
         instructions = update.instructions
         new_instructions = instructions is not None and instructions != self._instructions
         if new_instructions:  # refused before anything changes
-            self._check_text_length(instructions, "session.instructions")
+            check_text_length(instructions, self.host.config.max_text_chars,
+                              "session.instructions")
         current = self.settings
         if (settings.mode, settings.sample_rate_hz) != (current.mode, current.sample_rate_hz):
             self._reconfigure(settings)
@@ -206,7 +213,8 @@ class RealtimeSession:
                               "items with conversation.item.create", "audio")
         pcm = decode_pcm16(audio_b64)
         framer = self.framer
-        buffered_s = self._unanswered_s() + (framer.pending_bytes + len(pcm)) / framer.bytes_per_s
+        buffered_s = unanswered_s(self.record, self.host.config.frame_period_s) + (
+            framer.pending_bytes + len(pcm)) / framer.bytes_per_s
         if buffered_s > self.host.config.max_buffered_audio_s:
             raise ClientError(
                 ErrorCode.BUFFER_OVERFLOW,
@@ -214,46 +222,13 @@ class RealtimeSession:
                 f"unanswered (limit {self.host.config.max_buffered_audio_s} s); this chunk "
                 "was dropped", "audio",
             )
-        self._check_input_room(framer.tokens(framer.pending_bytes + len(pcm)),
-                               "audio", ErrorCode.BUFFER_OVERFLOW, "audio")
+        check_input_room(self.record, framer.tokens(framer.pending_bytes + len(pcm)),
+                         "audio", ErrorCode.BUFFER_OVERFLOW, "audio")
         self._appended_since_commit_bytes += len(pcm)
         for cut in framer.cut(pcm):
             self._encode_then_submit(cut)
         if self.turns is not None:
             self.turns.push(pcm)
-
-    def _unanswered_s(self) -> float:
-        """Input the beat has not answered yet, counting every frame as one period."""
-        return self.record.unanswered_frames * self.host.config.frame_period_s
-
-    def _check_input_room(self, num_tokens: int, what: str, code: ErrorCode,
-                          param: str | None = None, upper_bound: bool = False) -> None:
-        """Refuse input that would leave more of this session's input unprocessed than its
-        bound allows (`max_queued_input_tokens`, checked by the record); nothing is
-        accepted, so nothing is lost. `upper_bound`: `num_tokens` is the most the input can
-        make (text, before it is tokenized: one token per UTF-8 byte at most)."""
-        record = self.record
-        if record.fits(num_tokens):
-            return
-        limit, queued = record.profile.max_queued_input_tokens, record.queued_input_tokens
-        if num_tokens <= limit:
-            advice = "retry once the engine has caught up"
-        elif upper_bound:
-            advice = ("it alone may exceed the limit (text counts one token per UTF-8 byte "
-                      f"until it is tokenized): send it in parts of at most {limit} bytes")
-        else:
-            advice = f"it alone exceeds the limit: send it in parts of at most {limit} tokens"
-        size = f"up to {num_tokens}" if upper_bound else f"{num_tokens}"
-        raise ClientError(code, f"{what} of {size} tokens refused: {queued} tokens of "
-                          f"this session's input are not processed yet (limit {limit}); "
-                          f"{advice}", param)
-
-    def _check_room_for_a_frame(self) -> None:
-        limit_s = self.host.config.max_buffered_audio_s
-        if self._unanswered_s() + self.host.config.frame_period_s > limit_s:
-            raise ClientError(ErrorCode.TOO_MANY_PENDING, f"{self.record.unanswered_frames} "
-                              f"frames are still unanswered (limit {limit_s:g} s of frames); "
-                              "retry later")
 
     def _commit(self, item_id: str | None = None) -> None:
         """The buffer becomes a user item: `item_id` (a turn's), the speech under way's, or a
@@ -303,26 +278,22 @@ class RealtimeSession:
         `content_type` is None (instructions: in the context, not a conversation item, as
         OpenAI keeps them), an item."""
         chat = self._chat()
-        self._check_text_length(text, param)
-        self._check_room_for_a_frame()
+        config = self.host.config
+        check_text_length(text, config.max_text_chars, param)
+        check_room_for_a_frame(self.record, config.frame_period_s, config.max_buffered_audio_s)
         # Nothing is tokenized on the loop: the room is checked against the most tokens the
         # text can make (`ChatText.max_item_tokens`, from its UTF-8 size: O(1) for ASCII),
         # which is reserved in the session's queued input until the encoder thread has
         # tokenized it. So a text that may not fit costs no tokenizer time at all, and one
         # session's tokenizing is bounded by what the engine takes of its own input.
         max_tokens = chat.max_item_tokens(role, text)
-        self._check_input_room(max_tokens, "text item", ErrorCode.TOO_MANY_PENDING, param,
-                               upper_bound=True)
+        check_input_room(self.record, max_tokens, "text item", ErrorCode.TOO_MANY_PENDING,
+                         param, upper_bound=True)
         if content_type is not None:
             self._add_item(se.ItemOut(id=item_id or p.new_id("item"), role=role,
                                       content=[se.ContentOut(type=content_type, text=text)]))
         self._queue_frame("text", lambda: Input(token_ids=chat.item_ids(role, text)),
                           max_tokens)
-
-    def _check_text_length(self, text: str, param: str) -> None:
-        if len(text) > self.host.config.max_text_chars:
-            raise ClientError(ErrorCode.TEXT_TOO_LONG, f"text has {len(text)} characters; "
-                              f"the limit is {self.host.config.max_text_chars}", param)
 
     def _create_response(self, params: p.ResponseParamsIn) -> None:
         chat = self._chat()
@@ -340,7 +311,7 @@ class RealtimeSession:
         # no frame-count check: one client response at a time bounds these frames already
         # (audio appended and committed just before, as clients do, must not refuse it)
         token_ids = chat.response_prefix_ids
-        self._check_input_room(len(token_ids), "response", ErrorCode.TOO_MANY_PENDING)
+        check_input_room(self.record, len(token_ids), "response", ErrorCode.TOO_MANY_PENDING)
         response = self._new_response(params.metadata)
         self._client_response = response
         self._queue_frame("response", lambda: Input(token_ids=token_ids), len(token_ids),
