@@ -4,7 +4,8 @@ Each limit has a `cap` and one `update(sample)` per control interval. The signal
 interval's per-frame latency normalised by each frame's deadline (so sessions with
 different periods share one scale), plus deadline misses and KV stalls.
 
-AIMD (default), after Netflix concurrency-limits' AIMDLimit and TCP:
+AIMD (`AIMDLimit`; `aimd`, the default, is `SlowStartLimit`: this rule after a slow start
+that reaches N* in a few intervals), after Netflix concurrency-limits' AIMDLimit and TCP:
 * over target (p95 of latency/deadline > `target_fraction`, or any miss, or any
   `stalled_kv` frame): `cap = max(min_cap, floor(cap * decrease))` -- unless more sessions
   are active than the cap allows, in which case the last cut has not taken effect yet and
@@ -129,7 +130,8 @@ class SlowStartLimit(AIMDLimit):
       M (1 - p0 / T). Far below the target it exceeds `growth` and the cap doubles; near
       the target it tends to 1, so growth slows to +`increase` by itself.
       Measured on the virtual clock from a cap of 4 (N* of 10, 27, 41, 202, 256): 0.9 N*
-      within 2-10 intervals, peak 1.03-1.10 N* in slow start, no deadline miss. Growth by
+      within 2-10 intervals, no deadline miss, the run's peak cap 1.03-1.2 N* (the larger
+      ratios at small N*: 12 at N* = 10 is AIMD's sawtooth). Growth by
       the headroom instead (x 1 + (growth - 1) h, h = (T - p) / (T - p0)) overshot N* = 41
       to 49 (1.2 x) with 9 % of frames missing; with h**2 it needed 13 intervals at 202.
     * the first over-target signal (a miss, a KV stall, or p > T) ends slow start for
