@@ -134,6 +134,11 @@ class SlowStartLimit(AIMDLimit):
       ratios at small N*: 12 at N* = 10 is AIMD's sawtooth). Growth by
       the headroom instead (x 1 + (growth - 1) h, h = (T - p) / (T - p0)) overshot N* = 41
       to 49 (1.2 x) with 9 % of frames missing; with h**2 it needed 13 intervals at 202.
+      Why not start at the planner's N* instead: it is as right as its step cost model.
+      On the virtual clock, where that model is the truth, it is within 4 % (plan.md); the
+      earlier (Intel) calibration predicted 37 where the real model on the wall clock held
+      ~26 (README), and a start 1.4x too high admits sessions that are never evicted. The
+      planner's advised start (`--admission-cap`) stays the safe place to begin and rest.
     * the first over-target signal (a miss, a KV stall, or p > T) ends slow start for
       good: the cap is cut as AIMD cuts it and AIMD takes over. Admitted sessions are never
       evicted, so an overshoot lasts until sessions leave; slow start is where one would come
