@@ -29,6 +29,8 @@ from metronome.results.provenance import describe
 from metronome.results.tables import md_table
 
 NAME = "engine-vs-vllm"
+# vLLM's default max_num_batched_tokens on CPU (its LLM class; arg_utils, vLLM 0.32)
+VLLM_CPU_STEP_TOKENS = 4096
 PAIR_TITLES = {STOCK: "unbounded: ours vs stock vLLM (full attention)",
                SLIDING: "bounded: ours `sinks_window:S:W` vs vLLM's sliding window of S + W"}
 
@@ -51,15 +53,30 @@ class Config:
     repeats: int = field(default=3, metadata={"help": "alternating rounds of decode steps"})
     block_size: int = field(default=32, metadata={
         "help": "KV block size in tokens, both systems (vLLM's CPU attention: multiples of 32)"})
-    max_chunk_tokens: int = field(default=512, metadata={
-        "help": "both systems' prefill chunk per session and step"})
-    max_step_tokens: int = field(default=2048, metadata={
-        "help": "both systems' tokens per step"})
+    # None: each system as a user gets it (ours: EngineConfig's defaults; vLLM: its CPU
+    # default of 4,096 tokens per step, no per-request cap); a number: both get it
+    max_chunk_tokens: int | None = field(default=None, metadata={
+        "help": "both systems' prefill chunk per session and step (unset: each system's "
+                "default)"})
+    max_step_tokens: int | None = field(default=None, metadata={
+        "help": "both systems' tokens per step (unset: each system's default)"})
 
     @classmethod
     def smoke(cls) -> Config:
         return cls(sessions=(2, 4), lengths=(256,), window_tokens=64, decode_steps=3,
                    repeats=2, prefill_sessions=2)
+
+    def budgets(self) -> dict[str, dict[str, int]]:
+        """Each system's step budget: {system: {max_chunk_tokens, max_step_tokens}} (ours
+        empty when unset: the engine's defaults)."""
+        ours = {name: value for name, value in (("max_chunk_tokens", self.max_chunk_tokens),
+                                                ("max_step_tokens", self.max_step_tokens))
+                if value is not None}
+        step = VLLM_CPU_STEP_TOKENS if self.max_step_tokens is None else self.max_step_tokens
+        # unset: no per-request cap (vLLM's default); the pair clamps it to max_model_len,
+        # which vLLM requires and which caps nothing
+        chunk = step if self.max_chunk_tokens is None else self.max_chunk_tokens
+        return {"ours": ours, "vllm": {"max_chunk_tokens": chunk, "max_step_tokens": step}}
 
     @property
     def bound(self) -> ResidencyPolicy:
@@ -74,12 +91,15 @@ def run(ctx: RunContext, cfg: Config) -> dict:
 
     import torch
 
+    from metronome.bench.engine.floor import read_bandwidth_gbs
     from metronome.bench.vllm.engines import facts, load_native_model
     from metronome.bench.vllm.pair import measure_pair
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = load_native_model()
     ctx.record(**facts(model))
+    bandwidth_gbs = read_bandwidth_gbs()
+    ctx.log(f"memory read bandwidth: {bandwidth_gbs:.1f} GB/s")
     cells = []
     for length in cfg.lengths:
         if not cfg.sessions_at(length):
@@ -89,8 +109,25 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             cells += measure_pair(cfg, model, length, ours_policy, vllm_kind, ctx.log)
             ctx.keep("cells", cells)
     rows = ratios(cells)
+    _add_floor(cells, model, cfg, bandwidth_gbs)
     _plot(ctx, rows)
-    return {"config": asdict(cfg), "cells": cells, "ratios": rows}
+    return {"config": asdict(cfg), "cells": cells, "ratios": rows,
+            "read_bandwidth_gbs": bandwidth_gbs, "budgets": cfg.budgets()}
+
+
+def _add_floor(cells: list[dict], model, cfg: Config, bandwidth_gbs: float) -> None:
+    """Each of our decode cells' memory floor (weights once + resident KV once) and its step
+    as a multiple of it."""
+    from metronome.bench.engine.floor import decode_floor_ms
+
+    for cell in cells:
+        if cell["system"] != OURS:
+            continue
+        bounded = cell["pair"] == SLIDING
+        resident = (min(cell["context_tokens"], cfg.sink_tokens + cfg.window_tokens)
+                    if bounded else cell["context_tokens"])
+        cell["floor_ms"] = decode_floor_ms(model, cell["sessions"], resident, bandwidth_gbs)
+        cell["floor_multiple"] = cell["step_ms_median"] / cell["floor_ms"]
 
 
 def _by(cells: list[dict]) -> dict:
@@ -138,14 +175,18 @@ def decode_lines(rows: list[dict]) -> list[str]:
             o, v = r["ours"], r["vllm"]
             rounds = (", ".join(f"{x:.0f}" for x in o["round_medians_ms"]) + " / "
                       + ", ".join(f"{x:.0f}" for x in v["round_medians_ms"]))
+            floor = (f"{o['floor_ms']:.1f} ({o['floor_multiple']:.1f}x)" if "floor_ms" in o
+                     else "-")
             table.append([r["sessions"], f"{r['context_tokens']:,}",
                           f"{o['step_ms_median']:.1f} ({o['decode_tokens_per_s']:.0f})",
                           f"{v['step_ms_median']:.1f} ({v['decode_tokens_per_s']:.0f})",
-                          f"**{r['speed_ratio']:.2f}x**", f"{r['min_ratio']:.2f}x", rounds])
+                          f"**{r['speed_ratio']:.2f}x**", f"{r['min_ratio']:.2f}x", floor,
+                          rounds])
         lines += [f"### {title}", "", md_table(
             ["N", "L", "ours ms/step (tok/s)", "vLLM ms/step (tok/s)",
              "ours / vLLM tok/s (medians)", "(fastest steps)",
-             "round medians ms: ours / vLLM"], table), ""]
+             "memory floor ms (ours as a multiple)", "round medians ms: ours / vLLM"],
+            table), ""]
     return lines
 
 
@@ -182,6 +223,18 @@ def gemm_table(cells: list[dict]) -> str:
                      "aten calls"], rows)
 
 
+def _budget_sentence(result: dict) -> str:
+    budgets = result.get("budgets")
+    if not budgets:
+        return ""
+    ours = budgets["ours"] or "EngineConfig's defaults"
+    chunk = result["config"]["max_chunk_tokens"]
+    return (f"Step budgets: ours {ours}; vLLM max_num_batched_tokens "
+            f"{budgets['vllm']['max_step_tokens']:,}, per-request chunk "
+            f"{'uncapped' if chunk is None else chunk} "
+            "(unset options: each system as a user gets it). ")
+
+
 def report(result: dict) -> str:
     cfg, rows = result["config"], result["ratios"]
     worst = min(rows, key=lambda r: r["speed_ratio"]) if rows else None
@@ -201,7 +254,10 @@ def report(result: dict) -> str:
         f"{cfg['repeats']} rounds: at each N both run {cfg['decode_steps']} pure decode steps "
         "(every session one token), ours first in even rounds, vLLM first in odd. A cell is "
         "the median of the rounds' median steps. Cells with N x L over "
-        f"{cfg['max_prefill_tokens']:,} tokens are skipped.", "",
+        f"{cfg['max_prefill_tokens']:,} tokens are skipped. " + _budget_sentence(result)
+        + (f"Memory floor of a decode step: the weights read once plus the resident KV read "
+           f"once at the measured read bandwidth ({result['read_bandwidth_gbs']:.1f} GB/s, a "
+           "1 GiB sum on torch's threads)." if "read_bandwidth_gbs" in result else ""), "",
         "## Decode", "", *decode_lines(rows),
     ]
     if worst:

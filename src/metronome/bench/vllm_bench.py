@@ -68,7 +68,7 @@ class Config:
         "help": "what to measure: steps (decode/chunk grid), stream (the workload)"})
     stream_arms: tuple[str, ...] = field(default=STREAM_ARMS, metadata={
         "help": "streaming arms: stock, sliding_window (vLLM's scheduler), unbounded, "
-                "bounded (Metronome on vLLM)"})
+                "bounded (Metronome on vLLM), native (the native engine, its defaults)"})
     stream_sessions: tuple[int, ...] = field(default=(4, 8), metadata={
         "help": "streaming sessions (each count runs every arm)"})
     stream_duration_s: float = field(default=200.0, metadata={

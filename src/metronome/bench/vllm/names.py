@@ -8,5 +8,6 @@ OURS = "metronome"  # the native engine in engine-vs-vllm's pairs
 LABELS = {STOCK: "stock vLLM", SLIDING: "vLLM sliding window", PLUGIN: "vLLM + Metronome",
           NATIVE: "native Metronome"}
 # the streaming workload's arms: vLLM's scheduler alone (full attention, its own sliding
-# window) and Metronome on vLLM (the beat) unbounded and with the bound
-STREAM_ARMS = ("stock", "sliding_window", "unbounded", "bounded")
+# window), Metronome on vLLM (the beat) unbounded and with the bound, and the native engine
+# under the beat with the bound (its default configuration)
+STREAM_ARMS = ("stock", "sliding_window", "unbounded", "bounded", "native")

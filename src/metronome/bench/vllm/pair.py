@@ -23,8 +23,10 @@ from metronome.kv.residency import ResidencyPolicy
 
 def _pool_tokens(cfg, length: int, policy: ResidencyPolicy, top: int, sessions: int) -> int:
     decode_tokens = cfg.decode_steps * sessions * cfg.repeats * 2 + 64
-    if policy.bounded:  # the window plus vLLM's in-flight reserve
-        per_session = cfg.sink_tokens + cfg.window_tokens + 2048 + 64
+    if policy.bounded:  # the window plus vLLM's in-flight reserve (its step budget: a
+        # smaller pool makes vLLM preempt and recompute its long prefills over and over)
+        per_session = cfg.sink_tokens + cfg.window_tokens + cfg.budgets()["vllm"][
+            "max_step_tokens"] + 64
     else:
         per_session = length + decode_tokens
     return -(-top * per_session // cfg.block_size) * cfg.block_size
@@ -42,14 +44,14 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
     log(f"[bold]L={length:,} {ours_policy} vs {vllm_kind}[/]: KV pool {pool:,} tokens each, "
         f"N up to {top}")
     started = time.perf_counter()
+    max_len = length + max(1024, decode_tokens + 64)
+    budget = cfg.budgets()["vllm"]
+    budget["max_chunk_tokens"] = min(budget["max_chunk_tokens"], max_len)  # vLLM's rule
     vllm = vllm_engine(vllm_kind, cfg.bound, cfg.block_size, max(cfg.sessions), pool,
-                       max_len=length + max(1024, decode_tokens + 64),
-                       max_step_tokens=cfg.max_step_tokens,
-                       max_chunk_tokens=cfg.max_chunk_tokens)
+                       max_len=max_len, **budget)
     vllm_start_s = time.perf_counter() - started
-    threads = {vllm_kind: torch.get_numset_threads(), OURS: os.cpu_count() or 1}
-    ours = native_engine(model, cfg.block_size, pool, max_chunk_tokens=cfg.max_chunk_tokens,
-                         max_step_tokens=cfg.max_step_tokens)
+    threads = {vllm_kind: torch.get_num_threads(), OURS: os.cpu_count() or 1}
+    ours = native_engine(model, cfg.block_size, pool, **cfg.budgets()["ours"])
     engines = {OURS: ours, vllm_kind: vllm}
     specs = {OURS: SessionSpec(policy=ours_policy, stop_token_ids=()),
              vllm_kind: SessionSpec(policy=ResidencyPolicy.unbounded(), stop_token_ids=())}

@@ -130,8 +130,22 @@ class _SentFrames:
         return self._beat.submit_frame(frame, now_s)
 
 
-def stream_metronome(cfg, sessions: int, policy: str, log: Log) -> dict:
-    """Metronome on vLLM: the same workload under the beat (wall clock)."""
+def _native_engine(cfg):
+    """The native engine as `metronome serve` runs it: its default configuration, the bundled
+    model in the same dtype, the same pool; its engine thread owns the cores (runtime.cores,
+    reserved before the model loads, as serve does)."""
+    from metronome.bench.vllm.engines import load_native_model
+    from metronome.engine.engine import Engine, EngineConfig
+    from metronome.runtime.cores import reserve_for_engine_thread
+
+    reserve_for_engine_thread()
+    engine = Engine(load_native_model(), EngineConfig(pool_tokens=cfg.stream_pool_tokens))
+    engine.warm_up()
+    return engine
+
+
+def stream_metronome(cfg, sessions: int, policy: str, log: Log, native: bool = False) -> dict:
+    """Metronome under the beat (wall clock) on vLLM, or on the native engine (`native`)."""
     from metronome.model.weights import load_tokenizer
     from metronome.runtime.frame import FrameStatus
     from metronome.runtime.observer import RuntimeObserver
@@ -143,9 +157,11 @@ def stream_metronome(cfg, sessions: int, policy: str, log: Log) -> dict:
     from metronome.sim.workload import Workload, schedule
 
     bound = ResidencyPolicy.parse(policy)
-    engine = _stream_engine(cfg, sessions, bound)
+    engine = _native_engine(cfg) if native else _stream_engine(cfg, sessions, bound)
+    vocab_size = engine.model.config.vocab_size if native else engine.vocab_size
     recorder = RunRecorder()
-    observer = RuntimeObserver.create(cfg.block_size, health_window_s=HEALTH_WINDOW_S)
+    observer = RuntimeObserver.create(engine.config.block_size if native else cfg.block_size,
+                                      health_window_s=HEALTH_WINDOW_S)
     health: list[tuple[float, str]] = []
     stopped: list[float] = []
 
@@ -158,7 +174,7 @@ def stream_metronome(cfg, sessions: int, policy: str, log: Log) -> dict:
                                  max_output_tokens_per_frame=cfg.stream_tokens_out,
                                  policy=bound)
         schedule(workload, profile, sent, driver.timer,
-                 text_source(load_tokenizer(), engine.vocab_size, cfg.stream_tokens_in))
+                 text_source(load_tokenizer(), vocab_size, cfg.stream_tokens_in))
         last = 0.0
         try:
             while (now := driver.now_s()) < workload.end_s + 2 * cfg.stream_period_s:
@@ -191,7 +207,8 @@ def stream_metronome(cfg, sessions: int, policy: str, log: Log) -> dict:
     summary = summarize_frames(records, cfg.stream_period_s, stopped[0])
     due = [r for r in recorder.results if r.arrival_s + cfg.stream_period_s <= stopped[0]]
     stalls = [r.arrival_s for r in due if r.status is FrameStatus.STALLED_KV]
-    return {"run": f"Metronome on vLLM, {policy}", "sessions": sessions, **summary,
+    system = "native Metronome" if native else "Metronome on vLLM"
+    return {"run": f"{system}, {policy}", "sessions": sessions, **summary,
             "first_stall_arrival_s": min(stalls, default=None),
             "stalled_kv_frames": len(stalls),
             "frames_by_status": {s.value: sum(r.status is s for r in due) for s in FrameStatus},
@@ -207,6 +224,8 @@ def run_arm(cfg, sessions: int, arm: str, log: Log = print) -> dict:
     if arm in ("unbounded", "bounded"):
         return stream_metronome(cfg, sessions, "unbounded" if arm == "unbounded"
                                 else str(cfg.bound), log)
+    if arm == "native":
+        return stream_metronome(cfg, sessions, str(cfg.bound), log, native=True)
     raise ValueError(f"unknown arm {arm!r}; known: {', '.join(STREAM_ARMS)}")
 
 
