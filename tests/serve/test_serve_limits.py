@@ -5,6 +5,7 @@ and health and metrics report the memory ceiling beside the admission cap."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import time
@@ -123,23 +124,34 @@ def test_the_worst_text_messages_cost_the_loop_under_a_millisecond_each(smollm2,
     monkeypatch.setattr(RealtimeSession, "_on_input_ready",
                         timed(RealtimeSession._on_input_ready))
     config = ServerConfig(pool_tokens=16384, admission="off", mode="turn")
-    with ServerThread(config, smollm2, load_tokenizer()) as server:
-        for kind[0], (message, count) in WORST_TEXT_MESSAGES.items():
-            with connect(server.ws_url) as ws:
-                recv(ws)
-                for _ in range(count):
-                    ws.send(message)
-                answered = 0  # each message: an item added (and done), or an error
-                while answered < count:
-                    answered += recv(ws, 30.0)["type"] in ("conversation.item.added", "error")
-                time.sleep(0.5)  # the last frames reach the beat (their cost is counted)
+    # A served process holds its own objects only; this one holds every earlier test's, and a
+    # collection that walks them landed in a timed call (CI, after ~300 tests: p90 over 1 ms
+    # in one kind; alone: 0.1-0.7 ms). Freezing them keeps collections to what the server
+    # allocates, as in a real server process.
+    gc.collect()
+    gc.freeze()
+    try:
+        with ServerThread(config, smollm2, load_tokenizer()) as server:
+            for kind[0], (message, count) in WORST_TEXT_MESSAGES.items():
+                with connect(server.ws_url) as ws:
+                    recv(ws)
+                    for _ in range(count):
+                        ws.send(message)
+                    answered = 0  # each message: an item added (and done), or an error
+                    while answered < count:
+                        answered += recv(ws, 30.0)["type"] in ("conversation.item.added", "error")
+                    time.sleep(0.5)  # the last frames reach the beat (their cost is counted)
+    finally:
+        gc.unfreeze()
     report = {k: (len(v), _p90(v) * 1e3, max(v) * 1e3) for k, v in costs_s.items()}
     for name, (calls, p90_ms, worst_ms) in report.items():
         print(f"loop time per call, {name}: {calls} calls, p90 {p90_ms:.3f} ms, at most "
               f"{worst_ms:.3f} ms")
     # the 90th percentile: on a shared 2-core machine a stray call takes a cache-cold or
     # hyperthread-shared slice (the worst is printed, and ~0.3-0.7 ms when the machine is calm)
-    assert all(p90_ms < LOOP_BUDGET_S * 1e3 for _, p90_ms, _ in report.values()), report
+    over = {name: f"p90 {p90_ms:.3f} ms of {calls} calls" for name, (calls, p90_ms, _)
+            in report.items() if p90_ms >= LOOP_BUDGET_S * 1e3}
+    assert not over, f"over the loop budget: {over}"
 
 
 def _p90(values: list[float]) -> float:
