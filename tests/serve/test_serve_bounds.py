@@ -276,11 +276,11 @@ async def tiny_app(scope, receive, send):
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture(scope="module")
-def guarded_port():
+def _guarded_server(limits):
+    """tiny_app behind the guard with `limits` on a free loopback port: yields the port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(tiny_app, log_level="warning", **protocols(LIMITS)))
+    server = uvicorn.Server(uvicorn.Config(tiny_app, log_level="warning", **protocols(limits)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -289,6 +289,11 @@ def guarded_port():
     server.should_exit = True
     thread.join(timeout=10)
     sock.close()
+
+
+@pytest.fixture(scope="module")
+def guarded_port():
+    yield from _guarded_server(LIMITS)
 
 
 def _open(port: int, data: bytes = b"") -> socket.socket:
@@ -424,18 +429,7 @@ PEER_LIMITS = TransportLimits(request_timeout_s=0.5, max_header_bytes=2048, max_
 
 @pytest.fixture(scope="module")
 def peer_guarded_port():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(tiny_app, log_level="warning",
-                                           **protocols(PEER_LIMITS)))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    yield from _guarded_server(PEER_LIMITS)
 
 
 def _open_from(port: int, source: str, data: bytes = b"") -> socket.socket:
