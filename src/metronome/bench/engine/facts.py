@@ -26,4 +26,6 @@ def engine_path(path: str, model: LlamaModel) -> str:
     attention = ("paged kernel" if native.kernel() is not None
                  else f"dense attention: {native.unavailable_reason()}")
     linear = "prepacked oneDNN projections" if model.packed_linear else "F.linear"
-    return f"fast ({attention}, {linear})"
+    elementwise = ("fused elementwise kernels" if model.fused is not None
+                   else f"torch's elementwise ops ({native.FUSED.reason() or 'turned off'})")
+    return f"fast ({attention}, {linear}, {elementwise})"
