@@ -3,13 +3,15 @@
 torch's CPU kernels run on OpenMP, and libgomp keeps one pool of worker threads for every
 thread that has opened a parallel region. A live server steps its engine on `WallDriver`'s
 thread while the model was loaded and warmed up on the main thread. Measured on a 2-core
-machine (SmolLM2 in bf16, one session decoding; docs/results/engine_vs_vllm.md): a step on the
+machine (SmolLM2 in bf16, one session decoding, a script's side-by-side runs): a step on the
 engine thread took 22.6 ms when the main thread had run torch with 2 threads before, and
 12.9 ms when the main thread had run it with 1 (13.4 ms for the same step on the main thread
 alone). Making the main thread single-threaded afterwards does not undo it (21.2 ms): its pool
 exists by then. So the wall-clock entry points (`metronome serve`, `metronome run`, a cluster
-replica, the wall-clock benches) call `reserve_for_engine_thread()` before anything parallel
-runs on the main thread, and the engine thread calls `enter_engine_thread()` first thing.
+replica, `bench vllm`'s native streaming arm) call `reserve_for_engine_thread()` before
+anything parallel runs on the main thread, and the engine thread calls `enter_engine_thread()`
+first thing. (`bench admission`'s wall-clock part does not yet: it loads its model on a main
+thread that has already run its virtual-clock part.)
 
 torch keeps the last count set as the default for threads that start later, so helper threads
 that run torch (the audio encoder) call `single_threaded()` first: they never get a pool.
