@@ -86,6 +86,10 @@ class ServerState:
         self._vad = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-vad",
                                        initializer=single_threaded)
         self._silero: SileroVad | None = None  # the VAD thread's only
+        # An executor starts its thread on its first submit, on the caller's thread: the loop
+        # paid 1-4 ms of CPU for it on a session's first text or audio. Start them now.
+        for executor in (self._encoder, self._vad):
+            executor.submit(lambda: None).result()
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         self.resident_tokens: dict[int, int] = {}  # engine session id -> live KV tokens
         limit = make_limit(config.admission, config.admission_cap)
