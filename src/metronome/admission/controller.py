@@ -5,7 +5,7 @@ sessions are never evicted to make room: a cut of the cap only refuses newcomers
 enough sessions have left. Time comes from the caller (`now_s`) and interval ticks from the
 runtime's scheduler, so it runs the same on the virtual and the wall clock.
 
-Two guards beside the limit:
+Three guards beside the limit:
 * the memory ceiling (`memory_ceiling`): how many sessions of the server's bound the KV pool
   holds at their peak. It is a fact of memory, not of load, so it binds whatever the limit
   says (refusal reason `kv_memory`).
@@ -14,8 +14,20 @@ Two guards beside the limit:
   input faster than real time so that the frame queued behind its own previous one
   (`frame_period_s`), is late because of its own session, not because the server is
   loaded. Such frames are counted (`CapSample.self_paced`) but are no signal, so one client
-  flooding its own session cannot cut the cap and close the server to everyone else; what
-  its flood does to other sessions' frames still shows in theirs.
+  flooding its own session cannot cut the cap and close the server to everyone else.
+* work out of proportion (`steered_work_factor`): what a flood does to the others' frames
+  is the flooder's, not the session count's. Each engine step reports the input positions it
+  processed per session (`on_step`); when the sessions whose latest frame was self-paced did
+  more than `steered_work_factor` x their share of the interval's working sessions' work, the
+  interval says how far a few clients' input went, not how many sessions fit, and the cap
+  holds (`CapSample.held`): neither cut nor raised. A real server showed why: one client
+  appending audio at 6x real time and one flooding ~630-token text items beside 3 real-time
+  streamers did ~90 % of the engine's work; the streamers' frames went from ~0.2 s to
+  0.8-1.0 s of their 1 s deadline, and the cap fell 8 -> 4 in 4 intervals (1 s each) with
+  2-4 of 10 new users refused (tests/serve/test_serve_attack_admission.py). A cut cannot
+  undo that (admitted sessions are never evicted, and a new real-time session adds one fair
+  share); a workload whose sessions all send large input (a chat server of long items) is
+  no one's disproportion and is cut as usual.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from dataclasses import dataclass, field
 from metronome.admission.limits import ConcurrencyLimit, IntervalSample
 from metronome.admission.pacing import SelfPacing
 from metronome.runtime.frame import FrameResult, FrameStatus
-from metronome.runtime.ports import Timer
+from metronome.runtime.ports import StepReport, Timer
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,8 @@ class CapSample:
     stalled: int
     self_paced: int = 0  # frames left out of the signal: late by their own session's input
     memory_ceiling: int | None = None
+    self_paced_work_share: float | None = None  # of the engine's work; None: no self-paced
+    held: bool = False  # the self-paced sessions' work was out of proportion: no update
 
 
 @dataclass
@@ -60,6 +74,9 @@ class AdmissionController:
     memory_ceiling: int | None = None  # sessions the KV pool holds at their peak; None: any
     self_paced_tokens: int | None = None  # None: a frame's size is never held against it
     frame_period_s: float | None = None  # None: its session's pace is never held against it
+    # self-paced sessions' work over this multiple of their share of the working sessions
+    # holds the cap (2: one flooder among 3 streamers holds it from half of the work on)
+    steered_work_factor: float = 2.0
     history: list[CapSample] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)  # admitted / refused:<reason>
     _fractions: list[float] = field(default_factory=list)
@@ -67,6 +84,7 @@ class AdmissionController:
     _stalled: int = 0
     _self_paced: int = 0
     _active_sum: int = 0  # active sessions summed over the interval's signal frames
+    _work_tokens: Counter = field(default_factory=Counter)  # session id -> input positions
 
     def __post_init__(self) -> None:
         self.pacing = SelfPacing(self.self_paced_tokens, self.frame_period_s)
@@ -112,20 +130,40 @@ class AdmissionController:
         self._misses += not result.deadline_met
         self._stalled += result.status is FrameStatus.STALLED_KV
 
+    def on_step(self, report: StepReport) -> None:
+        """Count each session's engine work this interval: input positions processed (its
+        input and its fed-back output tokens)."""
+        for outcome in report.result.sessions:
+            self._work_tokens[outcome.session_id] += outcome.input_tokens
+
+    def _steered(self) -> tuple[float | None, bool]:
+        """The interval's engine work done for self-paced sessions (those whose latest frame
+        was judged self-paced: a flood of long items answers a frame only every few
+        intervals; None: none worked), and whether it was more than `steered_work_factor`
+        x their share of the working sessions."""
+        working = [sid for sid, tokens in self._work_tokens.items() if tokens]
+        self_paced = [sid for sid in working if self.pacing.latest(sid)]
+        if not self_paced:
+            return None, False
+        share = sum(self._work_tokens[sid] for sid in self_paced) / self._work_tokens.total()
+        return share, share > self.steered_work_factor * len(self_paced) / len(working)
+
     def end_interval(self, now_s: float) -> int:
         frames = len(self._fractions)
         sample = IntervalSample(self._fractions, self._misses, self._stalled,
                                 self.active_sessions(),
                                 self._active_sum / frames if frames else None)
         q = self.limit.percentile
-        cap = self.limit.update(sample)
+        work_share, held = self._steered()
+        cap = self.limit.cap if held else self.limit.update(sample)
         record = CapSample(now_s, cap, sample.active_sessions, sample.percentile(q), q,
                            sample.num_frames, sample.deadline_misses, sample.stalled_frames,
-                           self._self_paced, self.memory_ceiling)
+                           self._self_paced, self.memory_ceiling, work_share, held)
         self.history.append(record)
         if self.on_update is not None:
             self.on_update(record)
         self._fractions, self._misses, self._stalled, self._self_paced = [], 0, 0, 0
         self._active_sum = 0
-        self.pacing.forget_before(now_s - self.interval_s)
+        self.pacing.forget_before(now_s - self.interval_s, keep=self._work_tokens.keys())
+        self._work_tokens = Counter()
         return cap

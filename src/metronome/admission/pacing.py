@@ -24,7 +24,7 @@ the verdict on a session's most recent frame, for a listener told only the sessi
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 
 from metronome.runtime.frame import FrameResult
@@ -71,7 +71,8 @@ class SelfPacing:
         pace = self._sessions.get(session_id)
         return pace is not None and pace.self_paced
 
-    def forget_before(self, at_s: float) -> None:
-        """Drop sessions with no frame answered since `at_s` (closed ones among them)."""
+    def forget_before(self, at_s: float, keep: Collection[Hashable] = ()) -> None:
+        """Drop sessions with no frame answered since `at_s` (closed ones among them), but
+        those in `keep` (still at work on a long frame)."""
         self._sessions = {sid: pace for sid, pace in self._sessions.items()
-                          if pace.finish_s >= at_s}
+                          if pace.finish_s >= at_s or sid in keep}
