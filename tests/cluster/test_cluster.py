@@ -16,20 +16,28 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from metronome.load.speech import SPEECH_DIR, speech_stream
-from metronome.serve.protocol import with_extensions
+from tests.cluster.client import (
+    METRONOME,
+    DrainedStreamer,
+    Stamped,
+    actives,
+    closed_within,
+    live,
+    live_actives,
+    open_session,
+    view,
+    wait_for,
+)
 from tests.served import free_port, server_process
-from tests.streamer import SpeechStreamer
 
 pytest.importorskip("ray.serve", reason="the cluster extra (make install) is not installed")
 
@@ -37,32 +45,6 @@ pytestmark = pytest.mark.wall_clock
 
 CAP = 2  # sessions per replica (static admission)
 DRAIN_TIMEOUT_S = 6.0
-METRONOME = str(Path(sys.executable).parent / "metronome")
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
-
-
-def view(url: str) -> dict:
-    return httpx.get(url + "/v1/cluster", timeout=5).json()
-
-
-def actives(url: str) -> list[int]:
-    return sorted(r["active_sessions"] for r in view(url)["replicas"])
-
-
-def live(url: str) -> dict[str, dict]:
-    """The replicas reporting, by id (a killed one is listed `unreachable` for a while)."""
-    return {r["replica"]: r for r in view(url)["replicas"] if r["status"] != "unreachable"}
-
-
-def live_actives(url: str) -> list[int]:
-    return sorted(r["active_sessions"] for r in live(url).values())
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +91,6 @@ def settle(launched, every_listed: bool) -> str:
 def cluster(launched):
     """Two idle replicas and no other listed."""
     return settle(launched, every_listed=True)
-
-
-def open_session(ws_url: str):
-    """A session opted in to `metronome.*` events: the query string reaches the replica
-    through Ray's proxy (its `session.created` carries the extension block)."""
-    ws = connect(with_extensions(ws_url), open_timeout=10)
-    created = json.loads(ws.recv(timeout=10))
-    assert created["type"] == "session.created" and "metronome" in created["session"]
-    return ws
 
 
 def test_sessions_split_by_headroom_and_all_full_is_refused_with_retry_after(cluster):
@@ -185,16 +158,6 @@ def test_openai_sdk_realtime_client_through_the_cluster_entry_point(launched):
     assert [e.type for e in events].count("response.created") == 2
 
 
-def closed_within(ws, timeout_s: float) -> bool:
-    try:
-        while True:
-            ws.recv(timeout=timeout_s)
-    except ConnectionClosed:
-        return True
-    except TimeoutError:
-        return False
-
-
 def test_kill_9_of_a_replica_ends_only_its_sessions_and_ray_replaces_it(cluster):
     ws_url = cluster.replace("http", "ws") + "/v1/realtime"
     sessions = [open_session(ws_url), open_session(ws_url)]  # one on each
@@ -215,42 +178,6 @@ def test_kill_9_of_a_replica_ends_only_its_sessions_and_ray_replaces_it(cluster)
     finally:
         for ws in sessions:
             ws.close()
-
-
-class DrainedStreamer(SpeechStreamer):
-    """A SpeechStreamer that notes when and how its socket closed."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
-        self.closed_at_s: float | None = None
-
-    def _send(self) -> None:
-        try:
-            super()._send()
-        except ConnectionClosed:
-            pass
-
-    def _receive(self) -> None:
-        try:
-            super()._receive()
-        except ConnectionClosed:
-            pass
-        self.closed_at_s = time.monotonic()
-
-    def stop(self) -> int:
-        if self.closed_at_s is None:
-            return super().stop()
-        self._stop.set()
-        self._sender.join()
-        return 0
-
-    def frames_after(self, t_s: float) -> int:
-        return sum(1 for f in self.frames if f["received_at_s"] >= t_s)
-
-
-class Stamped(list):
-    def append(self, frame: dict) -> None:  # the client's clock at each frame result
-        super().append(frame | {"received_at_s": time.monotonic()})
 
 
 def test_scale_2_to_1_drains_a_replica_until_its_drain_timeout(launched):

@@ -16,10 +16,8 @@ cluster_app = typer.Typer(no_args_is_help=True, help="Operate a running `metrono
 def serve(log_level: str = "info", **options) -> None:
     """Serve the OpenAI Realtime subset over WebSocket (FastAPI + uvicorn): the main job.
     With --replicas N, N such servers behind one endpoint on Ray Serve (`make install`
-    installs Ray; without --replicas nothing imports it)."""
-    from pydantic import ValidationError
-
-    from metronome.cluster.config import ClusterConfig
+    installs Ray; without --replicas nothing imports it); --replicas MIN..MAX autoscales."""
+    from metronome.cluster.config import ClusterConfig, parse_replicas
     from metronome.serve.config import ServerConfig
     from metronome.serve.server import serve_forever
 
@@ -33,12 +31,14 @@ def serve(log_level: str = "info", **options) -> None:
              if value != shown(fields[name].default)}  # some depend on other fields
     if replicas is None and cluster_given:
         flags = ", ".join("--" + name.replace("_", "-") for name in cluster_given)
-        raise typer.BadParameter(f"{flags}: only with --replicas N")
+        raise typer.BadParameter(f"{flags}: only with --replicas N or MIN..MAX")
     try:
         config = ServerConfig(**given)
-        cluster = None if replicas is None else ClusterConfig(replicas=replicas,
-                                                              **cluster_given)
-    except ValidationError as err:
+        cluster = None
+        if replicas is not None:
+            low, high = parse_replicas(replicas)
+            cluster = ClusterConfig(replicas=low, max_replicas=high, **cluster_given)
+    except ValueError as err:  # (pydantic's ValidationError is one)
         raise typer.BadParameter(str(err)) from None
     if cluster is None:
         if config.engine == "native":  # before the model loads: runtime.cores says why
@@ -57,9 +57,10 @@ def _serve_options() -> list[inspect.Parameter]:
     from metronome.serve.config import ServerConfig
 
     cluster = [p if p.name != "replicas" else p.replace(  # absent: the plain server
-        annotation=int | None, default=typer.Option(None, min=1, help=ClusterConfig.model_fields[
-            "replicas"].description + " behind Ray Serve (none: one plain server, no Ray)",
-            show_default=False)) for p in model_options(ClusterConfig)]
+        annotation=str | None, default=typer.Option(None, help="N: engine replicas, each a "
+            "whole server, behind Ray Serve; MIN..MAX: autoscaled between them by admission "
+            "headroom (none: one plain server, no Ray)", show_default=False))
+        for p in model_options(ClusterConfig) if p.name != "max_replicas"]  # (in MIN..MAX)
     return model_options(ServerConfig) + cluster + [inspect.Parameter(
         "log_level", inspect.Parameter.KEYWORD_ONLY, annotation=str,
         default=typer.Option("info", help="uvicorn log level"))]

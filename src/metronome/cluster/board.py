@@ -5,15 +5,20 @@ its last stats period (`cluster.replica`); any replica answers `GET /v1/cluster`
 A replica whose report is older than `stale_after_s` (killed, its node lost) is listed as
 `unreachable` until Ray's replacement has reported and `forget_after_s` has passed.
 The verdicts, the stall detector's and the server's, are per replica and, worst first, for
-the cluster.
+the cluster. With `--replicas MIN..MAX` the autoscaler (`cluster.autoscaler`, in Ray
+Serve's controller) posts what it last saw and each decision here too: the view's
+`autoscaling`, the replicas' cluster metrics and the launcher's log read it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 BOARD_NAME = "metronome-cluster-board"
+NAMESPACE = "metronome"  # the board's Ray namespace
 SEVERITY = ("ok", "degraded", "critical", "unreachable")  # best to worst
+EVENTS_KEPT = 100  # the autoscaler's latest decisions, oldest dropped first
 
 
 class ClusterBoard:
@@ -23,9 +28,32 @@ class ClusterBoard:
         self.stale_after_s = stale_after_s
         self.forget_after_s = forget_after_s
         self._reports: dict[str, dict] = {}  # replica id -> its latest report
+        self._autoscaling: dict | None = None  # the autoscaler's latest look (None: fixed)
+        self._decisions: Counter = Counter()  # up / down -> decisions made
+        self._events: list[dict] = []  # its decisions, each with its sequence number `seq`
 
-    def report(self, replica_id: str, report: dict) -> None:
+    def report(self, replica_id: str, report: dict) -> dict | None:
+        """Take a replica's report; answer the autoscaler's state (its cluster metrics)."""
         self._reports[replica_id] = report | {"reported_at_s": time.time()}
+        return self.autoscaling()
+
+    def autoscaled(self, look: dict, event: dict | None) -> None:
+        """The autoscaler's latest look (bounds, desired count, headroom, reason) and, when
+        it changed the count, that decision (`direction`, `from`, `to`, `reason`, `at_s`)."""
+        self._autoscaling = look
+        if event is not None:
+            self._decisions[event["direction"]] += 1
+            seq = self._events[-1]["seq"] + 1 if self._events else 1
+            self._events = [*self._events[-(EVENTS_KEPT - 1):], event | {"seq": seq}]
+
+    def autoscaling(self) -> dict | None:
+        if self._autoscaling is None:
+            return None
+        return self._autoscaling | {"decisions": dict(self._decisions)}
+
+    def events_after(self, seq: int) -> list[dict]:
+        """The decisions kept whose sequence number is above `seq`, oldest first."""
+        return [e for e in self._events if e["seq"] > seq]
 
     def leave(self, replica_id: str) -> None:
         self._reports.pop(replica_id, None)
@@ -34,7 +62,11 @@ class ClusterBoard:
         now_s = time.time()
         self._reports = {rid: r for rid, r in self._reports.items()
                          if now_s - r["reported_at_s"] <= self.forget_after_s}
-        return cluster_view(self._reports, now_s, self.stale_after_s)
+        view = cluster_view(self._reports, now_s, self.stale_after_s)
+        autoscaling = self.autoscaling()
+        if autoscaling is not None:
+            view["autoscaling"] = autoscaling | {"events": self._events[-20:]}
+        return view
 
 
 def cluster_view(reports: dict[str, dict], now_s: float, stale_after_s: float) -> dict:

@@ -1,5 +1,6 @@
-"""`metronome serve --replicas N`: start (or join) Ray, deploy the replicas behind Ray
-Serve's proxy on `host:port`, and serve until SIGINT/SIGTERM.
+"""`metronome serve --replicas N|MIN..MAX`: start (or join) Ray, deploy the replicas behind
+Ray Serve's proxy on `host:port`, and serve until SIGINT/SIGTERM. With MIN..MAX, Ray Serve
+autoscales them with `cluster.autoscaler`'s policy, and the launcher prints each decision.
 
 Without `--ray-address` a local Ray cluster is started in this process (and ends with it);
 with one, the replicas are placed across that cluster's nodes and this process is only the
@@ -10,7 +11,8 @@ through Serve's external-scaler API (`ServeController.update_deployment_replicas
 dashboard's `POST /api/v1/applications/<app>/deployments/<name>/scale` calls; the
 application is deployed with `external_scaler_enabled`): a lightweight update, the other
 replicas stay up. Redeploying with `serve.run` instead would replace every replica, since
-an imperative deployment gets a new random code version each time.
+an imperative deployment gets a new random code version each time. An autoscaled
+application takes it too, but its autoscaler sets the count again at its next decision.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import warnings
 
 import ray
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
+from metronome.cluster.autoscaler import POLICY_PATH
+from metronome.cluster.board import NAMESPACE
 from metronome.cluster.config import ClusterConfig
-from metronome.cluster.replica import NAMESPACE, MetronomeReplica, board_handle
+from metronome.cluster.replica import MetronomeReplica, board_handle
 from metronome.cluster.router import APP_ROUTE_PREFIX, ROUTER_PATH
 from metronome.serve.config import ServerConfig
 
@@ -32,13 +37,36 @@ APP_NAME = "metronome"
 DEPLOYMENT_NAME = "metronome-server"
 DRAIN_KILL_MARGIN_S = 10.0  # Ray's force-kill comes this long after a replica's own drain
 # timeout: it sees it is stopping within a drain check, and its closes take ≤ 2 s
+LOOK_BACK_MARGIN_PERIODS = 3  # stats older than the refusal window kept for its baseline
+
+
+def autoscaling_config(cluster: ClusterConfig) -> AutoscalingConfig:
+    """Ray Serve's autoscaling for MIN..MAX: our policy on the replicas' stats, Ray's own
+    delays and factors off (the policy's cool-down and sustained-spare period decide)."""
+    period_s = cluster.autoscale_metrics_period_s
+    with warnings.catch_warnings():  # metrics_interval_s: deprecated for env variables, but
+        warnings.simplefilter("ignore", DeprecationWarning)  # still what the replica reads
+        return AutoscalingConfig(
+            min_replicas=cluster.replicas, max_replicas=cluster.max_replicas,
+            initial_replicas=cluster.replicas, metrics_interval_s=period_s,
+            look_back_period_s=(cluster.autoscale_refusal_window_s
+                                + LOOK_BACK_MARGIN_PERIODS * period_s),
+            upscale_delay_s=0.0, downscale_delay_s=0.0,
+            policy=AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs={
+                "headroom_sessions": cluster.autoscale_headroom_sessions,
+                "refusal_window_s": cluster.autoscale_refusal_window_s,
+                "cooldown_s": cluster.autoscale_cooldown_s,
+                "down_after_s": cluster.autoscale_down_after_s,
+                "metrics_period_s": period_s}))
 
 
 def application(config: ServerConfig, cluster: ClusterConfig):
-    """The Ray Serve application: `cluster.replicas` replicas of the server, placed by
-    admission headroom."""
+    """The Ray Serve application: `cluster.replicas` replicas of the server (or MIN..MAX,
+    autoscaled), placed by admission headroom."""
+    count = ({"autoscaling_config": autoscaling_config(cluster)} if cluster.autoscaled
+             else {"num_replicas": cluster.replicas})
     deployment = serve.deployment(
-        MetronomeReplica, name=DEPLOYMENT_NAME, num_replicas=cluster.replicas,
+        MetronomeReplica, name=DEPLOYMENT_NAME, **count,
         ray_actor_options=cluster.actor_options(),
         # Sessions are long requests: Ray's per-replica request cap must never bind before
         # admission does (the transport's connection cap is the plain server's bound too).
@@ -84,18 +112,34 @@ def serve_cluster(config: ServerConfig, cluster: ClusterConfig, log_level: str =
                   external_scaler_enabled=True)
         base = f"{config.host}:{config.port}"
         ray_address = ray.get_runtime_context().gcs_address
-        print(f"metronome: {cluster.replicas} replicas of {config.model} behind Ray Serve on "
+        replicas = (f"{cluster.replicas}..{cluster.max_replicas} (autoscaled)"
+                    if cluster.autoscaled else str(cluster.replicas))
+        print(f"metronome: {replicas} replicas of {config.model} behind Ray Serve on "
               f"ws://{base}/v1/realtime  (cluster view: http://{base}/v1/cluster)\n"
               f"           Ray at {ray_address} (metronome cluster scale N --ray-address "
               f"{ray_address}); Ctrl-C stops the application", flush=True)
+        seen = 0  # the autoscaler's decisions printed
         while not stop.wait(0.5):  # a timed wait: signal handlers run in between
-            pass
+            if cluster.autoscaled:
+                seen = print_decisions(board, seen)
     finally:
         serve.delete(APP_NAME)
         ray.kill(board)
         if local:
             serve.shutdown()
         ray.shutdown()
+
+
+def print_decisions(board, seen: int) -> int:
+    """Print the autoscaler's decisions after the `seen`-th; the last one printed."""
+    try:
+        events = ray.get(board.events_after.remote(seen), timeout=5)
+    except ray.exceptions.RayError:
+        return seen
+    for e in events:
+        print(f"metronome: autoscaler {e['direction']}: {e['from']} -> {e['to']} replicas "
+              f"({e['reason']}; headroom {e['headroom']}, refused {e['refused']})", flush=True)
+    return events[-1]["seq"] if events else seen
 
 
 def scale(replicas: int, ray_address: str) -> None:

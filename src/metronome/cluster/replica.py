@@ -4,9 +4,10 @@ ingress deployment, with its own engine, beat, admission controller and metrics.
 Ray Serve builds the app in the replica (`__serve_build_asgi_app__`) and runs its lifespan
 there, so the engine and its threads live in the replica's process. Beside the plain
 server's routes the replica serves `GET /v1/cluster` (every replica, from the board), labels
-every metric with `replica`, reports its admission headroom to the router each stats period
-(`record_routing_stats`) and fails Ray's health check once its engine has failed, so Ray
-replaces it.
+every metric with `replica` (and adds the cluster's, `cluster.metrics`), reports its
+admission headroom to the router each stats period (`record_routing_stats`) and to the
+autoscaler (`record_autoscaling_stats`, read only with `--replicas MIN..MAX`), and fails
+Ray's health check once its engine has failed, so Ray replaces it.
 
 A watcher task on the app's loop reports to the board each stats period, and drains: Ray
 Serve (2.60) tells a replica it is being removed only by calling its graceful shutdown,
@@ -32,17 +33,17 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-from metronome.cluster.board import BOARD_NAME, ClusterBoard
+from metronome.cluster.autoscaler import STAT_ACTIVE, STAT_CAP, STAT_REFUSED, STAT_STARTED
+from metronome.cluster.board import BOARD_NAME, NAMESPACE, ClusterBoard
 from metronome.cluster.config import ClusterConfig
 from metronome.cluster.headroom import ReplicaRoom
-from metronome.observe.labelled_registry import LabelledRegistry
+from metronome.cluster.metrics import ClusterMetrics, ReplicaRegistry
 from metronome.runtime.cores import reserve_for_engine_thread
 from metronome.serve.app import create_app
 from metronome.serve.config import ServerConfig
 from metronome.serve.state import ServerState
 
 CLUSTER_PATH = "/v1/cluster"
-NAMESPACE = "metronome"  # the board's Ray namespace
 FORGET_AFTER_S = 60.0  # a replica gone this long leaves /v1/cluster
 DRAIN_CHECK_PERIOD_S = 1.0  # how often a replica asks the controller whether it is stopping
 
@@ -73,9 +74,12 @@ class MetronomeReplica:
         self.board = board_handle(cluster)
         self.server_app: FastAPI | None = None  # (`app` is the wrapper's)
         self._controller = None  # Serve's controller, looked up on the first drain check
+        self.cluster_metrics = ClusterMetrics()
+        self.started_at_s = time.time()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = create_app(self.config, registry=LabelledRegistry({"replica": self.replica_id}))
+        registry = ReplicaRegistry({"replica": self.replica_id}, self.cluster_metrics)
+        app = create_app(self.config, registry=registry)
 
         @app.get(CLUSTER_PATH)
         async def cluster() -> dict:
@@ -111,6 +115,19 @@ class MetronomeReplica:
                            at_s=time.time())
         return room.to_stats()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The autoscaler's signal (`cluster.autoscaler`): Ray Serve calls this each metrics
+        period and pushes the values, with their times, to its controller."""
+        state = self.serving
+        if state is None:
+            return {}  # starting: the autoscaler holds until it reports
+        controller = state.controller
+        refused = sum(n for key, n in controller.counts.items() if key.startswith("refused"))
+        healthy = state.driver.error is None and not state.draining
+        return {STAT_CAP: controller.effective_cap if healthy else 0,
+                STAT_ACTIVE: len(state.sessions), STAT_REFUSED: refused,
+                STAT_STARTED: self.started_at_s}
+
     async def check_health(self) -> None:
         state = self.serving
         if state is not None and state.driver.error is not None:
@@ -122,13 +139,21 @@ class MetronomeReplica:
         while True:
             state = self.serving
             if state is not None:
-                self.board.report.remote(self.replica_id, self._report(state))
+                await self._report_to_board(state)
                 if not state.draining and time.monotonic() - checked_at_s >= (
                         DRAIN_CHECK_PERIOD_S):
                     checked_at_s = time.monotonic()
                     if await self._stopping():
                         state.drain(self.cluster.drain_timeout_s)
             await asyncio.sleep(self.cluster.stats_period_s)
+
+    async def _report_to_board(self, state: ServerState) -> None:
+        """Report; keep the board's autoscaling answer for this replica's /metrics."""
+        try:
+            self.cluster_metrics.autoscaling = await self.board.report.remote(
+                self.replica_id, self._report(state))
+        except ray.exceptions.RayError:  # the board gone (the application ending)
+            log.warning("metronome: could not report to the cluster board", exc_info=True)
 
     async def _stopping(self) -> bool:
         """Is Serve's controller stopping this replica (scale-down, redeploy, deletion)?"""

@@ -1,0 +1,98 @@
+"""What the cluster tests do as a client of `metronome serve --replicas`: wait, read the
+cluster view, open sessions, stream speech and see how a session ended."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from metronome.serve.protocol import with_extensions
+from tests.streamer import SpeechStreamer
+
+METRONOME = str(Path(sys.executable).parent / "metronome")
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
+def view(url: str) -> dict:
+    return httpx.get(url + "/v1/cluster", timeout=5).json()
+
+
+def actives(url: str) -> list[int]:
+    return sorted(r["active_sessions"] for r in view(url)["replicas"])
+
+
+def live(url: str) -> dict[str, dict]:
+    """The replicas reporting, by id (a killed one is listed `unreachable` for a while)."""
+    return {r["replica"]: r for r in view(url)["replicas"] if r["status"] != "unreachable"}
+
+
+def live_actives(url: str) -> list[int]:
+    return sorted(r["active_sessions"] for r in live(url).values())
+
+
+def open_session(ws_url: str):
+    """A session opted in to `metronome.*` events: the query string reaches the replica
+    through Ray's proxy (its `session.created` carries the extension block)."""
+    ws = connect(with_extensions(ws_url), open_timeout=10)
+    created = json.loads(ws.recv(timeout=10))
+    assert created["type"] == "session.created" and "metronome" in created["session"]
+    return ws
+
+
+def closed_within(ws, timeout_s: float) -> bool:
+    try:
+        while True:
+            ws.recv(timeout=timeout_s)
+    except ConnectionClosed:
+        return True
+    except TimeoutError:
+        return False
+
+
+class DrainedStreamer(SpeechStreamer):
+    """A SpeechStreamer that notes when and how its socket closed."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.closed_at_s: float | None = None
+
+    def _send(self) -> None:
+        try:
+            super()._send()
+        except ConnectionClosed:
+            pass
+
+    def _receive(self) -> None:
+        try:
+            super()._receive()
+        except ConnectionClosed:
+            pass
+        self.closed_at_s = time.monotonic()
+
+    def stop(self) -> int:
+        if self.closed_at_s is None:
+            return super().stop()
+        self._stop.set()
+        self._sender.join()
+        return 0
+
+    def frames_after(self, t_s: float) -> int:
+        return sum(1 for f in self.frames if f["received_at_s"] >= t_s)
+
+
+class Stamped(list):
+    def append(self, frame: dict) -> None:  # the client's clock at each frame result
+        super().append(frame | {"received_at_s": time.monotonic()})
