@@ -3,6 +3,8 @@ canned load summaries (the command itself takes minutes: Ray starts twice)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from metronome.bench.cluster_bench import plot, report
 from metronome.bench.served.cluster import capacity, capacity_step
 from metronome.results.context import RunContext
@@ -93,3 +95,71 @@ def test_report_numbers_come_from_the_result():
     assert "control interval (3 s)" in text and "0.5 s frames" in text
     assert "(goal >= 1.5x)" in text and "CPU while idle (9 s)" in text
     assert "this run used Ray 2.61.0: a different version" in text
+
+
+# ---- the autoscaling run ---------------------------------------------------------------------
+def test_the_schedule_starts_sessions_on_a_step_up_and_ends_the_newest_on_a_step_down():
+    from metronome.bench.served.autoscale import schedule
+
+    assert schedule((1, 3, 2, 0), 10.0) == [(0.0, 30.0), (10.0, 20.0), (10.0, 30.0)]
+    assert schedule((2,), 5.0) == [(0.0, 5.0), (0.0, 5.0)]
+
+
+def canned_autoscaling_raw() -> dict:
+    sample = {"replicas_serving": 1, "replicas_draining": 0, "desired_replicas": 1,
+              "headroom": 1, "cap": 2, "active_sessions": 1}
+    return {
+        "sessions": [
+            {"session": 0, "start_s": 0.0, "end_s": 20.0, "refused_at_s": [],
+             "admitted_at_s": 0.1, "outcome": "completed", "frames": 19, "close_code": None},
+            {"session": 1, "start_s": 10.0, "end_s": 20.0, "refused_at_s": [10.0, 12.0],
+             "admitted_at_s": 14.0, "outcome": "completed", "frames": 5, "close_code": None}],
+        "samples": [sample | {"t_s": 1.0}, sample | {"t_s": 11.0, "headroom": 0},
+                    sample | {"t_s": 13.0, "desired_replicas": 2},
+                    sample | {"t_s": 15.0, "replicas_serving": 2, "cap": 4},
+                    sample | {"t_s": 25.0, "replicas_draining": 1},
+                    sample | {"t_s": 27.0}],
+        "events": [{"t_s": 11.5, "direction": "up", "from": 1, "to": 2, "headroom": 0,
+                    "refused": 1, "reason": "1 session(s) refused"},
+                   {"t_s": 24.0, "direction": "down", "from": 2, "to": 1, "headroom": 4,
+                    "refused": 0, "reason": "headroom 4 exceeds one replica's cap by 2"}],
+        "frames": [{"t_s": 1.0 + k, "good": k != 15} for k in range(19)],
+    }
+
+
+def test_timeline_and_summary_count_per_step_and_time_each_decision():
+    from metronome.bench.served.autoscale import binned, summary, timeline
+
+    raw = canned_autoscaling_raw()
+    rows = timeline(raw, (1, 2), 10.0)
+    assert [(r["offered"], r["replicas_min"], r["replicas_max"], r["headroom_min"],
+             r["refusals"], r["frames"], r["misses"]) for r in rows] == [
+        (1, 1, 1, 1, 0, 9, 0), (2, 1, 2, 0, 2, 10, 1)]
+    total = summary(raw)
+    assert (total["admitted"], total["refusals"], total["refused_sessions"],
+            total["wait_s_max"], total["closed_by_server"], total["misses"]) == (
+        2, 2, 1, 4.0, 0, 1)
+    assert [d["effect_s"] for d in total["decisions"]] == [3.5, 3.0]  # serving 2; drained
+    assert [b["refusals"] for b in binned(raw, 5.0)][:3] == [0, 0, 2]
+
+
+def test_the_autoscaling_report_and_figure_read_only_the_result(tmp_path):
+    from metronome.bench.cluster_bench import Config, plot_autoscaling, report
+    from metronome.bench.served.autoscale import binned, summary, timeline
+
+    raw, cfg = canned_autoscaling_raw(), Config(autoscale_levels=(1, 2), autoscale_step_s=10.0)
+    auto = {"command": "metronome serve --replicas 1..3", "samples": raw["samples"],
+            "sessions": raw["sessions"], "timeline": timeline(raw, (1, 2), 10.0),
+            "binned": binned(raw, 5.0), "summary": summary(raw),
+            "defaults": {"autoscale_headroom_sessions": 1, "autoscale_refusal_window_s": 10.0}}
+    result = canned_result()
+    result["config"] = asdict(cfg)
+    for key in ("proxy_hop", "capacity", "footprint"):
+        del result[key]
+    text = report(result | {"autoscaling": auto})
+    assert "## Autoscaling (`--replicas 1..3`)" in text and "## The proxy hop" not in text
+    assert "| 1 | 10 | 2 | 1..2 | 0 | 2 | 10 | 1 |" in text
+    assert "| 11.5 | up 1 -> 2 | 1 session(s) refused | 0 | 1 | 3.5 |" in text
+    assert "2 admitted (1 after at least one refusal, 2 refusals in all" in text
+    plot_autoscaling(RunContext("cluster", out_json=tmp_path / "c.json"), auto, 10.0, (1, 2))
+    assert (tmp_path / "cluster_autoscaling.png").stat().st_size > 10_000

@@ -23,7 +23,7 @@ def load(cap: int, active: int, refused: int = 0) -> ReplicaLoad:
 def test_a_refusal_adds_one_replica_and_starts_the_cooldown():
     decision, memory = decide(1, [load(2, 1, refused=1)], RULES, Memory(), now_s=100.0)
     assert (decision.replicas, decision.direction, decision.reason) == (
-        2, UP, "1 sessions refused")
+        2, UP, "1 session(s) refused")
     assert (decision.headroom, decision.refused) == (1, 1)
     assert memory == Memory(changed_at_s=100.0)
 

@@ -14,6 +14,11 @@ it gives, on loopback with the tiny preset model (one torch thread per server).
 3. Ray's footprint, from the 2-replica start: command to both replicas reporting in
    `GET /v1/cluster`, RSS of every process in the launcher's tree (Ray's own included),
    their CPU while idle, SIGTERM to exit.
+4. Autoscaling: a `--replicas MIN..MAX` cluster (static admission, so the autoscaler, not
+   AIMD, is what moves), offered sessions stepping up and down, refused ones retrying;
+   replicas, headroom, refusals and misses over time, and each decision's effect time.
+
+`--runs fixed` (1-3) or `--runs autoscaling` (4) runs one half.
 
 The measuring helpers are in `bench.served`; the report (and its figure) reads only the
 result. Two sections are not measured by this command and say where they come from: what
@@ -23,10 +28,12 @@ cluster was added.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
+from metronome.bench.served import autoscale as autoscaling
 from metronome.bench.served import cluster as measure
 from metronome.bench.served.server import SINGLE_THREAD, ServerProcess, healthy, served_facts
 from metronome.cluster.config import ClusterConfig
@@ -40,6 +47,10 @@ NAME = "cluster"
 MODEL = "preset:tiny"  # the 2-layer random test Llama: two replicas and Ray fit beside it
 STATS_PERIOD_S = 0.5  # the replicas' reports (placement and `GET /v1/cluster`)
 LOG_DIR = Path("out/bench-cluster")  # each server's output (Ray's logs: every request's)
+RUNS = ("fixed", "autoscaling")  # see the module docstring: 1-3, 4
+SAMPLE_PERIOD_S = 1.0  # the autoscaling run's look at /v1/cluster
+FIXED_PLOT, AUTOSCALING_PLOT = "cluster.png", "cluster_autoscaling.png"
+BIN_S = 5.0  # the autoscaling run's refusals and misses are counted per this long
 
 
 @dataclass(frozen=True)
@@ -68,11 +79,26 @@ class Config:
         "help": "the footprint's idle CPU is measured over this long"})
     goal_ratio: float = field(default=1.8, metadata={
         "help": "the 2-replica / 1-replica capacity the report compares against"})
+    runs: tuple[str, ...] = field(default=RUNS, metadata={
+        "help": "fixed (the proxy hop, capacity, footprint) and/or autoscaling"})
+    autoscale_replicas: str = field(default="1..3", metadata={
+        "help": "the autoscaling run's --replicas MIN..MAX"})
+    autoscale_cap: int = field(default=4, metadata={
+        "help": "the autoscaling run's sessions per replica (static admission)"})
+    autoscale_levels: tuple[int, ...] = field(default=(2, 6, 10, 6, 2), metadata={
+        "help": "sessions offered, one level a step"})
+    autoscale_step_s: float = field(default=40.0, metadata={"help": "each level's length"})
+    autoscale_cooldown_s: float = field(default=5.0, metadata={
+        "help": "the autoscaler's cool-down (--autoscale-cooldown-s)"})
+    autoscale_down_after_s: float = field(default=15.0, metadata={
+        "help": "the autoscaler's sustained-spare period (--autoscale-down-after-s)"})
 
     @classmethod
     def smoke(cls) -> Config:
         return cls(repeats=1, hop_sessions=1, hop_duration_s=3.0, ladder=(2,), bisect_steps=0,
-                   step_duration_s=3.0, ramp_s=0.5)
+                   step_duration_s=3.0, ramp_s=0.5, autoscale_replicas="1..2",
+                   autoscale_cap=1, autoscale_levels=(1, 2, 0), autoscale_step_s=15.0,
+                   autoscale_cooldown_s=2.0, autoscale_down_after_s=4.0)
 
 
 def serve_args(cfg: Config, admission_cap: int, replicas: int | None) -> list[str]:
@@ -91,10 +117,47 @@ def start(cfg: Config, admission_cap: int, replicas: int | None) -> ServerProces
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
+    unknown = set(cfg.runs) - set(RUNS)
+    if unknown or not cfg.runs:
+        raise ValueError(f"--runs takes {' and/or '.join(RUNS)}, got {list(cfg.runs)}")
+    ctx.record(**served_facts(ServerConfig(model=MODEL)), ray=version("ray"))
+    result = {"config": asdict(cfg)}
+    if "fixed" in cfg.runs:
+        result |= _fixed(ctx, cfg)
+    if "autoscaling" in cfg.runs:
+        result["autoscaling"] = _autoscaling(ctx, cfg)
+    return result
+
+
+def _autoscaling(ctx: RunContext, cfg: Config) -> dict:
+    args = ["--model", MODEL, "--admission", "static", "--admission-cap",
+            str(cfg.autoscale_cap), "--replicas", cfg.autoscale_replicas, "--replica-cpus",
+            "0.5", "--stats-period-s", f"{STATS_PERIOD_S:g}", "--autoscale-cooldown-s",
+            f"{cfg.autoscale_cooldown_s:g}", "--autoscale-down-after-s",
+            f"{cfg.autoscale_down_after_s:g}", "--log-level", "warning"]
+    ctx.log(f"autoscaling: starting a {cfg.autoscale_replicas} cluster")
+    server = ServerProcess.start(args, measure.cluster_ready(1), LOG_DIR / "autoscaling.log")
+    try:
+        ctx.log(f"autoscaling: offering {', '.join(map(str, cfg.autoscale_levels))} sessions, "
+                f"{cfg.autoscale_step_s:g} s each")
+        raw = autoscaling.run(server.url, cfg.autoscale_levels, cfg.autoscale_step_s,
+                              SAMPLE_PERIOD_S)
+    finally:
+        server.stop()
+    ctx.keep("autoscaling_raw", raw)
+    result = {"command": server.command, "defaults": ClusterConfig(replicas=1).model_dump(
+                  include={"autoscale_headroom_sessions", "autoscale_refusal_window_s"}),
+              "samples": raw["samples"], "sessions": raw["sessions"],
+              "timeline": autoscaling.timeline(raw, cfg.autoscale_levels, cfg.autoscale_step_s),
+              "binned": autoscaling.binned(raw, BIN_S), "summary": autoscaling.summary(raw)}
+    plot_autoscaling(ctx, result, cfg.autoscale_step_s, cfg.autoscale_levels)
+    return result
+
+
+def _fixed(ctx: RunContext, cfg: Config) -> dict:
     cap = max(cfg.ladder) + 1  # AIMD's start: above every step
     settings = ServerConfig(model=MODEL, admission="aimd", admission_cap=cap,
                             output_tokens_per_frame=cfg.output_tokens_per_frame)
-    ctx.record(**served_facts(settings), ray=version("ray"))
     ctx.log("starting the plain server and a 1-replica cluster")
     plain, one = start(cfg, cap, None), start(cfg, cap, 1)
     commands = {"plain": plain.command, "1": one.command}
@@ -119,7 +182,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     held = [c["held_sessions"] for c in capacities]
     plot(ctx, hop, capacities)
     load = LoadConfig()
-    return {"config": asdict(cfg), "server_commands": commands, "workload": {
+    return {"server_commands": commands, "workload": {
                 "admission_cap_start": cap, "frame_period_s": settings.frame_period_s,
                 "admission_interval_s": settings.admission_interval_s,
                 "torch_threads_per_server": int(SINGLE_THREAD["OMP_NUM_THREADS"]),
@@ -192,12 +255,24 @@ endpoint means the replica is gone; reconnecting places the session on a live re
 
 
 def report(result: dict) -> str:
+    lines: list[str] = [
+        "# Ray Serve cluster (`metronome serve --replicas N|MIN..MAX`)", "",
+        describe(result["provenance"]), "",
+        f"Command: `{result['command']}` ({result['elapsed_s'] / 60:.1f} min).", ""]
+    if "proxy_hop" in result:
+        lines += _fixed_report(result)
+    if "autoscaling" in result:
+        lines += _autoscaling_report(result["autoscaling"], result["config"])
+    if result["scale"] == "smoke":
+        lines.insert(2, "**Smoke size: too short to mean anything; it checks the command.**\n")
+    return "\n".join(lines) + "\n"
+
+
+def _fixed_report(result: dict) -> list[str]:
     cfg, work, prov = result["config"], result["workload"], result["provenance"]
     ran = prov["ray"]
-    lines: list[str] = [
-        "# Ray Serve cluster (`metronome serve --replicas N`): cost and capacity", "",
-        describe(prov), "",
-        f"Command: `{result['command']}` ({result['elapsed_s'] / 60:.1f} min). Servers, "
+    return [
+        "Servers, "
         "each on loopback (a cluster is a local Ray started by its own command): "
         + "; ".join(f"`{cmd}`" for cmd in result["server_commands"].values()) + f". That is "
         f"{work['torch_threads_per_server']} torch thread(s) a plain server and "
@@ -207,15 +282,51 @@ def report(result: dict) -> str:
         "the ladder. Load: `metronome load` (real WebSocket clients streaming speech at "
         f"real-time pace in {work['load_chunk_ms']:g} ms appends, {work['frame_period_s']:g} "
         "s frames) from the bench's process.", "",
-        *(f"![proxy hop and capacity]({name})" for name in result["plots"]), "",
+        *(f"![proxy hop and capacity]({name})" for name in result["plots"]
+          if name == FIXED_PLOT), "",
         *_hop(result["proxy_hop"]), "", *_capacity(result), "",
         *_footprint(result["footprint"]), "", TESTED, INSTALL,
         CLOSE_REASON.format(read=RAY_READ, ran=ran, differs="" if ran == RAY_READ else (
             ": a different version, so the finding may no longer hold")),
     ]
-    if result["scale"] == "smoke":
-        lines.insert(2, "**Smoke size: too short to mean anything; it checks the command.**\n")
-    return "\n".join(lines) + "\n"
+
+
+def _autoscaling_report(auto: dict, cfg: dict) -> list[str]:
+    total, defaults = auto["summary"], auto["defaults"]
+    rows = [[r["step"], f"{r['from_s']:g}", r["offered"],
+             f"{r['replicas_min']}..{r['replicas_max']}", r["headroom_min"], r["refusals"],
+             r["frames"], r["misses"]] for r in auto["timeline"]]
+    decisions = [[f"{d['t_s']:.1f}", f"{d['direction']} {d['from']} -> {d['to']}",
+                  d["reason"], d["headroom"], d["refused"], fmt(d["effect_s"], ".1f")]
+                 for d in total["decisions"]]
+    misses = total["misses"] / total["frames"] if total["frames"] else None
+    return [
+        f"## Autoscaling (`--replicas {cfg['autoscale_replicas']}`)",
+        f"`{auto['command']}`: static admission of {cfg['autoscale_cap']} session(s) a replica "
+        "(so the autoscaler, not AIMD, is what moves), the autoscaler's headroom threshold "
+        f"{defaults['autoscale_headroom_sessions']} and refusal window "
+        f"{defaults['autoscale_refusal_window_s']:g} s (defaults), cool-down "
+        f"{cfg['autoscale_cooldown_s']:g} s, a replica removed after "
+        f"{cfg['autoscale_down_after_s']:g} s of spare headroom beyond one replica's cap. "
+        f"Offered sessions step {', '.join(map(str, cfg['autoscale_levels']))}, "
+        f"{cfg['autoscale_step_s']:g} s each (a step down ends the newest sessions); a "
+        "refused session retries after its Retry-After until admitted or under "
+        f"{autoscaling.MIN_SESSION_S:g} s of its span is left; `GET /v1/cluster` sampled "
+        f"every {SAMPLE_PERIOD_S:g} s. Misses: frames the server judged late or empty.", "",
+        f"![autoscaling]({AUTOSCALING_PLOT})", "",
+        md_table(["step", "from s", "offered", "replicas serving", "min headroom",
+                  "refusals", "frames", "misses"], rows), "",
+        "Decisions (time from the load's start; took effect: the added replica serving, or "
+        "the removed one drained and gone):", "",
+        md_table(["t s", "decision", "reason", "headroom", "refused", "took effect s"],
+                 decisions), "",
+        f"Sessions: {total['sessions']} offered, {total['admitted']} admitted "
+        f"({total['refused_sessions']} after at least one refusal, {total['refusals']} "
+        f"refusals in all, the longest wait {fmt(total['wait_s_max'], '.1f')} s), "
+        f"{total['gave_up']} gave up, {total['closed_by_server']} closed by the server (a "
+        f"scale-down drains: it closes none). Frames: {total['frames']}, misses "
+        f"{total['misses']} ({fmt(misses, '.2%')}).", "",
+    ]
 
 
 def _hop(hop: dict) -> list[str]:
@@ -287,7 +398,7 @@ def _footprint(fp: dict) -> list[str]:
 
 
 def plot(ctx: RunContext, hop: dict, capacities: list[dict]) -> None:
-    plt, save = ctx.figure("cluster.png")
+    plt, save = ctx.figure(FIXED_PLOT)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     s = hop["summary"]
     for offset, (name, label) in enumerate((("plain", "plain server"),
@@ -306,4 +417,39 @@ def plot(ctx: RunContext, hop: dict, capacities: list[dict]) -> None:
     ax2.set_ylabel("sessions admitted")
     ax2.set_title("capacity (AIMD on)")
     ax2.legend(fontsize=8)
+    save(fig)
+
+
+def plot_autoscaling(ctx: RunContext, auto: dict, step_s: float, levels: tuple[int, ...]
+                     ) -> None:
+    plt, save = ctx.figure(AUTOSCALING_PLOT)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
+    samples = auto["samples"]
+    t = [x["t_s"] for x in samples]
+
+    def series(key: str) -> list[float]:
+        return [math.nan if x[key] is None else x[key] for x in samples]
+
+    ax1.step([k * step_s for k in range(len(levels) + 1)], [*levels, levels[-1]],
+             where="post", label="offered", color="black")
+    ax1.plot(t, series("active_sessions"), label="active")
+    ax1.plot(t, series("cap"), label="fleet cap (serving replicas)")
+    ax1.plot(t, series("headroom"), label="headroom (the autoscaler's)", linestyle=":")
+    ax1.set_ylabel("sessions")
+    ax1.legend(fontsize=8)
+    ax2.plot(t, series("replicas_serving"), label="serving")
+    ax2.plot(t, series("replicas_draining"), label="draining")
+    ax2.step(t, series("desired_replicas"), where="post", linestyle="--",
+             label="desired (autoscaler)")
+    ax2.set_ylabel("replicas")
+    ax2.legend(fontsize=8)
+    bins = auto["binned"]
+    at = [b["t_s"] + BIN_S / 2 for b in bins]
+    ax3.bar(at, [b["refusals"] for b in bins], width=BIN_S * 0.45, label="refusals",
+            align="edge")
+    ax3.bar(at, [b["misses"] for b in bins], width=-BIN_S * 0.45, label="deadline misses",
+            align="edge")
+    ax3.set_xlabel("s since the load started")
+    ax3.set_ylabel(f"per {BIN_S:g} s")
+    ax3.legend(fontsize=8)
     save(fig)

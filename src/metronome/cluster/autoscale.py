@@ -75,7 +75,7 @@ def decide(target: int, loads: list[ReplicaLoad | None], rules: Rules, memory: M
     if memory.changed_at_s is not None and now_s - memory.changed_at_s < rules.cooldown_s:
         return replace(held, reason="cooling down"), replace(memory, spare_since_s=None)
     if refused or headroom < rules.headroom_sessions:
-        why = (f"{refused} sessions refused" if refused else
+        why = (f"{refused} session(s) refused" if refused else
                f"headroom {headroom} < {rules.headroom_sessions}")
         if target >= rules.max_replicas:
             return replace(held, reason=f"{why}, at the max"), memory
