@@ -127,3 +127,12 @@ def test_an_idle_or_non_binding_cap_returns_to_its_resting_cap():
     planned = SlowStartLimit(initial_cap=4, resting_cap=200)  # the planner's N*
     assert planned.update(IntervalSample([], 0, 0, 0)) == 102
     assert planned.update(sample(p95=0.9, active=2)) == 91  # over target: cut, not rest
+
+
+def test_a_steered_interval_over_target_holds_and_under_target_grows():
+    over = IntervalSample([0.9] * 10, deadline_misses=3, stalled_frames=0, active_sessions=8,
+                          steered=True)
+    aimd, slow = AIMDLimit(initial_cap=8), SlowStartLimit(initial_cap=8)
+    assert (aimd.update(over), slow.update(over), slow.slow_start) == (8, 8, True)
+    under = IntervalSample([0.3] * 10, 0, 0, active_sessions=8, steered=True)
+    assert aimd.update(under) == 9 and slow.update(under) > 8

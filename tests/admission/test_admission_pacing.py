@@ -5,14 +5,15 @@ verdict that names the session instead of reading "overload"."""
 from __future__ import annotations
 
 from metronome.admission.controller import AdmissionController
-from metronome.admission.limits import SlowStartLimit
+from metronome.admission.limits import AIMDLimit, SlowStartLimit
 from metronome.admission.pacing import SelfPacing
 from metronome.engine.engine import Engine, EngineConfig
+from metronome.engine.types import SessionStep, StepResult, WorkStatus
 from metronome.kv.residency import ResidencyPolicy
 from metronome.observe.deadline_monitor import DeadlineMonitor
 from metronome.observe.stall_detector import Health
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus
-from metronome.runtime.ports import Listeners
+from metronome.runtime.ports import Listeners, StepReport
 from metronome.runtime.profile import SessionProfile
 from metronome.sim.cost_model import StepCostModel
 from metronome.sim.recorder import RunRecorder
@@ -20,9 +21,9 @@ from metronome.sim.virtual import VirtualDriver
 
 
 def result(arrival_s: float, finish_s: float, deadline_s: float = 1.0, tokens: int = 12,
-           index: int = 0) -> FrameResult:
+           index: int = 0, session_id: int = 7) -> FrameResult:
     late = finish_s > arrival_s + deadline_s
-    return FrameResult(7, index, FrameStatus.LATE if late else FrameStatus.OK, [],
+    return FrameResult(session_id, index, FrameStatus.LATE if late else FrameStatus.OK, [],
                        arrival_s, arrival_s, min(finish_s, arrival_s + deadline_s),
                        arrival_s + deadline_s, True, input_tokens=tokens)
 
@@ -138,3 +139,48 @@ def test_health_names_a_session_that_overloads_itself_instead_of_overload():
         "sign of the server's load)")
     monitor.advance(10.0)  # the window moves on: the verdict is gone with the frames
     assert "overloads" not in monitor.reason
+
+
+def step(work_by_session: dict[int, int]) -> StepReport:
+    """A step that processed `work_by_session` input positions (pool and timing unread)."""
+    outcomes = [SessionStep(sid, WorkStatus.OK, input_tokens=n)
+                for sid, n in work_by_session.items()]
+    return StepReport(StepResult(outcomes), 0.0, 0.1, None, {})
+
+
+def interval_with_a_flood(flood_tokens: int, factor: float = 2.0) -> AdmissionController:
+    """Sessions 1-3 send 12-token frames that all miss; session 9 sends 600-token items
+    (self-paced by size) and its steps processed `flood_tokens` of them."""
+    controller = AdmissionController(AIMDLimit(initial_cap=8), lambda: 4,
+                                     self_paced_tokens=64, steered_work_factor=factor)
+    controller.on_result(result(0.0, 1.5, tokens=600, session_id=9))
+    for sid in (1, 2, 3):
+        controller.on_result(result(0.0, 1.2, session_id=sid))
+        controller.on_step(step({sid: 16}))
+    controller.on_step(step({9: flood_tokens}))
+    controller.end_interval(2.0)
+    return controller
+
+
+def test_misses_from_one_sessions_disproportionate_work_hold_the_cap():
+    held = interval_with_a_flood(flood_tokens=528).history[-1]
+    assert (held.cap, held.misses, held.self_paced, held.steered) == (8, 3, 1, True)
+    assert held.self_paced_work_share == 528 / 576  # > 2 x its 1 in 4 sessions
+    assert interval_with_a_flood(528, factor=float("inf")).history[-1].cap == 7  # the old rule
+
+
+def test_self_paced_work_in_proportion_is_no_excuse():
+    fair = interval_with_a_flood(flood_tokens=16).history[-1]  # its share: 1 in 4
+    assert (fair.cap, fair.steered, fair.self_paced_work_share) == (7, False, 0.25)
+
+
+def test_a_flood_of_long_items_stays_self_paced_between_its_answers():
+    controller = interval_with_a_flood(flood_tokens=528)
+    for sid in (1, 2, 3):  # the next interval: no flood frame answered, still flooding
+        controller.on_result(result(2.0, 3.2, session_id=sid))
+        controller.on_step(step({sid: 16}))
+    controller.on_step(step({9: 528}))
+    controller.end_interval(4.0)
+    assert [(s.cap, s.steered) for s in controller.history] == [(8, True), (8, True)]
+    controller.end_interval(6.0)  # idle: session 9 did no work and is forgotten
+    assert not controller.pacing.latest(9)

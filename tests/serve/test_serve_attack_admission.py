@@ -208,9 +208,9 @@ def report(history: list[CapSample], attack_at_s: float, left_at_s: float,
     print(f"cap before the attack {pre_attack_cap}; during it "
           f"{caps(attack_at_s, left_at_s)}; after it {caps(left_at_s, float('inf'))}")
     intervals = [(s.cap, s.active_sessions, s.frames, s.misses, s.self_paced,
-                  s.self_paced_work_share and round(s.self_paced_work_share, 2), s.held)
+                  s.self_paced_work_share and round(s.self_paced_work_share, 2), s.steered)
                  for s in history]
-    print(f"per interval (cap, active, frames, misses, self-paced, their work share, held): "
+    print(f"per interval (cap, active, frames, misses, self-paced, their work share, steered): "
           f"{intervals}")
     print(f"new users admitted {sum(joined)}/{len(joined)}: {joined}")
     print(f"audio attacker: {audio.sent} chunks sent, {len(audio.frames)} frames answered, "

@@ -19,8 +19,10 @@ Three guards beside the limit:
   is the flooder's, not the session count's. Each engine step reports the input positions it
   processed per session (`on_step`); when the sessions whose latest frame was self-paced did
   more than `steered_work_factor` x their share of the interval's working sessions' work, the
-  interval says how far a few clients' input went, not how many sessions fit, and the cap
-  holds (`CapSample.held`): neither cut nor raised. A real server showed why: one client
+  interval says how far a few clients' input went, not how many sessions fit
+  (`IntervalSample.steered`): over target, the limit holds the cap instead of cutting it;
+  under target it grows as ever (the load it carried, floods and all, was fine). A real
+  server showed why: one client
   appending audio at 6x real time and one flooding ~630-token text items beside 3 real-time
   streamers did ~90 % of the engine's work; the streamers' frames went from ~0.2 s to
   0.8-1.0 s of their 1 s deadline, and the cap fell 8 -> 4 in 4 intervals (1 s each) with
@@ -62,7 +64,7 @@ class CapSample:
     self_paced: int = 0  # frames left out of the signal: late by their own session's input
     memory_ceiling: int | None = None
     self_paced_work_share: float | None = None  # of the engine's work; None: no self-paced
-    held: bool = False  # the self-paced sessions' work was out of proportion: no update
+    steered: bool = False  # that share was out of proportion: over target, the cap held
 
 
 @dataclass
@@ -150,15 +152,15 @@ class AdmissionController:
 
     def end_interval(self, now_s: float) -> int:
         frames = len(self._fractions)
+        work_share, steered = self._steered()
         sample = IntervalSample(self._fractions, self._misses, self._stalled,
                                 self.active_sessions(),
-                                self._active_sum / frames if frames else None)
+                                self._active_sum / frames if frames else None, steered)
         q = self.limit.percentile
-        work_share, held = self._steered()
-        cap = self.limit.cap if held else self.limit.update(sample)
+        cap = self.limit.update(sample)
         record = CapSample(now_s, cap, sample.active_sessions, sample.percentile(q), q,
                            sample.num_frames, sample.deadline_misses, sample.stalled_frames,
-                           self._self_paced, self.memory_ceiling, work_share, held)
+                           self._self_paced, self.memory_ceiling, work_share, steered)
         self.history.append(record)
         if self.on_update is not None:
             self.on_update(record)

@@ -11,7 +11,9 @@ that reaches N* in a few intervals), after Netflix concurrency-limits' AIMDLimit
   are active than the cap allows, in which case the last cut has not taken effect yet and
   the cap holds. Admitted sessions are never evicted, so a cut bites only as sessions leave;
   cutting again on every interval of that lag drove the cap from N* = 16 down to 1 and back
-  in a measured run (an oscillation of 1..21). TCP likewise cuts once per round trip;
+  in a measured run (an oscillation of 1..21). TCP likewise cuts once per round trip.
+  A `steered` interval (a few sessions flooding their own input did most of its work) holds
+  the cap too: fewer sessions would not have helped;
 * under target and the sessions actually press on the cap (`active >= near_cap_fraction *
   cap`): `cap += increase`; an idle cap is not raised, so it cannot drift far above a load it
   has never been tested with;
@@ -42,6 +44,9 @@ class IntervalSample:
     stalled_frames: int
     active_sessions: int  # at the interval's end
     mean_active_sessions: float | None = None  # over its frames; None: not measured
+    # most of its engine work was a few self-paced sessions' (`admission.controller`): its
+    # latency says how far their input went, not how many sessions fit
+    steered: bool = False
 
     @property
     def load(self) -> float:
@@ -106,6 +111,8 @@ class AIMDLimit:
         if sample.num_frames == 0:
             return self._cap
         if self.over_target(sample):
+            if sample.steered:
+                return self._cap
             if sample.active_sessions <= self._cap:  # else: the last cut is still pending
                 self._cap = max(self.min_cap, math.floor(self._cap * self.decrease))
         elif sample.active_sessions >= self.near_cap_fraction * self._cap:
@@ -173,6 +180,8 @@ class SlowStartLimit(AIMDLimit):
         if sample.num_frames == 0:
             return self._return_to_rest()
         if self.over_target(sample):
+            if sample.steered:  # no sign of how many sessions fit: slow start goes on
+                return self._cap
             self.slow_start = False
             if self.severe(sample) and sample.active_sessions > self._cap:
                 self._cap = max(self.min_cap, math.floor(self._cap * self.decrease))
