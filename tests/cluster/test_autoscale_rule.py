@@ -36,8 +36,9 @@ def test_headroom_below_the_threshold_adds_one_up_to_the_max():
 
 
 def test_holds_while_a_replica_starts_or_has_not_reported_and_within_the_cooldown():
-    starting, _ = decide(2, [load(2, 2)], RULES, Memory(), 0.0)  # Ray starts the second
+    starting, memory = decide(2, [load(2, 2)], RULES, Memory(), 7.0)  # Ray starts one
     assert (starting.replicas, starting.direction) == (2, HOLD)
+    assert memory == Memory(changed_at_s=7.0)  # the change is still taking effect
     silent, _ = decide(2, [load(2, 2), None], RULES, Memory(), 0.0)
     assert (silent.direction, silent.reason) == (HOLD, "2 of 2 replicas running and reporting")
     cooling, _ = decide(2, [load(2, 2), load(2, 2)], RULES, Memory(changed_at_s=96.0), 100.0)
@@ -186,8 +187,18 @@ def test_through_ray_serves_wrapper_ray_applies_the_rules_count_at_once():
     look, event = board.posted[-1]
     assert (event["direction"], event["from"], event["to"], event["refused"]) == (UP, 1, 2, 1)
     assert look["desired_replicas"] == 2 and look["max_replicas"] == 2
-    # the second replica starting: held, whatever the first says
-    assert applied(context(config, 2, full, 100.2, state))[0] == 2
+    # the second replica starting: held, whatever the first says (users retry meanwhile)
+    still_full = {"r1": stats(2, 2, [(99.0, 1.0), (102.0, 3.0)], at_s=103.0)}
+    replicas, state = applied(context(config, 2, still_full, 103.0, state))
+    assert replicas == 2
+    # it reported: the refusals while it started count no more, nor does the cool-down
+    # start before now
+    both = {"r1": stats(2, 2, [(102.0, 3.0), (108.9, 3.0)], at_s=108.9),
+            "r2": stats(2, 1, [(108.9, 0.0)], started_at_s=103.5, at_s=108.9)}
+    assert applied(context(config, 2, both, 107.9, state))[0] == 2  # cooling down
+    assert board.posted[-1][0]["reason"] == "cooling down"
+    replicas, state = applied(context(config, 2, both, 109.0, state))
+    assert replicas == 2 and board.posted[-1][0]["reason"] == "steady"
     def idle(at_s: float) -> dict:  # both replicas empty, reported at `at_s`
         return {"r1": stats(2, 0, [(99.0, 1.0)], at_s=at_s),
                 "r2": stats(2, 0, [(at_s, 0.0)], started_at_s=103.0, at_s=at_s)}

@@ -8,14 +8,17 @@ KV memory ceiling), its active sessions and the sessions it refused. The fleet's
 is the free sessions summed over the running replicas (`cap - active`, none below zero).
 
     replicas starting or stopping, one not reported yet ─► hold (its room is unknown)
-    within `cooldown_s` of the last change               ─► hold (let it show its effect)
+    within `cooldown_s` of the last change taking effect ─► hold (let it show its effect)
     a session refused since then, or headroom < H        ─► one more (up to the max)
     headroom - the largest cap >= H, for `down_after_s`  ─► one fewer (down to the min)
     otherwise                                            ─► hold
 
 One replica a decision, each way: a new replica's room is known only once it reports, and
-a removed one drains (its sessions go on until they end, `cluster.replica`). Removing one
-leaves at least H free sessions, so a removal never itself triggers an addition.
+a removed one drains (its sessions go on until they end, `cluster.replica`). A change takes
+effect when every replica Ray runs has reported: the cool-down and the refusals that count
+start there, so users refused (and retrying) while the added replica started do not add
+another. Removing one leaves at least H free sessions, so a removal never itself triggers
+an addition.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class Rules:
 @dataclass(frozen=True)
 class Memory:
     """What the rule remembers between calls (Ray Serve keeps it as the policy's state)."""
-    changed_at_s: float | None = None  # the last up/down decision
+    changed_at_s: float | None = None  # the last change (a decision, or a replica starting
+    # or stopping: Ray's count not yet reached) was last seen taking effect
     spare_since_s: float | None = None  # spare headroom without a break since
 
 
@@ -68,7 +72,7 @@ def decide(target: int, loads: list[ReplicaLoad | None], rules: Rules, memory: M
     replica (None: not reported yet)."""
     if len(loads) != target or any(load is None for load in loads):
         return (Decision(target, HOLD, f"{len(loads)} of {target} replicas running and "
-                         "reporting"), replace(memory, spare_since_s=None))
+                         "reporting"), Memory(changed_at_s=now_s))
     headroom = sum(load.free for load in loads)
     refused = sum(load.refused for load in loads)
     held = Decision(target, HOLD, "", headroom, refused)
