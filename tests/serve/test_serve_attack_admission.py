@@ -11,7 +11,9 @@ and health names the attackers instead of reading "overload". Blind to pace and 
 old rule), the audio attacker alone cut the cap 4 -> 1 in 7.8 s and 7 of 10 users got 503.
 
 The control interval is 1 s (the default is 2 s), so the run takes ~30 s. Measured on a
-2-core machine: the cap held at 8 (10/10 users in); with the pacing rule disabled it fell
+2-core machine: the cap fell 8 -> 7 in the attack's first interval (the streamers' frames
+slowed before any attacker frame was answered and judged), then held at 7 and was back at
+8 two intervals after the attackers left (10/10 users in); with pacing disabled it fell
 8 -> 1 and 4/10 got in; with pacing but without the work-share rule (the floods' prefill
 took ~90 % of the engine's work and the streamers' frames 0.8-1.0 s) it fell 8 -> 4 and
 6-8/10 got in.
