@@ -7,7 +7,8 @@ more than one step's chunk), so `admission.pacing` leaves them out of the signal
 is not cut below what the well-behaved load needs (the calm sessions, the attackers' own
 slots and one new user), >= 9 of 10 new users get in during the attack and after it, the
 cap is back at its pre-attack value within 5 control intervals of the attackers leaving,
-and health names the attackers instead of reading "overload". Blind to pace and size (the
+and a health verdict that is not ok names the attackers (the streamers' frames do go late:
+the floods' prefill shares their steps; health says so). Blind to pace and size (the
 old rule), the audio attacker alone cut the cap 4 -> 1 in 7.8 s and 7 of 10 users got 503.
 
 The control interval is 1 s (the default is 2 s), so the run takes ~30 s. Measured on a
