@@ -37,7 +37,8 @@ def test_a_slow_audio_encoder_does_not_delay_the_loop(tiny_model, monkeypatch):
                             "tiny")
         try:
             events: list[p.ServerEvent] = []
-            streamer = RealtimeSession(state, events.append, lambda: None, extensions=True)
+            streamer = RealtimeSession(state, lambda event, _text, _seq: events.append(event),
+                                      lambda: None, extensions=True)
             loop = asyncio.get_running_loop()
             fired = loop.create_future()
             due_s = loop.time() + 0.1

@@ -227,7 +227,8 @@ def run_session(tiny_model, scenario) -> object:
                             "tiny")
         try:
             events: list[p.ServerEvent] = []
-            session = RealtimeSession(state, events.append, lambda: None, extensions=True)
+            session = RealtimeSession(state, lambda event, _text, _seq: events.append(event),
+                                      lambda: None, extensions=True)
             try:
                 return await scenario(session, events)
             finally:

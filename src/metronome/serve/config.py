@@ -89,6 +89,10 @@ class ServerConfig(BaseModel):
     idle_timeout_s: float = Field(60.0, gt=0, description="close a session silent this long")
     max_session_s: float = Field(3600.0, gt=0, description="close a session this old "
                                  "(OpenAI's limit is 60 min as well)")
+    resume_grace_s: float = Field(30.0, ge=0, le=3600, description="hold a session this "
+                                  "long after its connection drops, for its client to resume "
+                                  "it (the resume token is in session.created's metronome "
+                                  "block); 0: a dropped session ends at once")
     max_outbox_events: int = Field(4096, ge=16, description="server events a slow reader "
                                    "may leave queued before it is closed 1008")
     max_outbox_bytes: int = Field(1 << 20, ge=1 << 16, description="bytes of server events "

@@ -6,11 +6,17 @@ with its limits, the outbox to the client, and the close.
            rate limit ─► size ─► bounded JSON ─► typed event ─► session.handle
               │  any ClientError ─► `error` event; the session lives on
               └─ idle timeout / max duration / rate limit / slow reader / disconnect ─► end
-    end ─► nothing more is read; engine session closed at once (blocks back), owed frames
+    end ─► nothing more is read; a client that dropped (no close frame) and was given a
+           resume token: the session is leased for the grace (`serve.resume`), else the
+           engine session is closed at once (blocks back), owed frames
            answered `cancelled`; queued events flushed (≤ 1 s) unless the client does not
            read; the close frame with code and reason (≤ 1 s) and the client's reply (≤ 1 s),
            or else the transport is dropped. A draining server (`ServerState.drain`) refuses
            new sessions at the upgrade and, at its drain timeout, ends the open ones 1001.
+
+`?resume=<session id>` with the session's resume token: no admission (the session is still
+counted), the session attached to this connection, `metronome.session.resumed`, the events
+the client missed, then on as above; refused before the upgrade (404, or 503 when draining).
 
 Server events go through a bounded outbox (events and bytes) drained by a writer task, so
 frame results, delivered from the beat's callbacks, never wait on a socket. A full outbox
@@ -24,6 +30,7 @@ import contextlib
 import enum
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
@@ -38,15 +45,28 @@ from metronome.serve.auth import (
 )
 from metronome.serve.config import ServerConfig
 from metronome.serve.guard import ABORT_EXTENSION
+from metronome.serve.kv_events import MetronomeSessionResumed, ResumedOut
 from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.rate_limit import RateLimit, Verdict
+from metronome.serve.resume import (
+    LAST_EVENT_QUERY,
+    RESUME_QUERY,
+    TAKEN_OVER_CLOSE_CODE,
+    TOKEN_HEADER,
+    offered_token,
+)
 from metronome.serve.session import RealtimeSession
-from metronome.serve.state import ServerState
+from metronome.serve.session_schema import ResumeOut
+from metronome.serve.state import ResumeRefused, ServerState
 
 log = logging.getLogger(__name__)
 
 DENIAL_EXTENSION = "websocket.http.response"
+# What uvicorn reports when the TCP connection just went (a FIN or a reset, no close frame):
+# 1005 once the handshake is done, 1006 before or mid-send. (A close frame with no status
+# also reads 1005: such a client is held for the grace as if dropped.)
+NO_CLOSE_FRAME = (1005, 1006)
 FLUSH_TIMEOUT_S = 1.0  # queued events, the close frame, the closing handshake: this long each
 
 
@@ -56,6 +76,7 @@ class CloseCode(enum.IntEnum):
     POLICY_VIOLATION = 1008  # bad API key, a client that does not read, over the rate limit
     INTERNAL_ERROR = 1011
     TRY_AGAIN_LATER = 1013  # refused by admission after the upgrade
+    HANDED_OVER = TAKEN_OVER_CLOSE_CODE  # the session was resumed on another connection
 
 
 @dataclass(frozen=True)
@@ -65,6 +86,7 @@ class Ending:
     reason: str = ""
     error: ClientError | None = None  # told to the client before the close frame
     flush: bool = True  # False: the client does not read; nothing more is queued
+    dropped: bool = False  # the network lost the client (no close frame): it may resume
 
     @property
     def delivers(self) -> bool:
@@ -80,26 +102,100 @@ class Connection:
         self.outbox = Outbox(self.config.max_outbox_events, self.config.max_outbox_bytes)
         self.subprotocols: list[str] = websocket.scope.get("subprotocols", [])
         self._ending: asyncio.Future[Ending] = asyncio.get_running_loop().create_future()
+        self._attached_seq = 0  # the first session event this connection was to deliver
 
     async def serve(self) -> None:
-        if not await self._authorized() or not await self._admitted():
+        if not await self._authorized():
             return
-        session = RealtimeSession(self.state, self._emit, self._on_failure,
+        resume_id = self.ws.query_params.get(RESUME_QUERY)
+        if resume_id is not None:
+            await self._serve_resumed(resume_id)
+            return
+        if not await self._admitted():
+            return
+        session = RealtimeSession(self.state, self._sink, self._on_failure,
                                   extensions=self._wants_extensions())
-        self.state.add(session, self._go_away)  # before any await: admission counts it
+        self.state.add(session, self)  # before any await: admission counts it
+        self._grant(session)
+        await self._run(session, session.start)
+
+    async def _run(self, session: RealtimeSession, on_accepted: Callable[[], None]) -> None:
         ending = Ending("error", CloseCode.INTERNAL_ERROR, "internal error")
         writer = None
         try:
             await self.ws.accept(subprotocol=chosen_subprotocol(self.subprotocols))
             writer = asyncio.create_task(self._write())
-            session.start()
+            on_accepted()
             ending = await self._receive_loop(session)
         except Exception:  # one connection's failure never reaches the others
             log.exception("session %s failed", session.id)
         finally:
             self._end(ending)  # first: events of a gone client are dropped, not queued
-            self.state.remove(session, ending.outcome)  # blocks back before any await
+            self._release(session, ending)  # blocks back (or leased) before any await
             await self._finish(ending, writer)
+
+    def _release(self, session: RealtimeSession, ending: Ending) -> None:
+        if not self.state.owns(session, self):
+            return  # resumed on another connection, which has it now
+        if ending.dropped and session.channel.attached and self.state.lease(
+                session, self._resume_from()):
+            return  # held for its client to resume
+        self.state.remove(session, ending.outcome)
+
+    # ---- resuming (serve.resume) ------------------------------------------------------------
+    def _api_key(self) -> str:
+        """The key this connection was authorized with (the server has one, or none)."""
+        key = self.config.api_key
+        return "" if key is None else key.get_secret_value()
+
+    def _grant(self, session: RealtimeSession) -> None:
+        """A new resume token for a client that can read it (it opted in to the extensions)."""
+        resumption = self.state.resumption
+        if resumption.enabled and session.extensions:
+            session.resume = ResumeOut(token=resumption.grant(session.id, self._api_key()),
+                                       grace_s=resumption.grace_s)
+
+    def _resume_from(self) -> int:
+        """The first session event this connection did not hand to the transport."""
+        delivered = self.outbox.delivered_seq
+        return self._attached_seq if delivered is None else delivered + 1
+
+    def hand_over(self) -> int:
+        """`SessionOwner`: the session was resumed elsewhere; close 4001, send nothing more,
+        and say where the new connection's replay starts."""
+        resume_from = self._resume_from()
+        self._end(Ending("handed_over", CloseCode.HANDED_OVER, "session resumed on another "
+                         "connection", flush=False))
+        return resume_from
+
+    async def _serve_resumed(self, session_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        arrived_s = loop.time()
+        token = offered_token(self.ws.headers.get(TOKEN_HEADER), self.subprotocols)
+        try:
+            session, away_s = self.state.take_for_resume(session_id, token, self._api_key(),
+                                                         self)
+        except ResumeRefused as refused:
+            await self._refuse(refused, refused.http_status, CloseCode.POLICY_VIOLATION,
+                               "resume refused")
+            return
+        assert isinstance(session, RealtimeSession)
+        last_event_id = self.ws.query_params.get(LAST_EVENT_QUERY)
+
+        def resumed() -> None:
+            replay = session.channel.attach(self._sink, self._on_failure, last_event_id)
+            self._attached_seq = replay.first_seq
+            self._grant(session)
+            self._emit(MetronomeSessionResumed(session=session.describe(), resumed=ResumedOut(
+                away_s=round(away_s, 3), replayed_events=len(replay.texts),
+                missed_events=replay.missed_events)))
+            for offset, text in enumerate(replay.texts):
+                self._queue(text, replay.first_seq + offset)
+            self.state.resumption.metrics.resume_seconds.observe(loop.time() - arrived_s)
+            log.info("session %s resumed after %.3f s: %d events replayed, %d missed",
+                     session.id, away_s, len(replay.texts), replay.missed_events)
+
+        await self._run(session, resumed)
 
     # ---- before the upgrade ---------------------------------------------------------------
     async def _authorized(self) -> bool:
@@ -123,17 +219,24 @@ class Connection:
         error = ClientError(ErrorCode.AT_CAPACITY,
                             f"the server is at capacity ({decision.reason}); retry in "
                             f"{retry_after_s} s", error_type=ErrorType.SERVER)
+        await self._refuse(error, 503, CloseCode.TRY_AGAIN_LATER,
+                           f"at capacity; retry in {retry_after_s} s",
+                           {"Retry-After": str(retry_after_s)})
+        return False
+
+    async def _refuse(self, error: ClientError, http_status: int, code: CloseCode,
+                      reason: str, headers: dict[str, str] | None = None) -> None:
+        """Before the upgrade: HTTP `http_status` with the error; a server that cannot answer
+        HTTP there: accept, the `error` event, close `code`."""
         event = p.ErrorEvent.of(error)
         if self._can_deny():
             response = JSONResponse({"error": event.error.model_dump(mode="json")},
-                                    status_code=503, headers={"Retry-After": str(retry_after_s)})
+                                    status_code=http_status, headers=headers)
             await self.ws.send_denial_response(response)
         else:  # the server cannot answer HTTP before the upgrade: refuse right after it
             await self.ws.accept(subprotocol=chosen_subprotocol(self.subprotocols))
             await self.ws.send_text(event.to_json())
-            await self.ws.close(CloseCode.TRY_AGAIN_LATER, f"at capacity; retry in "
-                                f"{retry_after_s} s")
-        return False
+            await self.ws.close(code, reason)
 
     def _wants_extensions(self) -> bool:
         """`?metronome_events=true` on the URL: this client takes `metronome.*` events (and the
@@ -147,7 +250,8 @@ class Connection:
     async def _receive_loop(self, session: RealtimeSession) -> Ending:
         loop = asyncio.get_running_loop()
         config = self.config
-        expires_at = loop.time() + config.max_session_s
+        age_s = self.state.now_s() - session.opened_at_s  # a resumed session's too
+        expires_at = loop.time() + config.max_session_s - age_s
         limit = RateLimit(config.rate_limit_messages_per_s, config.rate_limit_burst_messages,
                           config.rate_limit_bytes_per_s, config.rate_limit_burst_bytes,
                           loop.time())
@@ -162,8 +266,10 @@ class Connection:
                 break
             message = receive.result()
             if message["type"] == "websocket.disconnect":
-                normal = message.get("code") in (1000, 1001)
-                return Ending("completed" if normal else "disconnected")
+                code = message.get("code")
+                if code in (1000, 1001):
+                    return Ending("completed")
+                return Ending("disconnected", dropped=code in NO_CLOSE_FRAME)
             self._on_message(session, message, limit, loop.time())
         if self._ending.done():
             return self._ending.result()
@@ -221,15 +327,25 @@ class Connection:
 
     # ---- the outbox -------------------------------------------------------------------------
     def _emit(self, event: p.ServerEvent) -> None:
+        """The connection's own events (errors about messages, the resume's)."""
+        self._queue(event.to_json(), None)
+
+    def _sink(self, event: p.ServerEvent, text: str, seq: int) -> None:
+        """The session's events, numbered in its stream."""
+        self._queue(text, seq)
+
+    def _queue(self, text: str, seq: int | None) -> None:
+        """An event's JSON (`seq`: its number in the session's stream, or None)."""
         ending = self._ending.result() if self._ending.done() else None
         if ending is not None and not ending.delivers:
             return  # the client is gone, or does not read: nothing more is queued for it
-        if self.outbox.put(event.to_json()) or ending is not None:
+        if self.outbox.put(text, seq) or ending is not None:
             return  # once ended, what does not fit is dropped
         self._end(Ending("slow_consumer", CloseCode.POLICY_VIOLATION,
                          "client does not read its events", flush=False))
 
-    def _go_away(self) -> None:
+    def go_away(self) -> None:
+        """`SessionOwner`: the drain timeout passed."""
         error = ClientError(ErrorCode.SERVER_DRAINING, "this server is being removed and its "
                             "drain timeout has passed: reconnect to continue elsewhere",
                             error_type=ErrorType.SERVER)
@@ -250,7 +366,7 @@ class Connection:
                 await self.ws.send_text(text)
                 self.outbox.sent()
         except Exception:  # disconnected mid-send: the receive loop ends the session
-            self._end(Ending("disconnected"))
+            self._end(Ending("disconnected", dropped=True))
             self.outbox.clear()
 
     async def _finish(self, ending: Ending, writer: asyncio.Task | None) -> None:

@@ -2,6 +2,10 @@
 `serve.server_events`, in the same shape (`ServerEvent`: an `event_id`, a `type`), sent only
 to a client that opted in (`?metronome_events=true`).
 
+`metronome.session.resumed`: the first event on a connection that resumed the session
+(`serve.resume`): the session (with the next resume token), how long the client was away,
+and how many events follow that it missed (then the live ones).
+
 `metronome.session.bounded`: the server's opt-in graceful degradation (`degrade_policy`)
 switched this unbounded session to a sinks+window bound because the KV pool ran dry. Its
 middle blocks went back to the pool; from now on it attends to its sinks and its window
@@ -15,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from metronome.serve.protocol import ServerEvent
+from metronome.serve.session_schema import SessionOut
 
 
 class BoundOut(BaseModel):
@@ -28,3 +33,15 @@ class MetronomeSessionBounded(ServerEvent):
     type: Literal["metronome.session.bounded"] = "metronome.session.bounded"
     session_id: str
     bound: BoundOut
+
+
+class ResumedOut(BaseModel):
+    away_s: float  # since the old connection dropped (0: it was taken over while open)
+    replayed_events: int  # the missed events that follow, in order
+    missed_events: int  # owed but no longer held (the session's event stream moved on)
+
+
+class MetronomeSessionResumed(ServerEvent):
+    type: Literal["metronome.session.resumed"] = "metronome.session.resumed"
+    session: SessionOut
+    resumed: ResumedOut

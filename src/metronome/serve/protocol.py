@@ -101,6 +101,7 @@ class ErrorCode(enum.StrEnum):
     AT_CAPACITY = "server_at_capacity"
     SERVER_DRAINING = "server_draining"  # its drain timeout passed: reconnect elsewhere
     INVALID_API_KEY = "invalid_api_key"
+    RESUME_REFUSED = "resume_refused"  # unknown or ended session, wrong or used token
     RATE_LIMITED = "rate_limit_exceeded"
     UNSUPPORTED = "unsupported"  # a GA feature this server does not serve; the message says why
     ITEM_NOT_FOUND = "item_not_found"

@@ -24,6 +24,11 @@ cancels a response's frame in the beat (`client_cancelled`); items only join the
 conversation at its end (`serve.conversation`); what the GA API has and the server cannot do
 (deleting or truncating an item already in the KV, audio output) is refused by name.
 `metronome.*` events go only to a client that opted in (`extensions`).
+
+Every event the session emits goes through its `EventChannel`: numbered and kept, then to
+the connection, so a client that drops and resumes (`serve.resume`) gets what it missed: a
+dropped session is detached (the state leases it) and a resume attaches it to the new
+connection.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from metronome.serve import protocol as p
 from metronome.serve import server_events as se
 from metronome.serve.audio_input import AudioFramer, PcmCut, decode_pcm16
 from metronome.serve.conversation import Conversation
+from metronome.serve.event_stream import EventChannel, EventStream, Sink
 from metronome.serve.events import (
     CLIENT_CANCELLED,
     TURN_DETECTED,
@@ -60,6 +66,7 @@ from metronome.serve.kv_events import BoundOut, MetronomeSessionBounded
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.refusals import unsupported
 from metronome.serve.session_host import Input, SessionHost
+from metronome.serve.session_schema import ResumeOut
 from metronome.serve.settings import SessionSettings
 from metronome.serve.text import ChatText
 from metronome.serve.turn_detection import TurnDetection
@@ -68,14 +75,19 @@ log = logging.getLogger(__name__)
 
 
 class RealtimeSession:
-    def __init__(self, host: SessionHost, emit: Callable[[p.ServerEvent], None],
-                 on_failure: Callable[[], None], extensions: bool = False) -> None:
+    def __init__(self, host: SessionHost, sink: Sink, on_failure: Callable[[], None],
+                 extensions: bool = False) -> None:
         self.id = p.new_id("sess")
         self.host = host
-        self.emit = emit
-        self.extensions = extensions  # the client opted in to `metronome.*` events
-        self.on_failure = on_failure  # a bug in this session: its connection ends it (1011)
         config = host.config
+        # Its events, numbered and kept for a resume, to its client's connection; a bug in
+        # this session (`on_failure`): the connection ends it (1011), or its lease ends.
+        self.channel = EventChannel(EventStream(config.max_outbox_events,
+                                                config.max_outbox_bytes), sink, on_failure)
+        self.emit = self.channel.emit
+        self.on_failure = self.channel.fail
+        self.extensions = extensions  # the client opted in to `metronome.*` events
+        self.resume: ResumeOut | None = None  # how its client resumes it (`serve.resume`)
         self.settings = SessionSettings.defaults(config)
         self.profile = config.profile(self.settings.mode)
         self.opened_at_s = host.now_s()
@@ -98,7 +110,7 @@ class RealtimeSession:
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        self.emit(se.SessionCreated(session=self._describe()))
+        self.emit(se.SessionCreated(session=self.describe()))
 
     def close(self) -> None:
         """Answer what is owed (`cancelled`) and give the engine session's blocks back now;
@@ -168,7 +180,7 @@ class RealtimeSession:
         self.settings = settings
         self._set_turns(settings.turns)
         self._tell_not_honored(not_honored)
-        self.emit(se.SessionUpdated(session=self._describe()))
+        self.emit(se.SessionUpdated(session=self.describe()))
 
     def _instruct(self, instructions: str) -> None:
         """Instructions are a system message at this point of the conversation (a KV is
@@ -453,10 +465,10 @@ class RealtimeSession:
         return text + self.decoder.flush() if flush else text
 
     # ---- descriptions --------------------------------------------------------------------
-    def _describe(self) -> p.SessionOut:
+    def describe(self) -> p.SessionOut:
         return self.settings.describe(self.id, self.host.model_name, self.profile,
                                       self._policy(), self.host.config.token_rate_hz,
-                                      self._instructions, self.extensions)
+                                      self._instructions, self.extensions, self.resume)
 
     def _policy(self):
         """The KV bound in force: the profile's, or the one KV pressure imposed."""

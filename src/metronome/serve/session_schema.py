@@ -234,6 +234,13 @@ class AudioOut(BaseModel):
     input: AudioInputOut
 
 
+class ResumeOut(BaseModel):
+    """How to resume this session after a dropped connection (`serve.resume`)."""
+
+    token: str  # resumes once; the resume answers with the next
+    grace_s: float  # how long the server holds the session after its client drops
+
+
 class MetronomeSessionOut(BaseModel):
     mode: Literal["duplex", "turn"]
     frame_period_s: float
@@ -241,6 +248,7 @@ class MetronomeSessionOut(BaseModel):
     output_tokens_per_frame: int  # duplex: per frame; turn: per response
     policy: str
     token_rate_hz: float
+    resume: ResumeOut | None = None  # None: the server does not resume sessions
 
 
 class SessionOut(BaseModel):

@@ -20,6 +20,7 @@ from metronome.serve.session_schema import (
     AudioInputOut,
     AudioOut,
     MetronomeSessionOut,
+    ResumeOut,
     SessionOut,
 )
 
@@ -70,7 +71,7 @@ class SessionSettings:
 
     def describe(self, session_id: str, model_name: str, profile: SessionProfile,
                  policy: ResidencyPolicy, token_rate_hz: float, instructions: str | None,
-                 extensions: bool) -> SessionOut:
+                 extensions: bool, resume: ResumeOut | None = None) -> SessionOut:
         """The session as `session.created` / `session.updated` tell it, the effective values
         (`serve.session_schema`); `policy`: the KV bound in force (the profile's, or the one
         KV pressure imposed); the `metronome` block only for a client that opted in."""
@@ -84,6 +85,6 @@ class SessionSettings:
                 mode=self.mode.value, frame_period_s=profile.frame_period_s,
                 deadline_s=profile.deadline_s,
                 output_tokens_per_frame=profile.max_output_tokens_per_frame,
-                policy=str(policy), token_rate_hz=token_rate_hz,
+                policy=str(policy), token_rate_hz=token_rate_hz, resume=resume,
             ),
         )

@@ -7,9 +7,11 @@ encoder thread (audio encoding and text tokenizing), the VAD thread with its Sil
 thread; `_probe` hands a function to the engine thread, which sends its reading back to the
 loop.
 
-It knows sessions only as `AdmittedSession` (close, describe): the Realtime session
+It knows sessions only as `AdmittedSession` (close, describe, their event channel) and
+their connections only as `SessionOwner` (go away, hand over): the Realtime session
 (`serve.session`) depends on this state through its `SessionHost` protocol, not the other
-way round.
+way round. A session whose client dropped is leased here for the resume grace
+(`serve.resume`): still admitted, still counted, its owner gone.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ from metronome.runtime.profile import SessionProfile
 from metronome.runtime.record import Accepted, SessionRecord
 from metronome.runtime.wall import WallDriver
 from metronome.serve.config import ServerConfig
+from metronome.serve.event_stream import EventChannel
 from metronome.serve.loop_lag import LoopLagProbe
+from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
+from metronome.serve.resume import Resumption
 from metronome.serve.status import StatusBoard
 from metronome.serve.text import ChatText
 
@@ -53,6 +58,28 @@ class AdmittedSession(Protocol):
     def close(self) -> None: ...
 
     def summary(self, now_s: float, resident_kv_tokens: int | None) -> dict: ...
+
+    channel: EventChannel  # where its events go: detached while it is leased
+
+
+class SessionOwner(Protocol):
+    """A session's connection, as the state tells it to end."""
+
+    def go_away(self) -> None:
+        """The server drains and its timeout passed: close 1001."""
+
+    def hand_over(self) -> int:
+        """The session was resumed on another connection: close 4001, leave the session, and
+        say from which event of the session's stream the client may not have it."""
+
+
+class ResumeRefused(ClientError):
+    """A resume that cannot be honoured, answered before the upgrade with `http_status`."""
+
+    def __init__(self, http_status: int, code: ErrorCode, message: str,
+                 error_type: ErrorType = ErrorType.INVALID_REQUEST) -> None:
+        super().__init__(code, message, error_type=error_type)
+        self.http_status = http_status
 
 
 class ServerState:
@@ -70,8 +97,8 @@ class ServerState:
             health_window_s=config.admission_interval_s, self_paced_tokens=self_paced_tokens)
         self.metrics = self.observer.metrics
         self.sessions: dict[str, AdmittedSession] = {}  # admitted, by public id
-        self._go_away: dict[str, Callable[[], None]] = {}  # by public id: its connection
-        # closes it as the server goes away (1001)
+        self.owners: dict[str, SessionOwner] = {}  # by public id: its connection; absent:
+        # the session is leased (its client dropped; `serve.resume`)
         self.draining = False  # set once (`drain`): no new session from then on
         self._frontends: dict[int, AudioFrontEnd] = {}
         # One thread prepares every session's input, audio (log-mel + projection) and text
@@ -114,6 +141,8 @@ class ServerState:
         self.controller.start(self.driver.timer, self.driver.now_s())
         self.loop_lag = LoopLagProbe(self.driver.loop, registry)  # the attack suite's gauge
         self.loop_lag.start()
+        self.resumption = Resumption(config.resume_grace_s, self.driver.loop, registry,
+                                     self._end_leased)
 
     # ---- admission and session lifecycle ---------------------------------------------------
     def admit(self) -> Decision:
@@ -125,17 +154,72 @@ class ServerState:
             self.metrics.session_closed(label)
         return decision
 
-    def add(self, session: AdmittedSession, go_away: Callable[[], None]) -> None:
+    def add(self, session: AdmittedSession, owner: SessionOwner) -> None:
         self.sessions[session.id] = session
-        self._go_away[session.id] = go_away
+        self.owners[session.id] = owner
 
     def remove(self, session: AdmittedSession, outcome: str) -> None:
         """Close the session's engine side at once (its blocks go back) and forget it."""
-        self._go_away.pop(session.id, None)
+        self.owners.pop(session.id, None)
+        self.resumption.forget(session.id, outcome)
         if self.sessions.pop(session.id, None) is None:
             return
         session.close()
         self.metrics.session_closed(outcome)
+
+    # ---- leases and resumes (serve.resume) ------------------------------------------------
+    def owns(self, session: AdmittedSession, owner: SessionOwner) -> bool:
+        return self.owners.get(session.id) is owner
+
+    def lease(self, session: AdmittedSession, resume_from_seq: int) -> bool:
+        """The session's client dropped: hold it for the grace if it can be resumed (False:
+        it cannot, and nothing changed; the caller removes it)."""
+        if self.draining or not self.resumption.resumable(session.id):
+            return False
+        self.owners.pop(session.id, None)
+        session.channel.detach(resume_from_seq,
+                               lambda outcome: self._end_leased(session.id, outcome))
+        self.resumption.lease(session.id, self.now_s())
+        log.info("session %s: client dropped; held %g s for a resume", session.id,
+                 self.resumption.grace_s)
+        return True
+
+    def _end_leased(self, session_id: str, outcome: str) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None and session_id not in self.owners:
+            log.info("session %s: lease ended (%s)", session_id, outcome)
+            self.remove(session, outcome)
+
+    def take_for_resume(self, session_id: str, token: str | None, api_key: str,
+                        owner: SessionOwner) -> tuple[AdmittedSession, float]:
+        """The session a resume continues, now `owner`'s, and how long its client was away
+        (0: its old connection still looked open, and is told to hand it over); else
+        `ResumeRefused`, with the same answer for an unknown session and a wrong token."""
+        resumption, metrics = self.resumption, self.resumption.metrics
+        if not resumption.enabled:
+            metrics.resumes.labels("refused_off").inc()
+            raise ResumeRefused(404, ErrorCode.RESUME_REFUSED, "this server does not resume "
+                                "sessions (--resume-grace-s 0)")
+        if self.draining:
+            metrics.resumes.labels("refused_draining").inc()
+            raise ResumeRefused(503, ErrorCode.SERVER_DRAINING, "this server is draining: "
+                                "it resumes no session", error_type=ErrorType.SERVER)
+        if not resumption.verify(session_id, token, api_key):
+            metrics.resumes.labels("refused_token").inc()
+            raise ResumeRefused(404, ErrorCode.RESUME_REFUSED, f"no resumable session "
+                                f"{session_id!r} with this token: it ended, its lease "
+                                "expired, or the token is not its latest (each resume "
+                                "issues a new one)")
+        session = self.sessions[session_id]
+        away_s = resumption.leased_for_s(session_id, self.now_s()) or 0.0
+        previous = self.owners.get(session_id)
+        self.owners[session_id] = owner
+        if previous is not None:  # its old connection still looked open: it hands it over
+            session.channel.detach(previous.hand_over(), lambda outcome: None)
+        resumption.end_lease(session_id, "resumed")
+        metrics.resumes.labels("resumed").inc()
+        metrics.away_seconds.observe(away_s)
+        return session, away_s
 
     def drain(self, timeout_s: float) -> None:
         """Take no new session from now on (refused as at capacity, reason `draining`), and
@@ -148,8 +232,10 @@ class ServerState:
         self.driver.loop.call_later(timeout_s, self._drain_timeout)
 
     def _drain_timeout(self) -> None:
-        for go_away in list(self._go_away.values()):
-            go_away()
+        for owner in list(self.owners.values()):
+            owner.go_away()
+        for session_id in [s for s in self.sessions if s not in self.owners]:
+            self._end_leased(session_id, "drained")
 
     # ---- SessionHost ----------------------------------------------------------------------
     @property
@@ -254,12 +340,17 @@ class ServerState:
                 "saturation_predicted_at_s": summary["saturation_predicted_at_s"],
                 "forecast": summary["forecast"]},
             "overload": summary["overload"], "goodput_ratio": summary["goodput_ratio"],
-            "sessions": len(self.sessions), "draining": self.draining, "admission": {
+            "sessions": len(self.sessions), "leased_sessions": self.num_leased,
+            "draining": self.draining, "admission": {
                 "kind": self.config.admission, "cap": controller.limit.cap,
                 "memory_ceiling": controller.memory_ceiling,
                 "effective_cap": controller.effective_cap, "counts": dict(controller.counts)},
             "kv_pool": vars(self.pool) | {"block_size_tokens": self.config.block_size},
         }
+
+    @property
+    def num_leased(self) -> int:
+        return len(self.sessions) - len(self.owners)
 
     def session_list(self) -> dict:
         now_s = self.now_s()
@@ -268,7 +359,11 @@ class ServerState:
         for session in self.sessions.values():
             record = records.get(session.id)
             resident = None if record is None else self.resident_tokens.get(record.session_id)
-            data.append(session.summary(now_s, resident))
+            leased_for_s = self.resumption.leased_for_s(session.id, now_s)
+            data.append(session.summary(now_s, resident) | {
+                "connection": "connected" if leased_for_s is None else "leased",
+                "lease_expires_in_s": None if leased_for_s is None else round(max(
+                    0.0, self.resumption.grace_s - leased_for_s), 3)})
         return {"object": "list", "data": data, "kv_pool": vars(self.pool)}
 
     def close(self) -> None:

@@ -1,0 +1,150 @@
+"""Resuming a session whose connection dropped, on the same server: resume tokens, leases, and
+their metrics.
+
+A session whose client opted in to the extensions (`?metronome_events=true`) gets a resume
+token in `session.created` (`session.metronome.resume`: `token`, `grace_s`) when the server
+has a grace (`--resume-grace-s`, 0: off). If its socket then drops without a close frame
+(a network loss: close 1006, a reset, a failed send), the session is not ended: it is
+*leased* for the grace. Its KV stays resident, the frames it already submitted are answered
+and their events kept (`serve.event_stream`), no new frame is made (no input comes), and
+admission still counts it. Within the grace the client reconnects to the same URL with
+`resume=<session id>` (and `last_event_id=<the last event it received>`, optional) and the
+token (header `Metronome-Resume-Token`, or, from a browser, the subprotocol
+`metronome-resume-token.<token>`). It gets `metronome.session.resumed` (the session, with a
+new token: each token resumes once), then every event it missed, in order, then the live
+ones; the conversation, the KV, the frame numbering go on as if nothing happened. A resume
+while the old socket still looks open (a half-open TCP connection) takes the session over:
+the old connection is closed 4001. After the grace the lease expires: the session ends and
+every block goes back.
+
+A token is 256 random bits, kept only as its SHA-256, compared in constant time (an unknown
+session is compared against a dummy), and bound to its session and to the API key the
+session was opened with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+RESUME_QUERY = "resume"  # ?resume=<session id>
+LAST_EVENT_QUERY = "last_event_id"  # ?last_event_id=<the last server event received>
+TOKEN_HEADER = "metronome-resume-token"
+TOKEN_SUBPROTOCOL_PREFIX = "metronome-resume-token."
+TAKEN_OVER_CLOSE_CODE = 4001  # the session was resumed on another connection
+_DUMMY_DIGEST = hashlib.sha256(b"no such session").digest()
+
+
+def offered_token(header: str | None, subprotocols: Iterable[str]) -> str | None:
+    """The resume token a client offers: the header's, else a token subprotocol's."""
+    if header:
+        return header.strip()
+    for subprotocol in subprotocols:
+        if subprotocol.startswith(TOKEN_SUBPROTOCOL_PREFIX):
+            return subprotocol[len(TOKEN_SUBPROTOCOL_PREFIX):]
+    return None
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+@dataclass
+class Grant:
+    """What resumes one session: its current token's digest and its key's."""
+
+    token_digest: bytes
+    key_digest: bytes
+    leased_at_s: float | None = None  # None: connected
+    expiry: asyncio.TimerHandle | None = None
+
+
+class ResumeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.resumes = Counter("metronome_session_resumes_total", "Resume attempts by outcome.",
+                               ["outcome"], registry=registry)
+        self.lease_ends = Counter("metronome_session_leases_ended_total",
+                                  "Leases (sessions whose client dropped) by how they ended.",
+                                  ["outcome"], registry=registry)
+        self.leased = Gauge("metronome_sessions_leased", "Sessions held for a client that "
+                            "dropped (counted in the open sessions too).", registry=registry)
+        self.resume_seconds = Histogram(
+            "metronome_session_resume_seconds", "From a resume's upgrade request to its "
+            "missed events queued.", registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+        self.away_seconds = Histogram(
+            "metronome_session_away_seconds", "How long a resumed session's client was away.",
+            registry=registry, buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+
+
+class Resumption:
+    """The server's resume grants and leases; `expire(session_id, outcome)` ends a session
+    whose lease ran out."""
+
+    def __init__(self, grace_s: float, loop: asyncio.AbstractEventLoop,
+                 registry: CollectorRegistry, expire: Callable[[str, str], None]) -> None:
+        self.grace_s = grace_s
+        self.loop = loop
+        self.metrics = ResumeMetrics(registry)
+        self._expire = expire
+        self._grants: dict[str, Grant] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.grace_s > 0
+
+    def grant(self, session_id: str, api_key: str) -> str:
+        """A new token for the session (its previous one, if any, no longer resumes it)."""
+        assert self.enabled
+        token = secrets.token_urlsafe(32)
+        self._grants[session_id] = Grant(_digest(token), _digest(api_key))
+        return token
+
+    def verify(self, session_id: str, token: str | None, api_key: str) -> bool:
+        """Constant time in the token, whether or not the session exists."""
+        grant = self._grants.get(session_id)
+        expected = _DUMMY_DIGEST if grant is None else grant.token_digest
+        token_ok = hmac.compare_digest(_digest(token or ""), expected)
+        key_ok = grant is not None and hmac.compare_digest(_digest(api_key), grant.key_digest)
+        return token_ok and key_ok and grant is not None and token is not None
+
+    def resumable(self, session_id: str) -> bool:
+        return session_id in self._grants
+
+    def lease(self, session_id: str, now_s: float) -> None:
+        """The session's client dropped: hold it for the grace, then expire it."""
+        grant = self._grants[session_id]
+        assert grant.leased_at_s is None, session_id
+        grant.leased_at_s = now_s
+        grant.expiry = self.loop.call_later(self.grace_s, self._expire, session_id,
+                                            "lease_expired")
+        self.metrics.leased.inc()
+
+    def leased_for_s(self, session_id: str, now_s: float) -> float | None:
+        """How long the session has been leased; None: connected (or not resumable)."""
+        grant = self._grants.get(session_id)
+        if grant is None or grant.leased_at_s is None:
+            return None
+        return now_s - grant.leased_at_s
+
+    def end_lease(self, session_id: str, outcome: str) -> None:
+        """The leased session was resumed (or ended otherwise): stop its timer."""
+        grant = self._grants.get(session_id)
+        if grant is None or grant.leased_at_s is None:
+            return
+        if grant.expiry is not None:
+            grant.expiry.cancel()
+        grant.leased_at_s = grant.expiry = None
+        self.metrics.leased.dec()
+        self.metrics.lease_ends.labels(outcome).inc()
+
+    def forget(self, session_id: str, outcome: str) -> None:
+        """The session ended: its lease (if any) ends with `outcome`, its token with it."""
+        self.end_lease(session_id, outcome)
+        self._grants.pop(session_id, None)
