@@ -71,6 +71,21 @@ def test_deadline_misses_read_as_overload_and_self_paced_frames_do_not():
     assert monitor.state is Health.OK and monitor.num_self_paced == 50
 
 
+def test_misses_in_a_steered_interval_read_as_the_floods_not_overload():
+    """The admission controller judged the last interval steered (self-paced sessions did the
+    engine's work out of proportion): the others' misses are named as the floods' doing."""
+    monitor = DeadlineMonitor(window_frames=1 << 16, min_frames=1, window_s=INTERVAL_S)
+    steered = [False]
+    monitor.steered = lambda: steered[0]
+    for i in range(50):
+        monitor.observe("late", False, at_s=i * 0.02, session_id=i % 4)
+    assert monitor.reason.endswith(": overload")
+    steered[0] = True
+    assert monitor.state is Health.CRITICAL  # the misses are real; the verdict stays
+    assert monitor.reason.endswith(": sessions that flood their own input do most of the "
+                                   "engine's work (admission holds the cap)")
+
+
 def run_overload_then_idle(model):
     """16 bounded sessions whose steps take longer than their frames: nearly every frame is
     late. They all close at t = 20 s; health is read every 0.5 s, as /healthz would be."""

@@ -48,6 +48,10 @@ class DeadlineMonitor:
         # the verdict on a session's latest frame, asked as each frame is observed (the
         # admission controller's; it must hear of each result first)
         self.self_paced_session = self_paced_session
+        # whether the last control interval was steered: the self-paced sessions did the
+        # engine's work out of proportion (the admission controller's judgement; it held the
+        # cap), so the others' misses are theirs, not the server's load
+        self.steered: Callable[[], bool] | None = None
         self.window = FrameWindow(window_frames, window_s)
         self.self_paced = FrameWindow(window_frames, window_s)  # the frames left out
         self.num_self_paced = 0  # frames left out (all time)
@@ -96,7 +100,10 @@ class DeadlineMonitor:
             return line + self._self_paced_reason()
         line = f"{self.missed_fraction:.0%} of {window.describe()} missed their deadline"
         state = self.state
-        if state is not Health.OK:
+        if state is not Health.OK and self.steered is not None and self.steered():
+            line += (": sessions that flood their own input do most of the engine's work "
+                     "(admission holds the cap)")
+        elif state is not Health.OK:
             line += ": overload" if state is Health.CRITICAL else ": near capacity"
         return line + self._self_paced_reason()
 

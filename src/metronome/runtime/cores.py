@@ -10,8 +10,7 @@ alone). Making the main thread single-threaded afterwards does not undo it (21.2
 exists by then. So the wall-clock entry points (`metronome serve`, `metronome run`, a cluster
 replica, `bench vllm`'s native streaming arm) call `reserve_for_engine_thread()` before
 anything parallel runs on the main thread, and the engine thread calls `enter_engine_thread()`
-first thing. (`bench admission`'s wall-clock part does not yet: it loads its model on a main
-thread that has already run its virtual-clock part.)
+first thing. (`bench admission` runs its wall-clock part in a spawned process that does.)
 
 torch keeps the last count set as the default for threads that start later, so helper threads
 that run torch (the audio encoder) call `single_threaded()` first: they never get a pool.

@@ -130,6 +130,8 @@ class ServerState:
         # chunk of their own input, or input faster than real time), so the controller hears
         # of each result before the observer does.
         self.observer.deadlines.self_paced_session = self.controller.pacing.latest
+        self.observer.deadlines.steered = lambda: bool(
+            self.controller.history) and self.controller.history[-1].steered
         self.status_board = StatusBoard()  # the status page's per-session frame strips
         self.driver = WallDriver(engine, Listeners.of(self.controller, self.observer, self,
                                                       self.status_board))
