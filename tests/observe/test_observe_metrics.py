@@ -44,7 +44,9 @@ def test_every_metric_is_exposed_and_parses():
         "metronome_admission_memory_ceiling", "metronome_kv_pressure_bounded_sessions",
         "metronome_engine_step_seconds", "metronome_step_batch_frames",
         "metronome_health_state", "metronome_admission_latency_fraction",
-        "metronome_admission_decisions",
+        "metronome_admission_decisions", "metronome_session_resumes",
+        "metronome_session_leases_ended", "metronome_sessions_leased",
+        "metronome_session_resume_seconds", "metronome_session_away_seconds",
     }  # counters are families without `_total`; their samples carry it
     assert value(metrics, "metronome_frames_total", status="context_full") == 0.0
     assert value(metrics, "metronome_kv_pool_saturation_eta_seconds") == math.inf

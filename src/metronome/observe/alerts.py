@@ -15,6 +15,8 @@ output, not latency:
 | MetronomeDeadlineMisses | > 1 % of frames miss the deadline (the visible failure) | warning |
 | MetronomeEngineNotStepping | frames time out while the engine makes no step | critical |
 | MetronomeDown | the scrape fails | critical |
+| MetronomeResumesRefused | resumes refused for their token (client bug, or guessing) | warning |
+| MetronomeLeasesHoldCapacity | > 25 % of open sessions are leased (clients gone) | warning |
 
 No metric says the engine thread failed: `/healthz` reports it (`status: critical`,
 `engine_error`), but `metronome_health_state` is the stall detector's verdict only. A failed
@@ -106,6 +108,21 @@ def alert_rules(t: Timings = DEFAULT_TIMINGS) -> list[AlertRule]:
             "MetronomeDown", f'up{{job="{t.job}"}} == 0', t.for_short, "critical",
             "Metronome's /metrics cannot be scraped",
             "The server process is down or unreachable."),
+        AlertRule(
+            "MetronomeResumesRefused",
+            f'sum without (outcome) (rate({m.SESSION_RESUMES_TOTAL}{{outcome="refused_token"}}'
+            f"[{w}])) > 0", t.for_long, "warning",
+            "Session resumes are refused for their token",
+            "Clients try to resume with a wrong, used or expired token (each resume issues a "
+            "new one; a lease lasts --resume-grace-s): a client that does not keep the latest "
+            "token, reconnects too late, or someone guessing session ids and tokens."),
+        AlertRule(
+            "MetronomeLeasesHoldCapacity",
+            f"{m.SESSIONS_LEASED} / {m.SESSIONS_ACTIVE} > 0.25", t.for_long, "warning",
+            "More than a quarter of the open sessions are leased",
+            "Their clients dropped and have not resumed: each still holds its KV and its "
+            "admission slot until its lease expires. Many at once: a network problem between "
+            "clients and the server, or a grace (--resume-grace-s) too long for this traffic."),
     ]
 
 

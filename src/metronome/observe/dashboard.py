@@ -83,6 +83,20 @@ def panels() -> list[Panel]:
             Query(f"rate({m.FRAME_TOKENS}_sum[{W}]) / rate({m.FRAME_TOKENS}_count[{W}])",
                   "tokens per frame {{instance}}"),
             Query(f"rate({m.LATE_TOKENS_TOTAL}[{W}])", "late tokens/s {{instance}}"),)),
+        Panel("Resumes and leases (clients that dropped)", (
+            Query(f"sum by (job, instance, outcome) (rate({m.SESSION_RESUMES_TOTAL}[{W}]))",
+                  "resume {{outcome}} {{instance}}"),
+            Query(f"sum by (job, instance, outcome) (rate({m.SESSION_LEASES_ENDED_TOTAL}"
+                  f"[{W}]))", "lease {{outcome}} {{instance}}"),
+            Query(m.SESSIONS_LEASED, "leased now {{instance}}"),),
+              description="A leased session's client dropped; it holds its KV and its "
+              "admission slot for the resume grace. Expired leases: clients that never came "
+              "back."),
+        Panel("Resume latency and time away", (
+            Query(q.quantile(0.95, m.SESSION_RESUME_SECONDS, W), "p95 resume {{instance}}"),
+            Query(q.quantile(0.5, m.SESSION_AWAY_SECONDS, W), "p50 away {{instance}}"),
+            Query(q.quantile(0.95, m.SESSION_AWAY_SECONDS, W), "p95 away {{instance}}"),),
+              unit="s"),
     ]
 
 

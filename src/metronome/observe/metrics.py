@@ -40,6 +40,11 @@ ADMISSION_DECISIONS_TOTAL = "metronome_admission_decisions_total"
 ENGINE_STEP_SECONDS = "metronome_engine_step_seconds"
 STEP_BATCH_FRAMES = "metronome_step_batch_frames"
 HEALTH_STATE = "metronome_health_state"
+SESSION_RESUMES_TOTAL = "metronome_session_resumes_total"
+SESSION_LEASES_ENDED_TOTAL = "metronome_session_leases_ended_total"
+SESSIONS_LEASED = "metronome_sessions_leased"
+SESSION_RESUME_SECONDS = "metronome_session_resume_seconds"
+SESSION_AWAY_SECONDS = "metronome_session_away_seconds"
 
 # Statuses whose series exist from the start (at 0), so rate() works before the first event.
 # Other status values are accepted and get their own series.
@@ -51,6 +56,8 @@ POOL_STATES = ("used", "free", "pinned")  # pinned blocks are a subset of used
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+AWAY_BUCKETS_S = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+RESUME_OUTCOMES = ("resumed", "refused_token", "refused_draining", "refused_off")
 
 
 class Metrics:
@@ -65,6 +72,7 @@ class Metrics:
         self._num_good_in_window = 0
         self._declare_frame_metrics()
         self._declare_state_metrics()
+        self._declare_resume_metrics()
 
     def _declare_frame_metrics(self) -> None:
         reg = self.registry
@@ -122,6 +130,39 @@ class Metrics:
             "interval: the signal the admission controller acted on (NaN: no frames).",
             ["quantile"], registry=reg)
         self._health = Gauge(HEALTH_STATE, "0 ok, 1 degraded, 2 critical.", registry=reg)
+
+    def _declare_resume_metrics(self) -> None:
+        """Sessions whose client dropped, held for a resume (`serve.resume`)."""
+        reg = self.registry
+        self._resumes = Counter(SESSION_RESUMES_TOTAL, "Resume attempts by outcome.",
+                                ["outcome"], registry=reg)
+        for outcome in RESUME_OUTCOMES:
+            self._resumes.labels(outcome)
+        self._lease_ends = Counter(SESSION_LEASES_ENDED_TOTAL, "Leases (sessions held after "
+                                   "their client dropped) by how they ended.", ["outcome"],
+                                   registry=reg)
+        self._leased = Gauge(SESSIONS_LEASED, "Sessions held for a client that dropped "
+                             "(counted in the open sessions too).", registry=reg)
+        self._resume_seconds = Histogram(
+            SESSION_RESUME_SECONDS, "From a resume's upgrade request to its missed events "
+            "queued.", buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._away_seconds = Histogram(SESSION_AWAY_SECONDS, "How long a resumed session's "
+                                       "client was away.", buckets=AWAY_BUCKETS_S, registry=reg)
+
+    def resume_attempt(self, outcome: str, away_s: float | None = None) -> None:
+        """`outcome`: resumed or refused_<why>; `away_s`: a resumed client's time away."""
+        self._resumes.labels(outcome).inc()
+        if away_s is not None:
+            self._away_seconds.observe(away_s)
+
+    def observe_resume(self, latency_s: float) -> None:
+        self._resume_seconds.observe(latency_s)
+
+    def set_sessions_leased(self, num_sessions: int) -> None:
+        self._leased.set(num_sessions)
+
+    def lease_ended(self, outcome: str) -> None:
+        self._lease_ends.labels(outcome).inc()
 
     def observe_frame(self, status: str, latency_s: float, num_tokens: int, good: bool) -> None:
         """Record one answered frame; `status` is a frame status value (str or StrEnum) and

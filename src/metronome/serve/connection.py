@@ -191,7 +191,7 @@ class Connection:
                 missed_events=replay.missed_events)))
             for offset, text in enumerate(replay.texts):
                 self._queue(text, replay.first_seq + offset)
-            self.state.resumption.metrics.resume_seconds.observe(loop.time() - arrived_s)
+            self.state.metrics.observe_resume(loop.time() - arrived_s)
             log.info("session %s resumed after %.3f s: %d events replayed, %d missed",
                      session.id, away_s, len(replay.texts), replay.missed_events)
 

@@ -31,7 +31,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from metronome.observe.metrics import Metrics
 
 RESUME_QUERY = "resume"  # ?resume=<session id>
 LAST_EVENT_QUERY = "last_event_id"  # ?last_event_id=<the last server event received>
@@ -65,33 +65,15 @@ class Grant:
     expiry: asyncio.TimerHandle | None = None
 
 
-class ResumeMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.resumes = Counter("metronome_session_resumes_total", "Resume attempts by outcome.",
-                               ["outcome"], registry=registry)
-        self.lease_ends = Counter("metronome_session_leases_ended_total",
-                                  "Leases (sessions whose client dropped) by how they ended.",
-                                  ["outcome"], registry=registry)
-        self.leased = Gauge("metronome_sessions_leased", "Sessions held for a client that "
-                            "dropped (counted in the open sessions too).", registry=registry)
-        self.resume_seconds = Histogram(
-            "metronome_session_resume_seconds", "From a resume's upgrade request to its "
-            "missed events queued.", registry=registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
-        self.away_seconds = Histogram(
-            "metronome_session_away_seconds", "How long a resumed session's client was away.",
-            registry=registry, buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
-
-
 class Resumption:
     """The server's resume grants and leases; `expire(session_id, outcome)` ends a session
     whose lease ran out."""
 
-    def __init__(self, grace_s: float, loop: asyncio.AbstractEventLoop,
-                 registry: CollectorRegistry, expire: Callable[[str, str], None]) -> None:
+    def __init__(self, grace_s: float, loop: asyncio.AbstractEventLoop, metrics: Metrics,
+                 expire: Callable[[str, str], None]) -> None:
         self.grace_s = grace_s
         self.loop = loop
-        self.metrics = ResumeMetrics(registry)
+        self.metrics = metrics
         self._expire = expire
         self._grants: dict[str, Grant] = {}
 
@@ -114,6 +96,10 @@ class Resumption:
         key_ok = grant is not None and hmac.compare_digest(_digest(api_key), grant.key_digest)
         return token_ok and key_ok and grant is not None and token is not None
 
+    @property
+    def num_leased(self) -> int:
+        return sum(grant.leased_at_s is not None for grant in self._grants.values())
+
     def resumable(self, session_id: str) -> bool:
         return session_id in self._grants
 
@@ -124,7 +110,7 @@ class Resumption:
         grant.leased_at_s = now_s
         grant.expiry = self.loop.call_later(self.grace_s, self._expire, session_id,
                                             "lease_expired")
-        self.metrics.leased.inc()
+        self.metrics.set_sessions_leased(self.num_leased)
 
     def leased_for_s(self, session_id: str, now_s: float) -> float | None:
         """How long the session has been leased; None: connected (or not resumable)."""
@@ -141,8 +127,8 @@ class Resumption:
         if grant.expiry is not None:
             grant.expiry.cancel()
         grant.leased_at_s = grant.expiry = None
-        self.metrics.leased.dec()
-        self.metrics.lease_ends.labels(outcome).inc()
+        self.metrics.set_sessions_leased(self.num_leased)
+        self.metrics.lease_ended(outcome)
 
     def forget(self, session_id: str, outcome: str) -> None:
         """The session ended: its lease (if any) ends with `outcome`, its token with it."""

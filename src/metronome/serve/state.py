@@ -143,7 +143,7 @@ class ServerState:
         self.controller.start(self.driver.timer, self.driver.now_s())
         self.loop_lag = LoopLagProbe(self.driver.loop, registry)  # the attack suite's gauge
         self.loop_lag.start()
-        self.resumption = Resumption(config.resume_grace_s, self.driver.loop, registry,
+        self.resumption = Resumption(config.resume_grace_s, self.driver.loop, self.metrics,
                                      self._end_leased)
 
     # ---- admission and session lifecycle ---------------------------------------------------
@@ -197,17 +197,17 @@ class ServerState:
         """The session a resume continues, now `owner`'s, and how long its client was away
         (0: its old connection still looked open, and is told to hand it over); else
         `ResumeRefused`, with the same answer for an unknown session and a wrong token."""
-        resumption, metrics = self.resumption, self.resumption.metrics
+        resumption, metrics = self.resumption, self.metrics
         if not resumption.enabled:
-            metrics.resumes.labels("refused_off").inc()
+            metrics.resume_attempt("refused_off")
             raise ResumeRefused(404, ErrorCode.RESUME_REFUSED, "this server does not resume "
                                 "sessions (--resume-grace-s 0)")
         if self.draining:
-            metrics.resumes.labels("refused_draining").inc()
+            metrics.resume_attempt("refused_draining")
             raise ResumeRefused(503, ErrorCode.SERVER_DRAINING, "this server is draining: "
                                 "it resumes no session", error_type=ErrorType.SERVER)
         if not resumption.verify(session_id, token, api_key):
-            metrics.resumes.labels("refused_token").inc()
+            metrics.resume_attempt("refused_token")
             raise ResumeRefused(404, ErrorCode.RESUME_REFUSED, f"no resumable session "
                                 f"{session_id!r} with this token: it ended, its lease "
                                 "expired, or the token is not its latest (each resume "
@@ -219,8 +219,7 @@ class ServerState:
         if previous is not None:  # its old connection still looked open: it hands it over
             session.channel.detach(previous.hand_over(), lambda outcome: None)
         resumption.end_lease(session_id, "resumed")
-        metrics.resumes.labels("resumed").inc()
-        metrics.away_seconds.observe(away_s)
+        metrics.resume_attempt("resumed", away_s)
         return session, away_s
 
     def drain(self, timeout_s: float) -> None:
