@@ -24,6 +24,7 @@ from metronome.engine.batch_builder import (
 )
 from metronome.engine.sampling import sample
 from metronome.engine.session import Session, SessionSpec
+from metronome.engine.snapshot import SessionSnapshot, restore, take
 from metronome.engine.types import (
     PoolStats,
     PreparedInput,
@@ -203,6 +204,7 @@ class Engine:
         self._next_session_id = 0  # the one allocator of session ids (see new_session_id)
         self._id_lock = threading.Lock()
         self._rotation = 0  # where the next step starts handing out its token budget
+        self.step_thread_id: int | None = None  # the engine's thread (engine.snapshot's rule)
 
     # ---- session lifecycle -------------------------------------------------------------
     def new_session_id(self) -> int:
@@ -272,12 +274,23 @@ class Engine:
             raise SessionError(f"unknown session {session_id}")
         session.table.release(self.pool)
 
+    def snapshot_session(self, session_id: int) -> SessionSnapshot:
+        """A bounded session's whole state (engine.snapshot; engine thread, between steps)."""
+        return take(self, self._get(session_id))
+
+    def restore_session(self, snapshot: SessionSnapshot, session_id: int | None = None
+                        ) -> int | None:
+        """Open `snapshot` here, continuing where it was taken: the session id, or None when
+        the pool cannot supply its blocks."""
+        return restore(self, snapshot, session_id)
+
     # ---- stepping -------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
         return any(s.has_work for s in self.sessions.values())
 
     def step(self) -> StepResult:
+        self.step_thread_id = threading.get_ident()
         rebounds: list[Rebound] = []
         work, outcomes = self._plan(rebounds)
         if work:

@@ -1,0 +1,251 @@
+"""Snapshot and restore of one bounded session: its whole engine state as bytes.
+
+A bounded session's state is O(S + W) and constant (DESIGN, semantics 9): its resident KV
+blocks (sink blocks and window, every layer), its absolute token count, the input it has not
+consumed yet (including its own last sampled token when that is still to be fed back), its
+generation budget, its sampler's generator and its spec (policy, sampling, limits). That is
+everything the next step reads, so a restored session continues token-exact.
+
+    snapshot = take(engine, session)             # engine thread, between steps
+    data = snapshot.to_bytes()                   # to a store that outlives the replica
+    sid = restore(other_engine, SessionSnapshot.from_bytes(data))   # None: pool exhausted
+
+Ownership: this module reads and writes a session's blocks in `KVCache` and sets up the
+`Session` and `BlockTable` of a restored one; the pool still owns which ids are free.
+
+**Thread rule.** Take and restore only on the engine's thread, between steps (a runtime
+driver: `WallDriver.call_on_engine`, or the beat's own thread). A step on another thread
+would write the very blocks being copied and move the window under the copy. `Engine`
+records the thread that steps it; both functions assert they run on that thread.
+
+Unbounded sessions are refused (`SnapshotError`): their state grows with the conversation,
+so no bounded cost can be promised for keeping or moving it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import torch
+
+from metronome.engine.sampling import SamplingParams
+from metronome.engine.session import InputChunk, Session, SessionSpec
+from metronome.kv.residency import ResidencyPolicy
+
+MAGIC = b"METRONOME-SNAPSHOT"
+VERSION = 1
+_ALIGN_BYTES = 64  # every tensor starts aligned, so it is viewed from the payload, not copied
+
+
+class SnapshotError(ValueError):
+    """A session that cannot be snapshotted, or a snapshot this engine cannot restore."""
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What a snapshot's KV bytes mean; a restoring engine must match it exactly."""
+
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | ...
+    block_size: int
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    geometry: KVGeometry
+    spec: SessionSpec
+    stop_token_ids: tuple[int, ...]
+    num_tokens: int  # absolute: the position the next token is written at
+    logical_blocks: tuple[int, ...]  # resident logical block indices, increasing
+    k: torch.Tensor  # (layers, kv_heads, blocks, block_size, head_dim)
+    v: torch.Tensor  # same
+    pending: tuple[InputChunk, ...]  # unconsumed input, head first
+    carry: tuple[int, ...]  # last sampled token, fed before the next submitted input
+    decode_budget: int
+    generator_state: torch.Tensor  # (n,) uint8: the sampler's torch.Generator
+    ended: bool
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def to_bytes(self) -> bytes:
+        """MAGIC, VERSION, a JSON header, then the tensors' raw bytes.
+
+        Not `torch.save`: its pickle runs code on load unless every reader remembers
+        `weights_only`, and these bytes come back from a store another process wrote. The
+        flat form also lets a replica read the header (model, geometry, block count) and
+        refuse or size the restore before touching the ~MBs of KV, and costs one copy.
+        """
+        tensors = {"k": self.k, "v": self.v, "generator_state": self.generator_state}
+        for i, chunk in enumerate(self.pending):
+            tensors[f"pending.{i}"] = chunk.data
+        layout, offset = {}, 0
+        for name, tensor in tensors.items():
+            offset = -(-offset // _ALIGN_BYTES) * _ALIGN_BYTES
+            layout[name] = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
+                            "offset": offset}
+            offset += tensor.nbytes
+        header = json.dumps({
+            "geometry": asdict(self.geometry),
+            "spec": _spec_to_json(self.spec),
+            "stop_token_ids": list(self.stop_token_ids),
+            "num_tokens": self.num_tokens,
+            "logical_blocks": list(self.logical_blocks),
+            "pending_submitted": [c.submitted for c in self.pending],
+            "carry": list(self.carry),
+            "decode_budget": self.decode_budget,
+            "ended": self.ended,
+            "tensors": layout,
+            "payload_bytes": offset,
+        }).encode()
+        payload = bytearray(offset)
+        for name, tensor in tensors.items():
+            start = layout[name]["offset"]
+            raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            payload[start : start + tensor.nbytes] = raw.numpy().tobytes()
+        return MAGIC + struct.pack("<II", VERSION, len(header)) + header + bytes(payload)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SessionSnapshot:
+        """The inverse of `to_bytes`; `SnapshotError` for bytes that are not a snapshot."""
+        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
+            raise SnapshotError("not a Metronome session snapshot")
+        version, header_len = struct.unpack_from("<II", data, len(MAGIC))
+        if version != VERSION:
+            raise SnapshotError(f"snapshot version {version}, this engine reads {VERSION}")
+        start = len(MAGIC) + 8
+        header = json.loads(data[start : start + header_len])
+        payload = data[start + header_len :]
+        if len(payload) != header["payload_bytes"]:
+            raise SnapshotError(f"snapshot payload is {len(payload)} bytes, its header says "
+                                f"{header['payload_bytes']}")
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+            torch.empty(0, dtype=torch.uint8)
+        tensors = {name: _view(raw, entry) for name, entry in header["tensors"].items()}
+        pending = tuple(InputChunk(tensors[f"pending.{i}"], submitted)
+                        for i, submitted in enumerate(header["pending_submitted"]))
+        return cls(
+            geometry=KVGeometry(**header["geometry"]),
+            spec=_spec_from_json(header["spec"]),
+            stop_token_ids=tuple(header["stop_token_ids"]),
+            num_tokens=header["num_tokens"],
+            logical_blocks=tuple(header["logical_blocks"]),
+            k=tensors["k"], v=tensors["v"], pending=pending, carry=tuple(header["carry"]),
+            decode_budget=header["decode_budget"],
+            generator_state=tensors["generator_state"], ended=header["ended"],
+        )
+
+
+def geometry_of(engine) -> KVGeometry:
+    cfg = engine.model.config
+    return KVGeometry(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                      _dtype_name(engine.model.dtype), engine.config.block_size)
+
+
+def take(engine, session: Session) -> SessionSnapshot:
+    """Copy `session`'s state out of `engine` (engine thread, between steps)."""
+    _check_engine_thread(engine)
+    if not session.spec.policy.bounded:
+        raise SnapshotError(
+            f"session {session.session_id} is unbounded: its KV grows with the conversation, "
+            "so it is not snapshotted and cannot be resumed elsewhere; open it under a bound "
+            "(e.g. sinks_window:S:W) to make it resumable")
+    table = session.table
+    block_ids = torch.tensor(table.block_ids, dtype=torch.int64)
+    k, v = (_by_block(store, engine.config.block_size).index_select(2, block_ids)
+            for store in (engine.cache.k, engine.cache.v))
+    return SessionSnapshot(
+        geometry=geometry_of(engine), spec=session.spec,
+        stop_token_ids=tuple(sorted(session.stop_token_ids)), num_tokens=table.num_tokens,
+        logical_blocks=tuple(table.logical_to_block_id), k=k, v=v,
+        pending=tuple(InputChunk(c.data.clone(), c.submitted) for c in session.pending),
+        carry=tuple(session.carry), decode_budget=session.decode_budget,
+        generator_state=session.generator.get_state(), ended=session.ended,
+    )
+
+
+def restore(engine, snapshot: SessionSnapshot, session_id: int | None = None) -> int | None:
+    """Open `snapshot` as a new session of `engine`, its blocks from `engine`'s own pool.
+    Returns the session id, or None when the pool cannot supply the blocks (nothing changed).
+    `SnapshotError` when the snapshot is for another model, dtype or block size."""
+    _check_engine_thread(engine)
+    here = geometry_of(engine)
+    if snapshot.geometry != here:
+        raise SnapshotError(f"snapshot of {snapshot.geometry} cannot be restored into an "
+                            f"engine of {here}")
+    block_ids = engine.pool.allocate(len(snapshot.logical_blocks))
+    if block_ids is None:
+        return None
+    try:
+        session_id = engine.open_session(snapshot.spec, session_id)
+    except Exception:
+        engine.pool.free(block_ids)
+        raise
+    index = torch.tensor(block_ids, dtype=torch.int64)
+    for store, saved in ((engine.cache.k, snapshot.k), (engine.cache.v, snapshot.v)):
+        _by_block(store, here.block_size).index_copy_(2, index, saved.to(store.dtype))
+    session = engine.sessions[session_id]
+    session.table.num_tokens = snapshot.num_tokens
+    session.table.logical_to_block_id = dict(zip(snapshot.logical_blocks, block_ids,
+                                                  strict=True))
+    session.pending = deque(InputChunk(c.data.clone(), c.submitted) for c in snapshot.pending)
+    session.carry = list(snapshot.carry)
+    session.decode_budget = snapshot.decode_budget
+    session.stop_token_ids = frozenset(snapshot.stop_token_ids)
+    session.generator.set_state(snapshot.generator_state.clone())
+    session.ended = snapshot.ended
+    return session_id
+
+
+def _check_engine_thread(engine) -> None:
+    stepper = engine.step_thread_id
+    assert stepper is None or stepper == threading.get_ident(), (
+        "snapshot/restore off the engine's thread: run it there between steps "
+        "(e.g. WallDriver.call_on_engine)")
+
+
+def _by_block(store: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(layers, kvh, slots, hd) -> (layers, kvh, blocks, block_size, hd), a view."""
+    layers, kv_heads, slots, head_dim = store.shape
+    return store.view(layers, kv_heads, slots // block_size, block_size, head_dim)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _view(raw: torch.Tensor, entry: dict) -> torch.Tensor:
+    dtype = getattr(torch, entry["dtype"])
+    shape = entry["shape"]
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    start = entry["offset"]
+    if start + nbytes > raw.numel():
+        raise SnapshotError(f"snapshot tensor at {start} (+{nbytes}) overruns the payload")
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def _spec_to_json(spec: SessionSpec) -> dict:
+    policy = spec.policy
+    return {"policy": str(policy), "sampling": asdict(spec.sampling),
+            "max_session_tokens": spec.max_session_tokens,
+            "return_logits": spec.return_logits,
+            "stop_token_ids": None if spec.stop_token_ids is None else list(spec.stop_token_ids)}
+
+
+def _spec_from_json(data: dict) -> SessionSpec:
+    stop = data["stop_token_ids"]
+    return SessionSpec(
+        policy=ResidencyPolicy.parse(data["policy"]),
+        sampling=SamplingParams(**data["sampling"]),
+        max_session_tokens=data["max_session_tokens"],
+        return_logits=data["return_logits"],
+        stop_token_ids=None if stop is None else tuple(stop),
+    )
