@@ -109,3 +109,27 @@ def test_snapshot_refused_by_an_engine_of_another_geometry(tiny_model):
         other.restore_session(source.snapshot_session(sid))
     with pytest.raises(SnapshotError, match="not a Metronome"):
         SessionSnapshot.from_bytes(b"hello")
+
+
+def test_bytes_round_trip_keeps_every_tensor_bf16_and_pending_embeddings():
+    import torch
+
+    from metronome.model.config import TINY_LLAMA
+    from metronome.model.weights import random_model
+
+    engine = make_engine(random_model(TINY_LLAMA, torch.bfloat16, seed=2), 4)
+    sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 8)))
+    engine.submit(sid, list(range(30)), max_new_tokens=3)
+    generate(engine, sid)
+    engine.submit(sid, embeddings=torch.randn(5, TINY_LLAMA.hidden_size), max_new_tokens=2)
+    snapshot = engine.snapshot_session(sid)
+    back = SessionSnapshot.from_bytes(bytes(snapshot.to_bytes()))
+    assert back.k.dtype == torch.bfloat16 and torch.equal(back.k, snapshot.k)
+    assert torch.equal(back.v, snapshot.v)
+    assert [(c.data.dtype, c.submitted) for c in back.pending] == [
+        (torch.int64, False), (torch.bfloat16, True)]  # the carried token, then the input
+    assert all(torch.equal(a.data, b.data) for a, b in zip(back.pending, snapshot.pending,
+                                                             strict=True))
+    # 30 prompt tokens and 2 of the 3 sampled written; the 3rd is carried
+    assert back.spec == snapshot.spec and back.num_tokens == 32 and back.decode_budget == 2
+    assert torch.equal(back.generator_state, snapshot.generator_state)

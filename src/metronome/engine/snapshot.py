@@ -7,7 +7,7 @@ generation budget, its sampler's generator and its spec (policy, sampling, limit
 everything the next step reads, so a restored session continues token-exact.
 
     snapshot = take(engine, session)             # engine thread, between steps
-    data = snapshot.to_bytes()                   # to a store that outlives the replica
+    data = snapshot.to_bytes()                   # any thread; to a store that outlives the replica
     sid = restore(other_engine, SessionSnapshot.from_bytes(data))   # None: pool exhausted
 
 Ownership: this module reads and writes a session's blocks in `KVCache` and sets up the
@@ -76,20 +76,21 @@ class SessionSnapshot:
     def kv_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def to_bytes(self) -> bytes:
-        """MAGIC, VERSION, a JSON header, then the tensors' raw bytes.
+    def to_bytes(self) -> bytearray:
+        """MAGIC, VERSION and header length, a JSON header, then the tensors' raw bytes.
 
         Not `torch.save`: its pickle runs code on load unless every reader remembers
         `weights_only`, and these bytes come back from a store another process wrote. The
-        flat form also lets a replica read the header (model, geometry, block count) and
-        refuse or size the restore before touching the ~MBs of KV, and costs one copy.
+        flat form also lets a reader check the header (model, geometry, block count) before
+        it touches the MBs of KV, and each tensor is copied once, straight into the buffer
+        (and on load viewed from it, not copied).
         """
         tensors = {"k": self.k, "v": self.v, "generator_state": self.generator_state}
         for i, chunk in enumerate(self.pending):
             tensors[f"pending.{i}"] = chunk.data
         layout, offset = {}, 0
         for name, tensor in tensors.items():
-            offset = -(-offset // _ALIGN_BYTES) * _ALIGN_BYTES
+            offset = _aligned(offset)
             layout[name] = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
                             "offset": offset}
             offset += tensor.nbytes
@@ -106,29 +107,35 @@ class SessionSnapshot:
             "tensors": layout,
             "payload_bytes": offset,
         }).encode()
-        payload = bytearray(offset)
+        lead = len(MAGIC) + 8
+        header += b" " * (_aligned(lead + len(header)) - lead - len(header))  # payload aligned
+        out = bytearray(lead + len(header) + offset)
+        out[:lead] = MAGIC + struct.pack("<II", VERSION, len(header))
+        out[lead : lead + len(header)] = header
+        payload = torch.frombuffer(out, dtype=torch.uint8)[lead + len(header):]
         for name, tensor in tensors.items():
             start = layout[name]["offset"]
             raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-            payload[start : start + tensor.nbytes] = raw.numpy().tobytes()
-        return MAGIC + struct.pack("<II", VERSION, len(header)) + header + bytes(payload)
+            payload[start : start + tensor.nbytes].copy_(raw)
+        return out
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> SessionSnapshot:
-        """The inverse of `to_bytes`; `SnapshotError` for bytes that are not a snapshot."""
-        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
+    def from_bytes(cls, data: bytes | bytearray) -> SessionSnapshot:
+        """The inverse of `to_bytes` (its tensors view `data` when it is a bytearray);
+        `SnapshotError` for bytes that are not a snapshot."""
+        lead = len(MAGIC) + 8
+        if len(data) < lead or not data.startswith(MAGIC):
             raise SnapshotError("not a Metronome session snapshot")
         version, header_len = struct.unpack_from("<II", data, len(MAGIC))
         if version != VERSION:
             raise SnapshotError(f"snapshot version {version}, this engine reads {VERSION}")
-        start = len(MAGIC) + 8
-        header = json.loads(data[start : start + header_len])
-        payload = data[start + header_len :]
-        if len(payload) != header["payload_bytes"]:
-            raise SnapshotError(f"snapshot payload is {len(payload)} bytes, its header says "
-                                f"{header['payload_bytes']}")
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
-            torch.empty(0, dtype=torch.uint8)
+        header = json.loads(bytes(data[lead : lead + header_len]))
+        start = lead + header_len
+        if len(data) - start != header["payload_bytes"]:
+            raise SnapshotError(f"snapshot payload is {len(data) - start} bytes, its header "
+                                f"says {header['payload_bytes']}")
+        buffer = data if isinstance(data, bytearray) else bytearray(data)
+        raw = torch.frombuffer(buffer, dtype=torch.uint8)[start:]
         tensors = {name: _view(raw, entry) for name, entry in header["tensors"].items()}
         pending = tuple(InputChunk(tensors[f"pending.{i}"], submitted)
                         for i, submitted in enumerate(header["pending_submitted"]))
@@ -191,7 +198,7 @@ def restore(engine, snapshot: SessionSnapshot, session_id: int | None = None) ->
         raise
     index = torch.tensor(block_ids, dtype=torch.int64)
     for store, saved in ((engine.cache.k, snapshot.k), (engine.cache.v, snapshot.v)):
-        _by_block(store, here.block_size).index_copy_(2, index, saved.to(store.dtype))
+        _by_block(store, here.block_size).index_copy_(2, index, saved)
     session = engine.sessions[session_id]
     session.table.num_tokens = snapshot.num_tokens
     session.table.logical_to_block_id = dict(zip(snapshot.logical_blocks, block_ids,
@@ -216,6 +223,10 @@ def _by_block(store: torch.Tensor, block_size: int) -> torch.Tensor:
     """(layers, kvh, slots, hd) -> (layers, kvh, blocks, block_size, hd), a view."""
     layers, kv_heads, slots, head_dim = store.shape
     return store.view(layers, kv_heads, slots // block_size, block_size, head_dim)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN_BYTES) * _ALIGN_BYTES
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
