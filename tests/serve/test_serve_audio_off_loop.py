@@ -9,11 +9,15 @@ import asyncio
 import base64
 import time
 
+import pytest
+
 from metronome.engine.engine import Engine
 from metronome.serve import protocol as p
 from metronome.serve import server_events as se
+from metronome.serve import session as session_module
 from metronome.serve.audio_input import AudioFramer
 from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import ClientError
 from metronome.serve.session import RealtimeSession
 from metronome.serve.state import ServerState
 
@@ -63,3 +67,39 @@ def test_a_slow_audio_encoder_does_not_delay_the_loop(tiny_model, monkeypatch):
 
 def _b64(pcm: bytes) -> str:
     return base64.b64encode(pcm).decode()
+
+
+def test_an_append_that_cannot_fit_is_refused_before_it_is_decoded(tiny_model, monkeypatch):
+    """Decoding base64 costs the loop ~3 ms per MiB: a chunk whose decoded size (known from
+    its length) is over the buffered-audio bound is refused without it; one that fits is
+    decoded and checked exactly."""
+    decoded: list[int] = []
+    real_decode = session_module.decode_pcm16
+
+    def counting_decode(audio_b64: str) -> bytes:
+        decoded.append(len(audio_b64))
+        return real_decode(audio_b64)
+
+    monkeypatch.setattr(session_module, "decode_pcm16", counting_decode)
+    config = ServerConfig(policy="sinks_window:4:64", pool_tokens=4096, admission="off",
+                          sample_rates_hz=(16000,), default_sample_rate_hz=16000)
+
+    async def scenario():
+        state = ServerState(config, Engine(tiny_model, config.engine_config()), None, None,
+                            "tiny")
+        try:
+            session = RealtimeSession(state, lambda *_: None, lambda: None)
+            too_long = b"\x10\x00" * 16000 * 5  # 5 s: over the 4 s bound
+            with pytest.raises(ClientError) as refused:
+                session.handle(p.InputAudioBufferAppend(type="input_audio_buffer.append",
+                                                        audio=_b64(too_long)))
+            assert refused.value.code is p.ErrorCode.BUFFER_OVERFLOW
+            assert decoded == []  # refused from its length alone
+            session.handle(p.InputAudioBufferAppend(type="input_audio_buffer.append",
+                                                    audio=_b64(b"\x10\x00" * 16000)))
+            assert len(decoded) == 1
+            session.close()
+        finally:
+            state.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -56,6 +56,10 @@ def loads_bounded(text: str, max_values: int = DEFAULT_MAX_VALUES,
 def _check_values(text: str, max_values: int) -> None:
     if len(text) <= max_values:
         return  # every value takes at least one character
+    if (text.count('"') <= 4 * max_values + 4 and 1 + sum(
+            text.count(c) for c in ",[{") <= max_values):
+        return  # within both bounds counting strings' insides too: four passes in C (base64
+        # audio: ~1.2 ms per MiB, where the split below costs ~2.3 ms)
     plain = text.replace("\\\\", "").replace('\\"', "")  # now every quote opens or closes
     num_quotes = plain.count('"')
     if num_quotes > 4 * max_values + 4:

@@ -78,8 +78,9 @@ class ServerConfig(BaseModel):
     api_key: SecretStr | None = Field(None, description="require this bearer key everywhere "
                                       "but /healthz (prefer the METRONOME_API_KEY variable)")
     # Limits on what one client may do; each breach is answered with an `error` event.
-    max_message_bytes: int = Field(1 << 20, ge=1024, description="largest client message "
-                                   "(1 MiB: ~16 s of 24 kHz audio per append)")
+    max_message_bytes: int = Field(520 << 10, ge=1024, description="largest client message "
+                                   "(520 KiB: the largest append the default buffer accepts, "
+                                   "4 s of 48 kHz audio in base64, with room for its JSON)")
     max_buffered_audio_s: float = Field(4.0, gt=0, description="unanswered audio a session "
                                         "may send; more is refused")
     max_text_chars: int = Field(8192, ge=1, description="longest text item")
