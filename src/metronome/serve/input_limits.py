@@ -12,6 +12,8 @@ these read it and never count on their own.
 from __future__ import annotations
 
 from metronome.runtime.record import SessionRecord
+from metronome.serve.audio_input import AudioFramer
+from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError, ErrorCode
 
 
@@ -46,6 +48,20 @@ def check_input_room(record: SessionRecord, num_tokens: int, what: str, code: Er
     size = f"up to {num_tokens}" if upper_bound else f"{num_tokens}"
     raise ClientError(code, f"{what} of {size} tokens refused: {queued} tokens of this "
                       f"session's input are not processed yet (limit {limit}); {advice}", param)
+
+
+def check_audio_room(record: SessionRecord, framer: AudioFramer, config: ServerConfig,
+                     num_bytes: int) -> None:
+    """Room for `num_bytes` more of PCM audio: under the buffered-audio bound (unanswered
+    frames' audio, the framer's pending bytes, these) and in the queued-input bound."""
+    buffered_s = unanswered_s(record, config.frame_period_s) + (
+        framer.pending_bytes + num_bytes) / framer.bytes_per_s
+    if buffered_s > config.max_buffered_audio_s:
+        raise ClientError(ErrorCode.BUFFER_OVERFLOW, f"audio is arriving faster than real "
+                          f"time: {buffered_s:.2f} s would be unanswered (limit "
+                          f"{config.max_buffered_audio_s} s); this chunk was dropped", "audio")
+    check_input_room(record, framer.tokens(framer.pending_bytes + num_bytes), "audio",
+                     ErrorCode.BUFFER_OVERFLOW, "audio")
 
 
 def check_text_length(text: str, max_text_chars: int, param: str) -> None:

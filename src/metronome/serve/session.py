@@ -57,10 +57,10 @@ from metronome.serve.events import (
     result_events,
 )
 from metronome.serve.input_limits import (
+    check_audio_room,
     check_input_room,
     check_room_for_a_frame,
     check_text_length,
-    unanswered_s,
 )
 from metronome.serve.kv_events import BoundOut, MetronomeSessionBounded
 from metronome.serve.protocol import ClientError, ErrorCode
@@ -225,27 +225,15 @@ class RealtimeSession:
                               "items with conversation.item.create", "audio")
         # what it decodes to, at least: a chunk that cannot fit is refused before decoding
         # (~3 ms of loop time per MiB)
-        self._check_audio_room(max(0, len(audio_b64) // 4 * 3 - 2))
+        framer, config = self.framer, self.host.config
+        check_audio_room(self.record, framer, config, max(0, len(audio_b64) // 4 * 3 - 2))
         pcm = decode_pcm16(audio_b64)
-        self._check_audio_room(len(pcm))
-        framer = self.framer
+        check_audio_room(self.record, framer, config, len(pcm))
         self._appended_since_commit_bytes += len(pcm)
         for cut in framer.cut(pcm):
             self._encode_then_submit(cut)
         if self.turns is not None:
             self.turns.push(pcm)
-
-    def _check_audio_room(self, num_bytes: int) -> None:
-        framer, config = self.framer, self.host.config
-        buffered_s = unanswered_s(self.record, config.frame_period_s) + (
-            framer.pending_bytes + num_bytes) / framer.bytes_per_s
-        if buffered_s > config.max_buffered_audio_s:
-            raise ClientError(ErrorCode.BUFFER_OVERFLOW, f"audio is arriving faster than real "
-                              f"time: {buffered_s:.2f} s would be unanswered (limit "
-                              f"{config.max_buffered_audio_s} s); this chunk was dropped",
-                              "audio")
-        check_input_room(self.record, framer.tokens(framer.pending_bytes + num_bytes),
-                         "audio", ErrorCode.BUFFER_OVERFLOW, "audio")
 
     def _commit(self, item_id: str | None = None) -> None:
         """The buffer becomes a user item: `item_id` (a turn's), the speech under way's, or a
