@@ -34,6 +34,7 @@ BENCHES = {
     "cluster": ("cluster_bench", False),
     "soak": ("soak_bench", False),
     "vad": ("vad_bench", False),
+    "resume": ("resume_bench", False),
     "vllm": ("vllm_bench", True),
     "engine-vs-vllm": ("engine_vs_vllm", True),
 }
