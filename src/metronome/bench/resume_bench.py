@@ -46,15 +46,15 @@ QUESTION = "What is the capital of France?"
 class Config:
     dtype: str = field(default="auto", metadata={"help": "the bundled model's dtype"})
     policy: str = field(default=POLICY_SPEC, metadata={"help": "every session's bound"})
-    snapshots: int = field(default=20, metadata={
+    snapshots: int = field(default=40, metadata={
         "help": "snapshot/serialize/load/restore cycles timed on one session"})
     sessions: int = field(default=16, metadata={"help": "sessions decoding in the step-cost "
                                                         "part"})
     interval_steps: int = field(default=16, metadata={
         "help": "K: every session is snapshotted once every K steps"})
-    rounds: int = field(default=6, metadata={"help": "rounds of K steps, each with and "
+    rounds: int = field(default=12, metadata={"help": "rounds of K steps, each with and "
                                                      "without snapshots"})
-    resumes: int = field(default=24, metadata={"help": "same-server resumes timed"})
+    resumes: int = field(default=40, metadata={"help": "same-server resumes timed"})
 
     @classmethod
     def smoke(cls) -> Config:
@@ -79,13 +79,12 @@ def _steady_bytes(cfg, dtype: torch.dtype, policy: ResidencyPolicy) -> dict:
 
 
 def computed_sizes(model, policy: ResidencyPolicy) -> list[dict]:
-    rows = [{"model": "bundled", "dtype": str(model.dtype).removeprefix("torch."),
-             **_steady_bytes(model.config, model.dtype, policy)}]
-    for name in PRESET_MODELS:
-        cfg = PRESETS[name]
-        rows.append({"model": f"preset:{name}", "dtype": "bfloat16",
+    rows = []
+    for name, cfg, dtype in (("bundled", model.config, model.dtype),
+                             *((f"preset:{n}", PRESETS[n], PRESET_DTYPE) for n in PRESET_MODELS)):
+        rows.append({"model": name, "dtype": str(dtype).removeprefix("torch."),
                      "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads,
-                     "head_dim": cfg.head_dim, **_steady_bytes(cfg, PRESET_DTYPE, policy)})
+                     "head_dim": cfg.head_dim, **_steady_bytes(cfg, dtype, policy)})
     return rows
 
 
@@ -159,10 +158,12 @@ def measure_step_cost(model, policy: ResidencyPolicy, sessions: int, interval: i
             else:
                 plain.append((time.perf_counter() - started) / interval)
     plain_ms, snap_ms = _ms(plain), _ms(with_snap)
+    paired = statistics.median(w / p - 1 for w, p in zip(with_snap, plain, strict=True))
     return {"sessions": sessions, "interval_steps": interval, "rounds": rounds,
             "step_plain": plain_ms, "step_with_snapshots": snap_ms,
             "overhead_median": snap_ms["median_ms"] / plain_ms["median_ms"] - 1,
             "overhead_min": snap_ms["min_ms"] / plain_ms["min_ms"] - 1,
+            "overhead_paired_median": paired,  # each round against its own plain round
             "take_all": _ms(take_s), "to_bytes_all": _ms(serialize_s),
             "rows": {"plain_s": plain, "with_snapshots_s": with_snap}}
 
@@ -317,10 +318,13 @@ def report(r: dict) -> str:
         f"{bundled['bytes']:,} bytes of KV. **Computed** rows: the bound's steady block count "
         "x block size x KV bytes per token (2 x layers x KV heads x head dim x dtype bytes); "
         "presets in bf16, no weights loaded. 'At S+W' counts exactly S + W tokens, the "
-        "blocks column what the block-granular table holds.", "",
-        md_table(("model", "dtype", "KV bytes/token", "blocks", "at S+W tokens",
-                  "held (blocks)", "source"),
-                 [(c["model"], c["dtype"], f"{c['kv_bytes_per_token']:,}", c["blocks"],
+        "blocks column what the block-granular table holds. A 7B's size is set by its KV "
+        "heads: " + ", ".join(f"{c['model']} has {c['kv_heads']}" for c in r["computed"][1:])
+        + " (the issue's ~67 MB for a 7B at 516 tokens assumed 8, i.e. GQA).", "",
+        md_table(("model", "dtype", "layers x KV heads x head dim", "KV bytes/token", "blocks",
+                  "at S+W tokens", "held (blocks)", "source"),
+                 [(c["model"], c["dtype"], f"{c['layers']} x {c['kv_heads']} x {c['head_dim']}",
+                   f"{c['kv_bytes_per_token']:,}", c["blocks"],
                    _mb(c["bytes_at_s_plus_w"]), _mb(c["bytes"]),
                    "measured " + _mb(m["bytes"]) if i == 0 else "computed")
                   for i, c in enumerate(r["computed"])]),
@@ -345,8 +349,11 @@ def report(r: dict) -> str:
                    fmt(s["step_plain"]["median_ms"], ".2f")),
                   ("with snapshots", fmt(s["step_with_snapshots"]["min_ms"], ".2f"),
                    fmt(s["step_with_snapshots"]["median_ms"], ".2f"))]),
-        "", f"Overhead: {s['overhead_median']:+.1%} (medians), {s['overhead_min']:+.1%} "
-        f"(minima). Taking all {s['sessions']} snapshots at once holds the engine thread "
+        "", f"Overhead: {s['overhead_paired_median']:+.1%} (median of each round against its "
+        f"own plain round), {s['overhead_median']:+.1%} (medians), {s['overhead_min']:+.1%} "
+        f"(minima); the snapshots' own time spread over K steps is "
+        f"{s['take_all']['median_ms'] / s['interval_steps']:.2f} ms/step. Taking all "
+        f"{s['sessions']} snapshots at once holds the engine thread "
         f"{s['take_all']['median_ms']:.1f} ms (median; that step's frames wait that long); "
         f"serializing them takes {s['to_bytes_all']['median_ms']:.1f} ms more.", "",
         f"## Same-server resume latency ({sr['resumes']} resumes)", "",
