@@ -62,8 +62,9 @@ def check_moved_session_continues_exactly(model, block, policy, prompt, turn):
     return len(data)
 
 
-def test_tiny_session_moved_mid_generation_continues_token_exact(tiny_model):
-    policy = ResidencyPolicy.sinks_window(4, 16)
+@pytest.mark.parametrize("positions", ["absolute", "rolling"])
+def test_tiny_session_moved_mid_generation_continues_token_exact(tiny_model, positions):
+    policy = ResidencyPolicy.sinks_window(4, 16, positions)
     prompt = [(7 * i + 3) % 96 for i in range(40)]
     check_moved_session_continues_exactly(tiny_model, 4, policy, prompt, [5, 9, 11, 2])
 
@@ -133,3 +134,24 @@ def test_bytes_round_trip_keeps_every_tensor_bf16_and_pending_embeddings():
     # 30 prompt tokens and 2 of the 3 sampled written; the 3rd is carried
     assert back.spec == snapshot.spec and back.num_tokens == 32 and back.decode_budget == 2
     assert torch.equal(back.generator_state, snapshot.generator_state)
+
+
+def test_snapshot_off_the_engine_thread_is_a_bug(tiny_model):
+    import threading
+
+    engine = make_engine(tiny_model, 4)
+    sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.window(8)))
+    engine.submit(sid, [1, 2, 3])
+    generate(engine, sid)  # this thread steps the engine: it is the engine's thread
+    errors = []
+
+    def elsewhere() -> None:
+        try:
+            engine.snapshot_session(sid)
+        except AssertionError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert errors and "engine's thread" in errors[0]
