@@ -180,14 +180,15 @@ def test_lone_surrogates_get_an_error_and_the_session_lives_on(world):
 
 
 # ---- 2. messages that are costly to parse or validate -------------------------------------------
-COSTLY = [  # each under the 1 MiB message cap; ~1 s to validate and ~140 ms to parse before
-    json.dumps({"type": "session.update", "session": {"output_modalities": ["x"] * 200_000}},
+COSTLY = [  # each under the 520 KiB message cap; ~0.5 s to validate and ~70 ms to parse before
+    json.dumps({"type": "session.update", "session": {"output_modalities": ["x"] * 100_000}},
                separators=(",", ":")),
-    '{"type":"session.update","session":{"x":[' + "[]," * 300_000 + "[]]}}",
+    '{"type":"session.update","session":{"x":[' + "[]," * 150_000 + "[]]}}",
 ]
 
 
 def test_costly_messages_are_refused_in_milliseconds(world):
+    assert all(len(message) <= CONFIG.max_message_bytes for message in COSTLY)
     with session(world) as ws:
         for message in COSTLY:
             started = time.monotonic()
