@@ -7,10 +7,12 @@ answered; a step already under way may still finish work of the answered one: se
 first (`late`, with what was ready), or at once when the engine reports its session stalled
 on KV (`stalled_kv`: what real engines do silently; an empty result on the beat), so frames
 keep going out while the truth is recorded. Input is never dropped: an answered frame's
-unconsumed input stays queued in the engine (its generation is cancelled), so the
-conversation's context stays complete. A frame its owner withdraws (`cancel_frame`: a reply
-the user talked over) is answered `cancelled` at once: in flight, as at a deadline; not yet
-started, with its input, which never reached the engine.
+unconsumed input stays queued (its generation is cancelled), so the conversation's context
+stays complete. Queued input reaches the engine through each session's feed
+(`runtime.feed`): whole for a session on pace; in fair shares for one whose input runs
+ahead of real time, while other sessions have frames due. A frame its owner withdraws
+(`cancel_frame`: a reply the user talked over) is answered `cancelled` at once: in flight,
+as at a deadline; not yet started, with its input, which never reached the engine.
 
 Input enters here and is validated here, once (`EngineCommands.prepare_input`): bad input
 is a `rejected` result, never an exception. A submitter that prepares input before it is
@@ -28,7 +30,8 @@ from collections.abc import Callable
 
 from metronome.engine.engine import SessionError
 from metronome.engine.session import SessionSpec
-from metronome.engine.types import Rebound, SessionStep, WorkStatus
+from metronome.engine.types import PreparedInput, Rebound, SessionStep, WorkStatus
+from metronome.runtime.feed import DEFAULT_FEED, FeedPolicy, SessionFeed
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus
 from metronome.runtime.ports import EngineCommands, Listeners, StepReport, Timer
 from metronome.runtime.profile import SessionProfile
@@ -36,11 +39,14 @@ from metronome.runtime.record import Accepted, InFlight, SessionRecord
 
 
 class Beat:
-    def __init__(self, engine: EngineCommands, timer: Timer, listeners: Listeners) -> None:
+    def __init__(self, engine: EngineCommands, timer: Timer, listeners: Listeners,
+                 feed_policy: FeedPolicy = DEFAULT_FEED) -> None:
         self.engine = engine
         self.timer = timer
         self.listeners = listeners
+        self.feed_policy = feed_policy
         self.sessions: dict[int, SessionRecord] = {}
+        self.feeds: dict[int, SessionFeed] = {}  # what of each session's input waits here
 
     # ---- sessions ----------------------------------------------------------------------
     def open_session(self, profile: SessionProfile, now_s: float = 0.0,
@@ -54,6 +60,7 @@ class Beat:
         self.engine.open_session(spec, session_id)
         self.sessions[session_id] = SessionRecord(session_id, profile, now_s, public_id,
                                                   on_result, on_rebound)
+        self.feeds[session_id] = SessionFeed()
         return session_id
 
     def close_session(self, session_id: int, now_s: float) -> None:
@@ -68,7 +75,9 @@ class Beat:
                 self._answer_unstarted(record, frame, FrameStatus.CANCELLED, now_s,
                                        "session closed")
         finally:  # a failing result callback must not keep the blocks
+            del self.feeds[session_id]  # its held input goes with it
             self.engine.close(session_id)
+        self._feed_all()  # a frame it had in flight may have held others back
 
     def _record(self, session_id: int) -> SessionRecord:
         record = self.sessions.get(session_id)
@@ -125,6 +134,7 @@ class Beat:
         self.timer.call_at(deadline_at_s, lambda t: self._on_deadline(frame, t))
         record.waiting.append((frame, prepared))
         self._advance(record)
+        self._feed_all()
 
     def _advance(self, record: SessionRecord) -> None:
         """Put the next waiting frame in flight if none is."""
@@ -135,7 +145,32 @@ class Beat:
         record.in_flight = InFlight(frame, frame.arrival_s + record.profile.deadline_s,
                                     max_tokens, prepared.num_tokens,
                                     queued_ahead_tokens=record.backlog_tokens)
-        self.engine.submit_prepared(record.session_id, prepared, max_tokens)
+        self.feeds[record.session_id].hold(prepared.data, max_tokens)
+
+    # ---- feeding the engine (runtime.feed) ----------------------------------------------
+    def _ahead(self, record: SessionRecord) -> bool:
+        """Its input runs ahead of real time: a frame queued behind its own, or more than
+        one step's chunk of its own input queued (`admission.pacing`'s two rules). A
+        backlog that KV stalls left is the server's doing, not the session's: it goes in
+        whole, as before (fed in shares it would fit the last free blocks and turn
+        `stalled_kv` frames into slow, late ones)."""
+        return bool(record.waiting) or (
+            record.submitted_queued_tokens > self.feed_policy.ahead_tokens
+            and record.last_status is not FrameStatus.STALLED_KV)
+
+    def _feed_all(self) -> None:
+        """Hand each session the input the feed policy lets the engine hold now."""
+        ahead = {sid: self._ahead(r) for sid, r in self.sessions.items()}
+        contended = any(r.in_flight is not None and not ahead[sid]
+                        for sid, r in self.sessions.items())
+        for sid in self.sessions:
+            feed = self.feeds[sid]
+            if not feed.held:
+                continue
+            limit = self.feed_policy.engine_tokens(ahead[sid], contended)
+            for piece in feed.take(limit):
+                self.engine.submit_prepared(sid, PreparedInput(piece.data),
+                                            piece.max_new_tokens)
 
     def cancel_frame(self, session_id: int, index: int, now_s: float, reason: str) -> bool:
         """Answer frame `index` `cancelled` now; False if it was already answered."""
@@ -144,6 +179,7 @@ class Beat:
         if flight is not None and flight.frame.index == index:
             self._answer(record, flight, FrameStatus.CANCELLED, now_s, reason)
             self._advance(record)
+            self._feed_all()
             return True
         for position, (frame, _) in enumerate(record.waiting):
             if frame.index == index:
@@ -162,6 +198,7 @@ class Beat:
         if flight is not None and flight.frame is frame:
             self._answer(record, flight, FrameStatus.LATE, now_s, "deadline passed mid-work")
             self._advance(record)
+            self._feed_all()
 
     # ---- engine steps -------------------------------------------------------------------
     def on_step(self, report: StepReport) -> None:
@@ -171,6 +208,7 @@ class Beat:
             record = self.sessions.get(outcome.session_id)
             if record is not None:
                 self._apply(record, outcome, report)
+        self._feed_all()
         self.listeners.on_step(report)
 
     def _rebound(self, rebound: Rebound) -> None:
@@ -194,6 +232,7 @@ class Beat:
             self._end(record, report.finished_s, "max_session_tokens reached")
             return
         else:
+            self.feeds[record.session_id].consumed(outcome.submitted_tokens)
             self._attribute(record, flight, outcome, report)
             flight = record.in_flight
             if flight is not None and self._done(flight, outcome):
@@ -225,6 +264,7 @@ class Beat:
 
     def _end(self, record: SessionRecord, now_s: float, reason: str) -> None:
         record.ended_reason = reason
+        self.feeds[record.session_id].clear()  # the engine ended it: it takes no more input
         if record.in_flight is not None:
             self._answer(record, record.in_flight, FrameStatus.CONTEXT_FULL, now_s, reason)
         while record.waiting:
@@ -237,6 +277,7 @@ class Beat:
         record.in_flight = None
         if status is not FrameStatus.OK:
             self.engine.cancel_generation(record.session_id)
+            self.feeds[record.session_id].cancel_generation()
             record.backlog_tokens += flight.input_left
         frame = flight.frame
         result = FrameResult(

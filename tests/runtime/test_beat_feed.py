@@ -1,0 +1,188 @@
+"""The beat's feed (`runtime.feed`) on the virtual clock: sessions that flood their own input
+(text items far larger than a step's chunk, audio at 6x real time) beside real-time
+streamers. Unmetered (the engine as before) the floods' prefill shares every step and the
+streamers' frames go late; metered they meet every deadline, the floods still get full
+chunks when nobody else waits, and every session's input reaches the engine whole, in order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metronome.engine.engine import Engine, EngineConfig
+from metronome.kv.residency import ResidencyPolicy
+from metronome.runtime.feed import FeedPolicy, SessionFeed
+from metronome.runtime.frame import Frame
+from metronome.runtime.ports import Listeners
+from metronome.runtime.profile import SessionProfile
+from metronome.sim.cost_model import StepCostModel
+from metronome.sim.recorder import RunRecorder
+from metronome.sim.virtual import VirtualDriver
+
+BLOCK = 16
+# ~ SmolLM2 fp32 on the 2-core CPU with the server's own work beside it: a step of three
+# decode rows and a 64-token chunk ~0.2 s (measured 0.11 s for the engine alone)
+COST = StepCostModel(fixed_s=0.02, per_token_s=0.0025, per_context_token_s=0.0)
+PROFILE = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
+                         policy=ResidencyPolicy.sinks_window(4, 64),
+                         max_queued_input_tokens=4096)
+STREAMERS = 3
+FRAME_TOKENS = 13  # 1 s of audio at 12.5 tokens/s
+FLOOD_TOKENS = 600  # a text item every 0.25 s
+DURATION_S = 12.0
+
+
+class RecordingCommands:
+    """The beat's engine commands, passed on, with each session's submitted input kept."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.submitted: dict[int, list[torch.Tensor]] = {}
+
+    def submit_prepared(self, session_id, prepared, max_new_tokens=0):
+        self.submitted.setdefault(session_id, []).append(prepared.data)
+        self.inner.submit_prepared(session_id, prepared, max_new_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [1 + (seed * 37 + k * 11) % 90 for k in range(n)]
+
+
+class Shares:
+    """Per step: whether a streamer's frame was in flight, and the text flood's tokens."""
+
+    def __init__(self) -> None:
+        self.beat, self.calm, self.text = None, [], None
+        self.steps: list[tuple[bool, int]] = []
+
+    def on_step(self, report) -> None:  # after the beat has answered the step's frames
+        due = any(self.beat.sessions[s].in_flight is not None for s in self.calm)
+        mine = [s.input_tokens for s in report.result.sessions if s.session_id == self.text]
+        self.steps.append((self.due_before or due, mine[0] if mine else 0))
+        self.due_before = due
+
+    due_before = False
+
+
+def flood_run(model, policy: FeedPolicy, streamers: int = STREAMERS, text_flood: bool = True,
+              audio_flood: bool = True):
+    engine = Engine(model, EngineConfig(block_size=BLOCK, pool_tokens=512 * BLOCK))
+    recorder, shares = RunRecorder(), Shares()
+    driver = VirtualDriver(engine, COST, Listeners.of(recorder, shares))
+    beat = driver.beat
+    beat.feed_policy = policy
+    commands = beat.engine = RecordingCommands(beat.engine)
+    calm = [beat.open_session(PROFILE) for _ in range(streamers)]
+    text = beat.open_session(PROFILE) if text_flood else None
+    audio = beat.open_session(PROFILE) if audio_flood else None
+    sent: dict[int, list[list[int]]] = {sid: [] for sid in beat.sessions}
+    shares.beat, shares.calm, shares.text = beat, calm, text
+
+    def submit(sid: int, ids: list[int], t: float) -> None:
+        if beat.sessions[sid].fits(len(ids)):
+            beat.submit_frame(Frame(sid, len(sent[sid]), t, ids), t)
+            sent[sid].append(ids)
+
+    for k in range(round(DURATION_S * 60)):  # 1/60 s ticks
+        t = k / 60
+        driver.run_until(t)
+        if k % 60 == 0:
+            for sid in calm:
+                submit(sid, tokens(sid + k, FRAME_TOKENS), t)
+        if text is not None and k % 15 == 0:
+            submit(text, tokens(k, FLOOD_TOKENS), t)
+        if audio is not None and k % 10 == 0:
+            submit(audio, tokens(k + 5, FRAME_TOKENS), t)
+    driver.run_until(DURATION_S + 30)  # everything answered, every flood consumed
+    return engine, beat, recorder, commands, calm, text, sent, shares.steps
+
+
+def calm_misses(recorder: RunRecorder, calm: list[int]) -> int:
+    return sum(1 for r in recorder.results if r.session_id in calm and not r.deadline_met)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model):
+    return {metered: flood_run(tiny_model, FeedPolicy(metered=metered))
+            for metered in (False, True)}
+
+
+def test_streamers_beside_floods_meet_their_deadlines_only_when_metered(runs):
+    _, _, before, _, calm, *_ = runs[False]
+    _, _, after, _, calm_after, *_ = runs[True]
+    frames = STREAMERS * round(DURATION_S)
+    assert len([r for r in before.results if r.session_id in calm]) == frames
+    assert len([r for r in after.results if r.session_id in calm_after]) == frames
+    assert calm_misses(before, calm) >= frames // 2, "the floods no longer hurt: retune"
+    assert calm_misses(after, calm_after) == 0
+
+
+def test_a_flood_takes_a_fair_share_while_frames_are_due_and_full_chunks_otherwise(runs):
+    *_, shares = runs[True]
+    due = [n for busy, n in shares if busy]
+    free = [n for busy, n in shares if not busy and n]
+    policy = FeedPolicy()
+    # a step planned before a frame arrived may still take a chunk queued before it
+    assert sum(n > policy.fair_tokens for n in due) <= round(DURATION_S) * 2
+    assert max(free) == EngineConfig.max_chunk_tokens
+    *_, before_shares = runs[False]
+    assert max(n for busy, n in before_shares if busy) == EngineConfig.max_chunk_tokens
+
+
+def test_every_input_reaches_the_engine_whole_in_order_and_every_frame_once(runs):
+    for metered in (False, True):
+        engine, beat, recorder, commands, _, _, sent, _ = runs[metered]
+        for sid, frames in sent.items():
+            got = torch.cat(commands.submitted[sid]).tolist()
+            assert got == [t for ids in frames for t in ids], (metered, sid)
+            mine = [r.index for r in recorder.results if r.session_id == sid]
+            assert mine == list(range(len(frames))), (metered, sid)  # once each, in order
+            record = beat.sessions[sid]
+            assert record.queued_input_tokens == 0 and not beat.feeds[sid].held
+            assert engine.session_tokens(sid) >= sum(map(len, frames))
+
+
+def test_a_flood_alone_runs_at_full_chunks(tiny_model):
+    _, _, recorder, _, _, text, sent, shares = flood_run(
+        tiny_model, FeedPolicy(), streamers=0, audio_flood=False)
+    taken = [n for _, n in shares if n]
+    assert sum(taken) == sum(map(len, sent[text]))
+    full = [n for n in taken if n == EngineConfig.max_chunk_tokens]
+    assert len(full) >= len(taken) - len(sent[text])  # one short chunk per item at most
+
+
+def test_feed_hands_one_piece_at_a_time_joined_up_to_the_limit_budget_last():
+    feed = SessionFeed()
+    feed.hold(torch.arange(10), 0)  # a late frame's leftover
+    feed.hold(torch.arange(10, 20), 4)  # the frame in flight
+    first = feed.take(16)
+    assert [(p.data.tolist(), p.max_new_tokens) for p in first] == [(list(range(16)), 0)]
+    assert feed.take(16) == []  # the engine still holds the first
+    feed.consumed(16)
+    last = feed.take(16)
+    assert [(p.data.tolist(), p.max_new_tokens) for p in last] == [([16, 17, 18, 19], 4)]
+    feed.consumed(4)
+    feed.hold(torch.arange(3), 0)
+    feed.hold(torch.zeros(2, 8), 2)  # embeddings do not join token ids
+    assert [p.data.shape[0] for p in feed.take(16)] == [3]
+    feed.consumed(3)
+    everything = feed.take(None)
+    assert [(tuple(p.data.shape), p.max_new_tokens) for p in everything] == [((2, 8), 2)]
+    assert feed.in_engine_tokens == 2 and feed.held_tokens == 0
+    feed.hold(torch.arange(3), 4)
+    feed.cancel_generation()
+    assert [p.max_new_tokens for p in feed.held] == [0]
+
+
+def test_policy_limits():
+    policy = FeedPolicy(ahead_tokens=64, fair_tokens=16, free_engine_tokens=64)
+    assert policy.engine_tokens(ahead=False, contended=True) is None
+    assert policy.engine_tokens(ahead=True, contended=True) == 16
+    assert policy.engine_tokens(ahead=True, contended=False) == 64
+    assert FeedPolicy(metered=False).engine_tokens(ahead=True, contended=True) is None
+    with pytest.raises(ValueError):
+        FeedPolicy(fair_tokens=0)
