@@ -15,6 +15,7 @@ def test_the_engine_thread_takes_the_reserved_threads_and_the_rest_run_on_one():
         import asyncio, json
         from concurrent.futures import ThreadPoolExecutor
         import torch
+        from metronome.engine.engine import EngineConfig
         from metronome.runtime import cores
         from metronome.runtime.ports import Listeners
         from metronome.runtime.wall import WallDriver
@@ -26,6 +27,7 @@ def test_the_engine_thread_takes_the_reserved_threads_and_the_rest_run_on_one():
 
         class Engine:  # the driver only asks it for work on its thread here
             has_work = False
+            config = EngineConfig()
             def step(self):
                 raise AssertionError("no work was submitted")
 

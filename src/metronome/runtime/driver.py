@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from metronome.engine.types import PreparedInput, StepResult
 from metronome.runtime.beat import Beat
+from metronome.runtime.feed import FeedPolicy
 from metronome.runtime.ports import (
     EngineCommands,
     EnginePort,
@@ -44,7 +45,9 @@ class Driver:
                  listeners: Listeners) -> None:
         self.engine = engine
         self.listeners = listeners
-        self.beat = Beat(commands, timer, listeners)
+        chunk_tokens = engine.config.max_chunk_tokens  # a session ahead: one step's chunk
+        self.beat = Beat(commands, timer, listeners, FeedPolicy(
+            ahead_tokens=chunk_tokens, free_engine_tokens=chunk_tokens))
         self.overhead = OverheadMeter()
         self._idle = False  # see the idle rule above
 

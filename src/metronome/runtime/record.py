@@ -62,6 +62,7 @@ class SessionRecord:
     waiting: deque[tuple[Frame, PreparedInput]] = field(default_factory=deque)
     in_flight: InFlight | None = None
     backlog_tokens: int = 0  # input of already-answered frames still queued in the engine
+    # or held by the beat's feed (`runtime.feed`)
     last_answered: FrameResult | None = None  # receives tokens that arrive after the answer
     ended_reason: str = ""  # the engine ended the session (context full)
     frames_submitted: int = 0  # the server numbers its frames by this count
