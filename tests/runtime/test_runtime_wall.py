@@ -47,7 +47,10 @@ def test_latency_rises_with_sessions(runs):
     p50 = {n: runs[n]["latency_ms"]["p50"] for n in runs}
     print("wall clock p50 latency ms by sessions:", p50)
     low, mid, high = SESSIONS
-    assert p50[low] < p50[mid] < p50[high]
+    # 1 vs 8 is not asserted: a decode step of 8 rows costs about what one of 1 does, and 8
+    # frames of one session are few (CI measured 100 ms for 1 and 83 ms for 8). 24 sessions
+    # collide in steps and queue: measured 1.38-1.77x the larger of the two.
+    assert p50[high] > 1.15 * max(p50[low], p50[mid]), p50
 
 
 def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_model):

@@ -58,6 +58,8 @@ TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 AWAY_BUCKETS_S = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 RESUME_OUTCOMES = ("resumed", "refused_token", "refused_draining", "refused_off")
+# How a lease usually ends (any session outcome may end one): declared so the series exist at 0
+LEASE_OUTCOMES = ("resumed", "lease_expired", "drained")
 
 
 class Metrics:
@@ -141,6 +143,8 @@ class Metrics:
         self._lease_ends = Counter(SESSION_LEASES_ENDED_TOTAL, "Leases (sessions held after "
                                    "their client dropped) by how they ended.", ["outcome"],
                                    registry=reg)
+        for outcome in LEASE_OUTCOMES:
+            self._lease_ends.labels(outcome)
         self._leased = Gauge(SESSIONS_LEASED, "Sessions held for a client that dropped "
                              "(counted in the open sessions too).", registry=reg)
         self._resume_seconds = Histogram(
