@@ -92,3 +92,23 @@ def test_unbounded_matches_dense_reference_in_a_mixed_batch(tiny_model, attentio
         rolling = policy.bounded
         ref = reference_logits(tiny_model, seq, policy, BLOCK, rolling=rolling)
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rolling", [False, True])
+def test_long_chunks_on_the_paged_kernel_match_the_naive_reference(tiny_model, paged_kernel,
+                                                                   rolling):
+    """Chunks of up to 64 tokens (the default `paged_max_chunk_tokens`), longer than the
+    window and crossing the sinks, read in place by the kernel."""
+    paged_kernel()
+    positions = "rolling" if rolling else "absolute"
+    policies = [ResidencyPolicy.sinks_window(4, 10, positions), ResidencyPolicy.unbounded(),
+                ResidencyPolicy.sinks_window(6, 24, positions)]
+    lengths = [150, 131, 170]
+    sequences = [random_tokens(n, tiny_model.config.vocab_size, 20 + i)
+                 for i, n in enumerate(lengths)]
+    chunks = [[64, 17], [23, 64, 1], [40, 33, 64]]
+    got, _ = run_engine(tiny_model, sequences, policies, chunks, path=("paged", 64))
+    for seq, policy, ours in zip(sequences, policies, got, strict=True):
+        ref = reference_logits(tiny_model, seq, policy, BLOCK,
+                               rolling=rolling and policy.bounded)
+        torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)

@@ -321,9 +321,9 @@ class Engine:
         budget = self.config.max_step_tokens
         work, outcomes = [], []
         for session in ready:
-            chunk = session.head.data[: min(self.config.max_chunk_tokens, budget)]
-            if len(chunk) == 0:
+            if budget <= 0:
                 break
+            chunk, submitted = session.next_chunk(min(self.config.max_chunk_tokens, budget))
             status = self._reserve(session, len(chunk))
             if status is WorkStatus.STALLED_KV and self._relieve(session, len(chunk), work,
                                                                  rebounds):
@@ -335,8 +335,7 @@ class Engine:
             samples = session.takes_all_input(len(chunk)) and session.decode_budget > 0
             logits_rows = "all" if session.spec.return_logits else ("last" if samples else "none")
             start = session.table.num_tokens - len(chunk)
-            work.append(PlannedWork(session, chunk, start, logits_rows, samples,
-                                    session.head.submitted))
+            work.append(PlannedWork(session, chunk, start, logits_rows, samples, submitted))
         return work, outcomes
 
     def _reserve(self, session: Session, num_tokens: int) -> WorkStatus:
@@ -381,7 +380,7 @@ class Engine:
             session.consume(w.num_tokens)
             step = SessionStep(
                 session.session_id, WorkStatus.OK, w.num_tokens,
-                submitted_tokens=w.num_tokens if w.submitted else 0,
+                submitted_tokens=w.submitted_tokens,
                 context_tokens=session.table.visible_tokens(session.table.num_tokens - 1),
             )
             if session.spec.return_logits:

@@ -61,18 +61,33 @@ class Session:
             self.pending.append(InputChunk(chunk, True))
         self.decode_budget += max_new_tokens
 
-    @property
-    def head(self) -> InputChunk:
-        return self.pending[0]
+    def next_chunk(self, max_tokens: int) -> tuple[torch.Tensor, int]:
+        """Up to `max_tokens` of pending input from the front, across consecutive chunks of
+        one kind (token ids, or embeddings), and how many of them are caller-submitted. So a
+        frame's input goes in one step with the token sampled last before it (`carry`),
+        not one step for that token and one for the frame."""
+        first = self.pending[0].data
+        parts, submitted, taken = [], 0, 0
+        for chunk in self.pending:
+            if taken >= max_tokens or chunk.data.dim() != first.dim():
+                break
+            piece = chunk.data[: max_tokens - taken]
+            parts.append(piece)
+            taken += len(piece)
+            submitted += len(piece) if chunk.submitted else 0
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), submitted
 
     def takes_all_input(self, num_tokens: int) -> bool:
-        """Would consuming `num_tokens` from the head leave no input pending?"""
-        return len(self.pending) == 1 and num_tokens == len(self.pending[0].data)
+        """Would consuming `num_tokens` from the front leave no input pending?"""
+        return num_tokens == sum(len(chunk.data) for chunk in self.pending)
 
     def consume(self, num_tokens: int) -> None:
-        head = self.pending.popleft()
-        if num_tokens < len(head.data):
-            self.pending.appendleft(InputChunk(head.data[num_tokens:], head.submitted))
+        while num_tokens > 0:
+            head = self.pending.popleft()
+            if num_tokens < len(head.data):
+                self.pending.appendleft(InputChunk(head.data[num_tokens:], head.submitted))
+                return
+            num_tokens -= len(head.data)
 
     def rebound(self, policy: ResidencyPolicy, pool: BlockPool) -> int:
         """Switch to a bounded `policy` from now on; blocks no future query can see under it
