@@ -30,6 +30,7 @@ from metronome.results.tables import fmt, md_table, ratio
 
 NAME = "vllm"
 PARTS = ("steps", "stream")
+STREAM_PHASES = ("random", "even")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,15 @@ class Config:
     stream_tokens_out: int = field(default=4, metadata={"help": "output tokens per frame"})
     stream_pool_tokens: int = field(default=6720, metadata={
         "help": "the streaming engines' KV pool in tokens"})
+    stream_phases: str = field(default="random", metadata={
+        "help": "when each session's frames fall in the period, the same for every arm: "
+                "random (seeded uniform: frames of different sessions collide at times) or "
+                "even (evenly spaced)"})
+
+    def __post_init__(self) -> None:
+        if self.stream_phases not in STREAM_PHASES:
+            raise ValueError(f"stream_phases must be one of {', '.join(STREAM_PHASES)}, got "
+                             f"{self.stream_phases!r}")
 
     @classmethod
     def smoke(cls) -> Config:
@@ -224,7 +234,8 @@ def report(result: dict) -> str:
         f"{', '.join(map(str, cfg['stream_sessions']))} sessions, {cfg['stream_tokens_in']} "
         f"input + {cfg['stream_tokens_out']} output tokens per {cfg['stream_period_s']:g} s "
         f"frame, {cfg['stream_duration_s']:.0f} s, KV pool of {cfg['stream_pool_tokens']:,} "
-        f"tokens. Deadline: one frame period ({cfg['stream_period_s']:g} s). *Stock vLLM* and "
+        f"tokens; sessions' frames {_phases(cfg)}, the same arrival times for every arm. "
+        f"Deadline: one frame period ({cfg['stream_period_s']:g} s). *Stock vLLM* and "
         f"*vLLM sliding window* ({resident} tokens) are vLLM's scheduler alone (a session's "
         "next chunk goes in when its last one is done, as `AsyncLLM`'s streaming input "
         "does); a frame is answered when its chunk is. *Metronome on vLLM* is the same "
@@ -240,3 +251,9 @@ def report(result: dict) -> str:
     ]
     return "\n".join(lines + (steps if result["decode"] else [])
                      + (stream if result["stream"] else []))
+
+
+def _phases(cfg: dict) -> str:
+    if cfg.get("stream_phases", "random") == "even":
+        return "evenly spaced over the period"
+    return "at seeded uniform-random phases of the period (they collide at times)"

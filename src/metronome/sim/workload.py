@@ -24,6 +24,7 @@ class Workload:
     num_sessions: int
     session_duration_s: float
     arrival_spread_s: float = 0.0  # sessions open uniformly at random over [0, spread]
+    even_arrivals: bool = False  # open evenly spaced over [0, spread) instead (no collisions)
     duration_jitter: float = 0.0  # each duration x U(1 - jitter, 1 + jitter)
     respond_every_frames: int = 4  # turn mode: every k-th frame ends a user turn
     seed: int = 0
@@ -39,11 +40,21 @@ class Workload:
         """(open_at_s, duration_s) per session, from the seed."""
         rng = random.Random(self.seed)
         plans = []
-        for _ in range(self.num_sessions):
+        for k in range(self.num_sessions):
             open_at_s = rng.uniform(0, self.arrival_spread_s)
+            if self.even_arrivals:
+                open_at_s = k * self.arrival_spread_s / self.num_sessions
             scale = rng.uniform(1 - self.duration_jitter, 1 + self.duration_jitter)
             plans.append((open_at_s, self.session_duration_s * scale))
         return sorted(plans)
+
+    def frame_arrivals_s(self, frame_period_s: float) -> list[list[float]]:
+        """When each session's frames arrive (as `schedule` submits them: frame i one period
+        after its i-th period began), per session in `plan` order: for a driver that does
+        not run on a `Timer` (a bench's own loop) to see the same workload."""
+        return [[open_at_s + (i + 1) * frame_period_s
+                 for i in range(max(1, int(duration_s / frame_period_s)))]
+                for open_at_s, duration_s in self.plan()]
 
     @property
     def end_s(self) -> float:

@@ -58,6 +58,15 @@ def _stream_engine(cfg, sessions: int, policy: ResidencyPolicy, sliding_window: 
     return engine
 
 
+def _workload(cfg, sessions: int):
+    """Every arm's workload: the same sessions, opened at the same phases of the period
+    (`cfg.stream_phases`), so their frames arrive at the same times in every arm."""
+    from metronome.sim.workload import Workload
+
+    return Workload(sessions, cfg.stream_duration_s, arrival_spread_s=cfg.stream_period_s,
+                    even_arrivals=getattr(cfg, "stream_phases", "random") == "even")
+
+
 def stream_stock(cfg, sessions: int, log: Log, sliding_window: bool = False) -> dict:
     """vLLM's scheduler alone (full attention, or its own sliding window of S + W): each
     session's frames go in FIFO as chunks of its one resumable request, the next when the
@@ -70,15 +79,16 @@ def stream_stock(cfg, sessions: int, log: Log, sliding_window: bool = False) -> 
         frames = {sid: [] for sid in sids}  # [arrival_s, answered_s | None]
         waiting = {sid: [] for sid in sids}
         running: dict[int, int] = {}  # session -> frame index in flight
-        next_frame_s = [k * cfg.stream_period_s / sessions for k in range(sessions)]
+        arrivals_s = _workload(cfg, sessions).frame_arrivals_s(cfg.stream_period_s)
+        next_frame = [0] * sessions
         t0 = time.perf_counter()
         last_report = 0.0
         while (now := time.perf_counter() - t0) < cfg.stream_duration_s:
             for k, sid in enumerate(sids):
-                while next_frame_s[k] <= now:
+                while next_frame[k] < len(arrivals_s[k]) and arrivals_s[k][next_frame[k]] <= now:
                     waiting[sid].append(len(frames[sid]))
-                    frames[sid].append([next_frame_s[k], None])
-                    next_frame_s[k] += cfg.stream_period_s
+                    frames[sid].append([arrivals_s[k][next_frame[k]], None])
+                    next_frame[k] += 1
             for k, sid in enumerate(sids):
                 if sid not in running and waiting[sid]:
                     index = waiting[sid].pop(0)
@@ -154,7 +164,7 @@ def stream_metronome(cfg, sessions: int, policy: str, log: Log, native: bool = F
     from metronome.runtime.wall import WallDriver
     from metronome.sim.local import text_source
     from metronome.sim.recorder import RunRecorder
-    from metronome.sim.workload import Workload, schedule
+    from metronome.sim.workload import schedule
 
     bound = ResidencyPolicy.parse(policy)
     engine = _native_engine(cfg) if native else _stream_engine(cfg, sessions, bound)
@@ -168,8 +178,7 @@ def stream_metronome(cfg, sessions: int, policy: str, log: Log, native: bool = F
     async def drive() -> _SentFrames:
         driver = WallDriver(engine, Listeners.of(recorder, observer))
         sent = _SentFrames(driver.beat)
-        workload = Workload(sessions, cfg.stream_duration_s,
-                            arrival_spread_s=cfg.stream_period_s)
+        workload = _workload(cfg, sessions)
         profile = SessionProfile(frame_period_s=cfg.stream_period_s,
                                  max_output_tokens_per_frame=cfg.stream_tokens_out,
                                  policy=bound)
