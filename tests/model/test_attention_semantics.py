@@ -97,7 +97,7 @@ def test_unbounded_matches_dense_reference_in_a_mixed_batch(tiny_model, attentio
 @pytest.mark.parametrize("rolling", [False, True])
 def test_long_chunks_on_the_paged_kernel_match_the_naive_reference(tiny_model, paged_kernel,
                                                                    rolling):
-    """Chunks of up to 64 tokens (the default `paged_max_chunk_tokens`), longer than the
+    """Chunks of up to 64 tokens (an engine with `paged_max_chunk_tokens=64`), longer than the
     window and crossing the sinks, read in place by the kernel."""
     paged_kernel()
     positions = "rolling" if rolling else "absolute"

@@ -33,11 +33,11 @@ class PlannedWork:
 
 # Chunks up to this many tokens take the paged kernel when it is available; longer ones
 # (prefill) the dense path, whose fused SDPA does the many-query math as matrix products.
-# 64 (the default chunk limit): a streaming frame's chunk (16 tokens + the carried one) and
-# a 64-token prefill chunk beside a decode row both measured faster in place than gathered
-# (SmolLM2 bf16, 2 cores: 17 tokens 22 vs 26 ms, 33: 31 vs 42, 64: 54 vs 58 at a 516-token
-# window; at 4k unbounded context 87 vs 113 ms for 17 tokens, even at 64).
-PAGED_MAX_CHUNK_TOKENS = 64
+# 32: a streaming frame's chunk (16 tokens + the carried one) measured faster in place than
+# gathered (SmolLM2 bf16, 2 cores: 17 tokens beside a decode row 22 vs 26 ms at a 516-token
+# window, 87 vs 113 ms at 4k unbounded). 64 was tried and dropped: 8-session prefill in
+# 64-token chunks went 0.96x -> 1.40x vLLM's time at 1k and 1.91x -> 2.53x at 4k.
+PAGED_MAX_CHUNK_TOKENS = 32
 
 
 def paged_first(work: list[PlannedWork], paged_max_chunk_tokens: int) -> list[PlannedWork]:
