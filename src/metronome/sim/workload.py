@@ -52,13 +52,19 @@ class Workload:
         """When each session's frames arrive (as `schedule` submits them: frame i one period
         after its i-th period began), per session in `plan` order: for a driver that does
         not run on a `Timer` (a bench's own loop) to see the same workload."""
-        return [[open_at_s + (i + 1) * frame_period_s
-                 for i in range(max(1, int(duration_s / frame_period_s)))]
+        return [[open_at_s + offset_s for offset_s in frame_offsets_s(duration_s, frame_period_s)]
                 for open_at_s, duration_s in self.plan()]
 
     @property
     def end_s(self) -> float:
         return max(start + duration for start, duration in self.plan())
+
+
+def frame_offsets_s(duration_s: float, frame_period_s: float) -> list[float]:
+    """When a session's frames arrive, from its open: frame i is complete at the server one
+    period after it started; a session sends at least one frame."""
+    num_frames = max(1, int(duration_s / frame_period_s))
+    return [(index + 1) * frame_period_s for index in range(num_frames)]
 
 
 # now_s -> admitted? (an admission controller's try_admit; refused sessions go away)
@@ -77,13 +83,11 @@ def _start(workload, profile, beat, timer, source, gate, now_s: float, duration_
     if gate is not None and not gate(now_s).admitted:
         return
     session_id = beat.open_session(profile, now_s)
-    num_frames = max(1, int(duration_s / profile.frame_period_s))
-    for index in range(num_frames):
-        # frame i is complete at the server one period after it started
-        at_s = now_s + (index + 1) * profile.frame_period_s
-        timer.call_at(at_s, lambda t, i=index: _frame(workload, profile, beat, source,
-                                                      session_id, i, t))
-    end_s = now_s + (num_frames + 1) * profile.frame_period_s
+    offsets_s = frame_offsets_s(duration_s, profile.frame_period_s)
+    for index, offset_s in enumerate(offsets_s):
+        timer.call_at(now_s + offset_s, lambda t, i=index: _frame(workload, profile, beat,
+                                                                  source, session_id, i, t))
+    end_s = now_s + offsets_s[-1] + profile.frame_period_s
     timer.call_at(end_s, lambda t: beat.close_session(session_id, t))
 
 

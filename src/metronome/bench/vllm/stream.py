@@ -64,7 +64,7 @@ def _workload(cfg, sessions: int):
     from metronome.sim.workload import Workload
 
     return Workload(sessions, cfg.stream_duration_s, arrival_spread_s=cfg.stream_period_s,
-                    even_arrivals=getattr(cfg, "stream_phases", "random") == "even")
+                    even_arrivals=cfg.stream_phases == "even")
 
 
 def stream_stock(cfg, sessions: int, log: Log, sliding_window: bool = False) -> dict:
