@@ -34,10 +34,11 @@ SW = ResidencyPolicy.sinks_window
 
 
 def test_frame_schedule_chunks_steps_and_tokens():
-    frame = FrameSchedule(12, 4, 64)  # carry, input (samples token 1), 3 decodes
-    assert (frame.chunks, frame.num_steps, frame.tokens_written) == ([1, 12, 1, 1, 1], 5, 16)
+    frame = FrameSchedule(12, 4, 64)  # carry + input (samples token 1), 3 decodes
+    assert (frame.chunks, frame.num_steps, frame.tokens_written) == ([13, 1, 1, 1], 4, 16)
     long_prompt = FrameSchedule(100, 2, 64)
-    assert (long_prompt.chunks, long_prompt.num_steps) == ([1, 64, 36, 1], 4)
+    assert (long_prompt.chunks, long_prompt.num_steps) == ([64, 37, 1], 3)
+    assert FrameSchedule(63, 1, 64).chunks == [64]  # the carry fills the chunk exactly
     assert FrameSchedule(0, 3, 64).chunks == [1, 1, 1]  # the carry samples the first token
     assert FrameSchedule(12, 0, 64).chunks == [12]  # listening: no carry, no output
     with pytest.raises(ValueError):
@@ -97,15 +98,15 @@ def test_deadline_ceilings_exact():
     model = DeadlineModel(cost, FrameSchedule(12, 4, 64), context_tokens=100.0,
                           frame_period_s=1.0, deadline_s=1.0, target_fraction=0.8)
     assert model.work_per_frame_s == pytest.approx(0.016)  # 16 tokens x 1 ms
-    # floor((1 / 0.016) * (1 - 6 * 0.01 / 0.8)) = floor(57.8125)
-    assert model.n_star() == 57
-    # floor((0.8 - 5 * 0.01) / 0.016) = floor(46.875)
-    assert model.n_star_aligned() == 46
-    assert model.latency_s(57) <= 0.8 < model.latency_s(58)
-    assert model.latency_aligned_s(46) <= 0.8 < model.latency_aligned_s(47)
+    # 4 steps a frame: floor((1 / 0.016) * (1 - 5 * 0.01 / 0.8)) = floor(58.59375)
+    assert model.n_star() == 58
+    # floor((0.8 - 4 * 0.01) / 0.016) = floor(47.5)
+    assert model.n_star_aligned() == 47
+    assert model.latency_s(58) <= 0.8 < model.latency_s(59)
+    assert model.latency_aligned_s(47) <= 0.8 < model.latency_aligned_s(48)
     keys = DeadlineModel(StepCostModel(0.01, 0.0, 1e-4), FrameSchedule(12, 4, 64), 100.0,
                          1.0, 1.0, 0.8)
-    assert keys.work_per_frame_s == pytest.approx(5 * 100 * 1e-4)  # 5 steps x 100 keys
+    assert keys.work_per_frame_s == pytest.approx(4 * 100 * 1e-4)  # 4 steps x 100 keys
 
 
 def test_visible_context():
@@ -122,13 +123,13 @@ def _inputs(num_blocks: int, **kw) -> PlanInputs:
 
 
 def test_which_binds():
-    # 10 blocks per session at its peak, N* = 57 (as above)
-    assert make_plan(_inputs(10 * 57)).binds == "both"
-    deadline = make_plan(_inputs(10 * 57 + 10))
-    assert (deadline.binds, deadline.memory_ceiling, deadline.capacity) == ("deadline", 58, 57)
-    memory = make_plan(_inputs(10 * 57 - 1))
-    assert (memory.binds, memory.memory_ceiling, memory.capacity) == ("memory", 56, 56)
-    assert memory.aimd.max_cap == 56 and memory.aimd.initial_cap == 46
+    # 10 blocks per session at its peak, N* = 58 (as above)
+    assert make_plan(_inputs(10 * 58)).binds == "both"
+    deadline = make_plan(_inputs(10 * 58 + 10))
+    assert (deadline.binds, deadline.memory_ceiling, deadline.capacity) == ("deadline", 59, 58)
+    memory = make_plan(_inputs(10 * 58 - 1))
+    assert (memory.binds, memory.memory_ceiling, memory.capacity) == ("memory", 57, 57)
+    assert memory.aimd.max_cap == 57 and memory.aimd.initial_cap == 47
     assert memory.aimd.min_cap == 23
 
 

@@ -72,6 +72,9 @@ class Session:
             if taken >= max_tokens or chunk.data.dim() != first.dim():
                 break
             piece = chunk.data[: max_tokens - taken]
+            # fed-back tokens come only before caller input (a session samples only once
+            # all its input is in), so a step's submitted tokens are its last ones
+            assert chunk.submitted or submitted == 0, "a fed-back token after caller input"
             parts.append(piece)
             taken += len(piece)
             submitted += len(piece) if chunk.submitted else 0

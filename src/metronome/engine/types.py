@@ -33,7 +33,8 @@ class SessionStep:
     session_id: int
     status: WorkStatus
     input_tokens: int = 0  # positions processed this step (caller input or fed-back tokens)
-    submitted_tokens: int = 0  # of which caller-submitted input
+    submitted_tokens: int = 0  # of which caller-submitted input: the last ones (a session's
+    # fed-back sampled token, when the step carries one, comes first)
     new_token_ids: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (input_tokens, vocab) float32 when asked for
     context_tokens: int = 0  # keys the chunk attended to at its last position (cost models)

@@ -2,16 +2,17 @@
 
 The engine (`engine.session`) feeds a frame's work as chunks, one chunk per step:
 
-    carry        the last token sampled for the previous frame, fed back first (1 token)
-    input        the frame's k input tokens, in chunks of at most `max_chunk_tokens`;
-                 the last input chunk samples the first output token
+    input        the last token sampled for the previous frame (the carry, 1 token), then
+                 the frame's k input tokens, together, in chunks of at most
+                 `max_chunk_tokens` (`Session.next_chunk` takes consecutive pending input
+                 in one chunk); the last input chunk samples the first output token
     decode       one step per further output token (m - 1), each feeding the last token
 
-so a frame with k input and m >= 1 output tokens takes ceil(k / c) + m steps and writes
-k + m KV entries (a listening frame, m = 0, has no carry: ceil(k / c) steps, k entries;
-a session's very first frame has no carry either, which this steady-state view ignores).
-Each step charges its session, under `runtime.cost_model.StepCostModel`, per token it feeds
-and per key its last query attends to (its visible context).
+so a frame with k input and m >= 1 output tokens takes ceil((k + 1) / c) + m - 1 steps and
+writes k + m KV entries (a listening frame, m = 0, has no carry: ceil(k / c) steps, k
+entries; a session's very first frame has no carry either, which this steady-state view
+ignores). Each step charges its session, under `runtime.cost_model.StepCostModel`, per token
+it feeds and per key its last query attends to (its visible context).
 """
 
 from __future__ import annotations
@@ -40,14 +41,15 @@ class FrameSchedule:
     def chunks(self) -> list[int]:
         """Tokens fed in each of the frame's steps, in order."""
         k, m, c = self.input_tokens, self.output_tokens, self.max_chunk_tokens
-        carry = [1] if m else []
-        inputs = [min(c, k - start) for start in range(0, k, c)]
-        return carry + inputs + [1] * max(0, m - 1)
+        fed = k + (1 if m else 0)  # the carry goes in with the input
+        inputs = [min(c, fed - start) for start in range(0, fed, c)]
+        return inputs + [1] * max(0, m - 1)
 
     @property
     def num_steps(self) -> int:
-        """s = ceil(k / c) + m."""
-        return ceil_div(self.input_tokens, self.max_chunk_tokens) + self.output_tokens
+        """s = ceil((k + 1) / c) + m - 1 (ceil(k / c) when m = 0)."""
+        k, m = self.input_tokens, self.output_tokens
+        return ceil_div(k + (1 if m else 0), self.max_chunk_tokens) + max(0, m - 1)
 
     @property
     def tokens_written(self) -> int:

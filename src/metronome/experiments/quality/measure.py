@@ -78,10 +78,11 @@ class NllRecorder:
 
     def on_step(self, step: SessionStep) -> None:
         logits = step.logits  # (input_tokens, vocab) float32
-        assert step.submitted_tokens in (0, step.input_tokens), step
+        carried = step.input_tokens - step.submitted_tokens  # fed-back tokens, first
+        assert 0 <= carried <= 1, step
         items = [self.expected.popleft() for _ in range(step.submitted_tokens)]
-        scored = [(i, tok, pos) for i, (tok, pos) in enumerate(items)
-                  if pos is not None and (i > 0 or self.last_row is not None)]
+        scored = [(carried + i, tok, pos) for i, (tok, pos) in enumerate(items)
+                  if pos is not None and (carried + i > 0 or self.last_row is not None)]
         if scored:
             rows = torch.stack([logits[i - 1] if i else self.last_row for i, _, _ in scored])
             targets = torch.tensor([tok for _, tok, _ in scored])
