@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metronome.kv.residency import ResidencyPolicy
-from metronome.plan.memory import ceil_div
 
 
 @dataclass(frozen=True)
@@ -47,9 +46,8 @@ class FrameSchedule:
 
     @property
     def num_steps(self) -> int:
-        """s = ceil((k + 1) / c) + m - 1 (ceil(k / c) when m = 0)."""
-        k, m = self.input_tokens, self.output_tokens
-        return ceil_div(k + (1 if m else 0), self.max_chunk_tokens) + max(0, m - 1)
+        """s = ceil((k + 1) / c) + m - 1 (ceil(k / c) when m = 0): one step per chunk."""
+        return len(self.chunks)
 
     @property
     def tokens_written(self) -> int:
