@@ -21,6 +21,7 @@ each token depends only on its own period plus `window - hop` samples before it.
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass
 
@@ -228,6 +229,18 @@ class StreamingAudioEncoder:
     @property
     def pending_samples(self) -> int:
         return self._buffer.numel() - self.frontend.fmt.context_samples
+
+    def saved(self) -> dict:
+        """Its stream state (context and pending samples, a split byte), for a checkpoint
+        (`serve.checkpoint`); `load` puts it back. Only while no push is under way."""
+        return {"buffer": base64.b64encode(self._buffer.float().numpy().tobytes()).decode(),
+                "odd_byte": base64.b64encode(self._odd_byte).decode()}
+
+    def load(self, saved: dict) -> None:
+        raw = bytearray(base64.b64decode(saved["buffer"]))
+        self._buffer = torch.frombuffer(raw, dtype=torch.float32).clone()
+        self._odd_byte = base64.b64decode(saved["odd_byte"])
+        assert 0 <= self.pending_samples < self.frontend.fmt.samples_per_token
 
     def push(self, audio: torch.Tensor | bytes) -> torch.Tensor:
         """Append audio (float samples (n,) or PCM16 bytes); returns (k, hidden), k >= 0."""

@@ -44,6 +44,10 @@ class ClusterConfig(BaseModel):
     drain_timeout_s: float = Field(600.0, gt=0, description="a replica being removed takes "
                                    "no new session and ends when its sessions have, or after "
                                    "this long")
+    session_store_bytes: int = Field(2 << 30, ge=1 << 20, description="memory the "
+                                     "session store (on Ray's head) may hold in session "
+                                     "checkpoints; a checkpoint past it is not kept (that "
+                                     "session does not resume on another replica)")
     # the autoscaler (`cluster.autoscale`); only with a MIN..MAX range
     autoscale_headroom_sessions: int = Field(1, ge=0, description="autoscaling: add a "
                                              "replica when the fleet's free sessions (caps "

@@ -17,6 +17,7 @@ application takes it too, but its autoscaler sets the count again at its next de
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -31,6 +32,7 @@ from metronome.cluster.board import NAMESPACE
 from metronome.cluster.config import ClusterConfig
 from metronome.cluster.replica import MetronomeReplica, board_handle
 from metronome.cluster.router import APP_ROUTE_PREFIX, ROUTER_PATH
+from metronome.cluster.session_store import STORE_NAME
 from metronome.serve.config import ServerConfig
 
 APP_NAME = "metronome"
@@ -125,6 +127,8 @@ def serve_cluster(config: ServerConfig, cluster: ClusterConfig, log_level: str =
     finally:
         serve.delete(APP_NAME)
         ray.kill(board)
+        with contextlib.suppress(ValueError):  # no replica ever made it
+            ray.kill(ray.get_actor(STORE_NAME, namespace=NAMESPACE))
         if local:
             serve.shutdown()
         ray.shutdown()

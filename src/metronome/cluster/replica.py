@@ -38,6 +38,7 @@ from metronome.cluster.board import BOARD_NAME, NAMESPACE, ClusterBoard
 from metronome.cluster.config import ClusterConfig
 from metronome.cluster.headroom import ReplicaRoom
 from metronome.cluster.metrics import ClusterMetrics, ReplicaRegistry
+from metronome.cluster.session_store import RayCheckpointStore, store_handle
 from metronome.runtime.cores import reserve_for_engine_thread
 from metronome.serve.app import create_app
 from metronome.serve.config import ServerConfig
@@ -46,6 +47,7 @@ from metronome.serve.state import ServerState
 CLUSTER_PATH = "/v1/cluster"
 FORGET_AFTER_S = 60.0  # a replica gone this long leaves /v1/cluster
 DRAIN_CHECK_PERIOD_S = 1.0  # how often a replica asks the controller whether it is stopping
+STORE_EXPIRY_MARGIN_S = 30.0  # a checkpoint outlives the resume grace by this much
 
 log = logging.getLogger("ray.serve")
 
@@ -79,7 +81,11 @@ class MetronomeReplica:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         registry = ReplicaRegistry({"replica": self.replica_id}, self.cluster_metrics)
-        app = create_app(self.config, registry=registry)
+        # checkpoints older than a lease are no use: the session would have ended
+        store = RayCheckpointStore(store_handle(
+            self.config.resume_grace_s + STORE_EXPIRY_MARGIN_S, self.cluster.session_store_bytes))
+        app = create_app(self.config, registry=registry, checkpoint_store=store,
+                         server_name=self.replica_id)
 
         @app.get(CLUSTER_PATH)
         async def cluster() -> dict:

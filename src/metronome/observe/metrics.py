@@ -44,6 +44,10 @@ SESSION_RESUMES_TOTAL = "metronome_session_resumes_total"
 SESSION_LEASES_ENDED_TOTAL = "metronome_session_leases_ended_total"
 SESSIONS_LEASED = "metronome_sessions_leased"
 SESSION_RESUME_SECONDS = "metronome_session_resume_seconds"
+SESSION_CHECKPOINTS_TOTAL = "metronome_session_checkpoints_total"
+SESSION_MIGRATIONS_TOTAL = "metronome_session_migrations_total"
+SESSION_CHECKPOINT_BYTES = "metronome_session_checkpoint_bytes"
+SESSION_CHECKPOINT_SECONDS = "metronome_session_checkpoint_seconds"
 SESSION_AWAY_SECONDS = "metronome_session_away_seconds"
 
 # Statuses whose series exist from the start (at 0), so rate() works before the first event.
@@ -57,7 +61,12 @@ LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 AWAY_BUCKETS_S = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
-RESUME_OUTCOMES = ("resumed", "refused_token", "refused_draining", "refused_off")
+RESUME_OUTCOMES = ("resumed", "restored", "refused_token", "refused_draining", "refused_off",
+                   "refused_pool")
+# stored; generating (skipped: a frame's tokens still coming); refused (another server has
+# the session, or the store is full); unbounded (never checkpointed)
+CHECKPOINT_OUTCOMES = ("stored", "generating", "refused", "unbounded")
+CHECKPOINT_BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 31, 2))  # 64 KiB .. 1 GiB
 # How a lease usually ends (any session outcome may end one): declared so the series exist at 0
 LEASE_OUTCOMES = ("resumed", "lease_expired", "drained")
 
@@ -152,6 +161,35 @@ class Metrics:
             "queued.", buckets=LATENCY_BUCKETS_S, registry=reg)
         self._away_seconds = Histogram(SESSION_AWAY_SECONDS, "How long a resumed session's "
                                        "client was away.", buckets=AWAY_BUCKETS_S, registry=reg)
+
+        self._checkpoints = Counter(SESSION_CHECKPOINTS_TOTAL, "Session checkpoints "
+                                    "(serve.checkpointing) by outcome.", ["outcome"],
+                                    registry=reg)
+        for outcome in CHECKPOINT_OUTCOMES:
+            self._checkpoints.labels(outcome)
+        self._migrations = Counter(SESSION_MIGRATIONS_TOTAL, "Sessions a draining server "
+                                   "checkpointed and told to resume elsewhere (close 4002).",
+                                   registry=reg)
+        self._checkpoint_bytes = Histogram(SESSION_CHECKPOINT_BYTES, "Size of a stored session "
+                                           "checkpoint (engine snapshot + session state).",
+                                           buckets=CHECKPOINT_BYTES_BUCKETS, registry=reg)
+        self._checkpoint_seconds = Histogram(
+            SESSION_CHECKPOINT_SECONDS, "Engine-thread time to snapshot and serialize one "
+            "checkpoint (it delays the next step by as much).", buckets=LATENCY_BUCKETS_S,
+            registry=reg)
+
+    def session_migrated(self) -> None:
+        """A draining server handed a session to the others (closed 4002 after its
+        checkpoint was stored)."""
+        self._migrations.inc()
+
+    def checkpoint(self, outcome: str, nbytes: int | None = None,
+                   seconds: float | None = None) -> None:
+        self._checkpoints.labels(outcome).inc()
+        if nbytes is not None:
+            self._checkpoint_bytes.observe(nbytes)
+        if seconds is not None:
+            self._checkpoint_seconds.observe(seconds)
 
     def resume_attempt(self, outcome: str, away_s: float | None = None) -> None:
         """`outcome`: resumed or refused_<why>; `away_s`: a resumed client's time away."""

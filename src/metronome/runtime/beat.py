@@ -31,6 +31,7 @@ from collections.abc import Callable
 from metronome.engine.engine import SessionError
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import PreparedInput, Rebound, SessionStep, WorkStatus
+from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.feed import DEFAULT_FEED, FeedPolicy, SessionFeed
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus
 from metronome.runtime.ports import EngineCommands, Listeners, StepReport, Timer
@@ -62,6 +63,19 @@ class Beat:
                                                   on_result, on_rebound)
         self.feeds[session_id] = SessionFeed()
         return session_id
+
+    def adopt_session(self, profile: SessionProfile, session_id: int, now_s: float,
+                      public_id: str | None, on_result: Callable[[FrameResult], None] | None,
+                      on_rebound: Callable[[Rebound], None] | None, frames_submitted: int,
+                      bound: ResidencyPolicy | None) -> None:
+        """A session the engine holds already (restored from a snapshot: `engine.snapshot`),
+        with no frame outstanding: its frames are numbered on from `frames_submitted`."""
+        assert session_id not in self.sessions, session_id
+        record = SessionRecord(session_id, profile, now_s, public_id, on_result, on_rebound)
+        record.frames_submitted = record.frames_answered = frames_submitted
+        record.bound = bound
+        self.sessions[session_id] = record
+        self.feeds[session_id] = SessionFeed()
 
     def close_session(self, session_id: int, now_s: float) -> None:
         """Answer what is still owed (`cancelled`) and free the session's blocks at once."""

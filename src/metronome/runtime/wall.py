@@ -11,10 +11,12 @@ driver started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 from metronome.engine.engine import SessionError
 from metronome.engine.session import SessionSpec
@@ -26,6 +28,7 @@ from metronome.runtime.ports import EnginePort, Listeners
 log = logging.getLogger(__name__)
 
 Command = Callable[[], None]
+T = TypeVar("T")
 
 
 class QueuedCommands(EngineCommandsBase):
@@ -87,6 +90,26 @@ class WallDriver(Driver):
         """Run fn on the engine thread after the commands queued so far (e.g. read the pool
         right after a close); fn must not block."""
         self._commands.put(fn)
+
+    def run_on_engine(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """`call_on_engine`, with fn's result (or exception) as a future on the loop."""
+        future: asyncio.Future[T] = self.loop.create_future()
+
+        def settle(outcome: Callable[[], None]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
+                self.loop.call_soon_threadsafe(outcome)
+
+        def run() -> None:
+            try:
+                value = fn()
+            except Exception as err:  # the caller's to handle, on the loop
+                failure = err
+                settle(lambda: future.done() or future.set_exception(failure))
+                return
+            settle(lambda: future.done() or future.set_result(value))
+
+        self.call_on_engine(run)
+        return future
 
     def close(self) -> None:
         self._stop.set()

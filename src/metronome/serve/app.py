@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from metronome.engine.engine import Engine
 from metronome.model.llama import LlamaModel
 from metronome.serve.auth import KeyGuard, request_has_key
+from metronome.serve.checkpoint import CheckpointStore
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
 from metronome.serve.state import ServerState
@@ -30,10 +31,14 @@ OPEN_PATHS = frozenset({"/healthz", STATUS_PAGE_PATH})  # /healthz: its status o
 
 
 def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=None,
-               registry: CollectorRegistry | None = None) -> FastAPI:
+               registry: CollectorRegistry | None = None,
+               checkpoint_store: CheckpointStore | None = None,
+               server_name: str = "local") -> FastAPI:
     """`model=None` loads `config.model` at startup (with its tokenizer); an injected model
     comes with its tokenizer (None: audio only). Metrics go to `registry` (default: a new
-    one per app, never the process-global registry)."""
+    one per app, never the process-global registry). With `checkpoint_store` (a cluster's)
+    bounded sessions are checkpointed there as `server_name`, and sessions other servers
+    checkpointed resume here (`serve.checkpointing`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,7 +51,8 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
             gc.collect()
             gc.freeze()
             state = ServerState(config, engine, tok, registry or CollectorRegistry(),
-                                model_name=model_name)
+                                model_name=model_name, checkpoint_store=checkpoint_store,
+                                server_name=server_name)
             app.state.serving = state
             try:
                 yield

@@ -88,6 +88,19 @@ class AudioFramer:
             cuts.append(PcmCut(chunk, self._ms(end_bytes)))
         return cuts
 
+    def saved(self) -> dict:
+        """The framing and the encoder's stream state, for a checkpoint (`serve.checkpoint`):
+        only between frames, when no encode is under way."""
+        return {"received_bytes": self.received_bytes,
+                "pending": base64.b64encode(self._pending).decode(),
+                "encoder": self._encoder.saved()}
+
+    def load(self, saved: dict) -> None:
+        self.received_bytes = saved["received_bytes"]
+        self._pending = bytearray(base64.b64decode(saved["pending"]))
+        assert len(self._pending) < self.frame_bytes, len(self._pending)
+        self._encoder.load(saved["encoder"])
+
     def clear_pending(self) -> None:
         """Drop the partial frame (`input_audio_buffer.clear`); the stream position stays."""
         self._pending.clear()

@@ -94,6 +94,11 @@ class ServerConfig(BaseModel):
                                   "long after its connection drops, for its client to resume "
                                   "it (the resume token is in session.created's metronome "
                                   "block); 0: a dropped session ends at once")
+    checkpoint_interval_s: float = Field(5.0, ge=0, le=3600, description="on a cluster "
+                                         "(--replicas), checkpoint each bounded session to "
+                                         "the session store at most this often, so another "
+                                         "replica can resume it (replaying the input since); "
+                                         "0: never (a replica's sessions die with it)")
     max_outbox_events: int = Field(4096, ge=16, description="server events a slow reader "
                                    "may leave queued before it is closed 1008")
     max_outbox_bytes: int = Field(1 << 20, ge=1 << 16, description="bytes of server events "

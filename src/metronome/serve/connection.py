@@ -51,6 +51,8 @@ from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.rate_limit import RateLimit, Verdict
 from metronome.serve.resume import (
     LAST_EVENT_QUERY,
+    MIGRATED_CLOSE_CODE,
+    MIGRATED_REASON,
     RESUME_QUERY,
     TAKEN_OVER_CLOSE_CODE,
     TOKEN_HEADER,
@@ -77,6 +79,7 @@ class CloseCode(enum.IntEnum):
     INTERNAL_ERROR = 1011
     TRY_AGAIN_LATER = 1013  # refused by admission after the upgrade
     HANDED_OVER = TAKEN_OVER_CLOSE_CODE  # the session was resumed on another connection
+    MIGRATED = MIGRATED_CLOSE_CODE  # the server drains: resume the session (another server)
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,12 @@ class Connection:
                                   extensions=self._wants_extensions())
         self.state.add(session, self)  # before any await: admission counts it
         self._grant(session)
-        await self._run(session, session.start)
+        await self._run(session, lambda: self._start(session))
+
+    def _start(self, session: RealtimeSession) -> None:
+        session.start()
+        if self.state.checkpoints is not None and session.resume is not None:
+            self.state.checkpoints.opened(session)  # resumable elsewhere from here on
 
     async def _run(self, session: RealtimeSession, on_accepted: Callable[[], None]) -> None:
         ending = Ending("error", CloseCode.INTERNAL_ERROR, "internal error")
@@ -154,6 +162,8 @@ class Connection:
         if resumption.enabled and session.extensions:
             session.resume = ResumeOut(token=resumption.grant(session.id, self._api_key()),
                                        grace_s=resumption.grace_s)
+            if self.state.checkpoints is not None:
+                self.state.checkpoints.regranted(session.id)
 
     def _resume_from(self) -> int:
         """The first session event this connection did not hand to the transport."""
@@ -172,6 +182,14 @@ class Connection:
         loop = asyncio.get_running_loop()
         arrived_s = loop.time()
         token = offered_token(self.ws.headers.get(TOKEN_HEADER), self.subprotocols)
+        state = self.state
+        if state.checkpoints is not None and state.resumption.enabled and not state.draining:
+            if session_id in state.sessions and await state.checkpoints.claimed_away(
+                    session_id):
+                state.moved(session_id)  # resumed on another server since: not here
+            if session_id not in state.sessions:
+                await self._serve_taken_over(session_id, token, arrived_s)
+                return
         try:
             session, away_s = self.state.take_for_resume(session_id, token, self._api_key(),
                                                          self)
@@ -194,6 +212,45 @@ class Connection:
             self.state.metrics.observe_resume(loop.time() - arrived_s)
             log.info("session %s resumed after %.3f s: %d events replayed, %d missed",
                      session.id, away_s, len(replay.texts), replay.missed_events)
+
+        await self._run(session, resumed)
+
+    async def _serve_taken_over(self, session_id: str, token: str | None,
+                                arrived_s: float) -> None:
+        """A session another server held (`serve.checkpointing`): claimed from the store,
+        opened here from its checkpoint, its client's events since replayed; the client gets
+        `metronome.session.resumed` (`from_checkpoint`), then the events the replay makes
+        (they supersede what it had after the checkpoint), then the live ones."""
+        state = self.state
+        try:
+            restored = await state.take_over(session_id, token, self._api_key())
+        except ResumeRefused as refused:
+            await self._refuse(refused, refused.http_status, CloseCode.POLICY_VIOLATION,
+                               "resume refused")
+            return
+        saved = restored.saved
+        session = RealtimeSession(state, self._sink, self._on_failure, saved["extensions"],
+                                  saved=saved, engine_session_id=restored.engine_session_id)
+        state.add(session, self)
+        state.checkpoints.adopted(session, restored)
+        self._attached_seq = session.channel.stream.next_seq  # its channel is ours already
+        loop = asyncio.get_running_loop()
+
+        def resumed() -> None:
+            self._grant(session)
+            self._emit(MetronomeSessionResumed(session=session.describe(), resumed=ResumedOut(
+                away_s=0.0, replayed_events=0, missed_events=0, from_checkpoint=True,
+                replayed_client_events=len(restored.events))))
+            for text in restored.events:  # applied before: they apply again
+                session.client_seq += 1
+                try:
+                    session.handle(p.parse_client_event(text, self.config.max_message_values,
+                                                        self.config.max_message_depth))
+                except ClientError as err:
+                    self._error(err)
+            state.metrics.observe_resume(loop.time() - arrived_s)
+            log.info("session %s taken over from a checkpoint: %d client events replayed",
+                     session.id, len(restored.events))
 
         await self._run(session, resumed)
 
@@ -306,6 +363,8 @@ class Connection:
             session.handle(event)
         except ClientError as err:
             self._error(err, event.event_id)
+            return
+        self.state.applied(session, text)
 
     def _on_refused(self, verdict: Verdict, limit: RateLimit, text: str | None) -> None:
         """One error per run of refused messages, echoing the first one's event_id (read
@@ -351,6 +410,10 @@ class Connection:
                             error_type=ErrorType.SERVER)
         self._end(Ending("drained", CloseCode.GOING_AWAY, "server draining: drain timeout",
                          error))
+
+    def migrate(self) -> None:
+        """`SessionOwner`: draining, the session is checkpointed: resume it elsewhere."""
+        self._end(Ending("migrated", CloseCode.MIGRATED, MIGRATED_REASON))
 
     def _on_failure(self) -> None:
         self._end(Ending("error", CloseCode.INTERNAL_ERROR, "internal error"))

@@ -49,6 +49,19 @@ class Conversation:
             self._items.popitem(last=False)
         return previous
 
+    def saved(self) -> dict:
+        """Its items and last item id, as JSON (a checkpoint: `serve.checkpoint`)."""
+        return {"items": [item.model_dump(mode="json") for item in self._items.values()],
+                "last_item_id": self.last_item_id}
+
+    @classmethod
+    def load(cls, saved: dict, max_items: int = MAX_ITEMS) -> Conversation:
+        conversation = cls(max_items)
+        for data in saved["items"]:
+            conversation.add(se.ItemOut.model_validate(data))
+        conversation.last_item_id = saved["last_item_id"]
+        return conversation
+
     def update(self, item: se.ItemOut) -> None:
         """An item's final form (an assistant item once its response is done)."""
         if item.id in self._items:

@@ -38,7 +38,9 @@ LAST_EVENT_QUERY = "last_event_id"  # ?last_event_id=<the last server event rece
 TOKEN_HEADER = "metronome-resume-token"
 TOKEN_SUBPROTOCOL_PREFIX = "metronome-resume-token."
 TAKEN_OVER_CLOSE_CODE = 4001  # the session was resumed on another connection
-_DUMMY_DIGEST = hashlib.sha256(b"no such session").digest()
+MIGRATED_CLOSE_CODE = 4002  # its server drains and checkpointed it: resume it (elsewhere)
+MIGRATED_REASON = "session moved: resume it"
+_DUMMY_DIGEST = hashlib.sha256(b"no such session").digest()  # an unknown session's
 
 
 def offered_token(header: str | None, subprotocols: Iterable[str]) -> str | None:
@@ -51,16 +53,36 @@ def offered_token(header: str | None, subprotocols: Iterable[str]) -> str | None
     return None
 
 
-def _digest(text: str) -> bytes:
+def digest(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What resumes one session, as kept: its current token's digest and its key's."""
+
+    token_digest: bytes
+    key_digest: bytes
+
+    @classmethod
+    def of(cls, token: str, api_key: str) -> Credentials:
+        return cls(digest(token), digest(api_key))
+
+
+def verify(credentials: Credentials | None, token: str | None, api_key: str) -> bool:
+    """Constant time in the token, whether or not the session exists (None: unknown)."""
+    expected = _DUMMY_DIGEST if credentials is None else credentials.token_digest
+    token_ok = hmac.compare_digest(digest(token or ""), expected)
+    key_ok = credentials is not None and hmac.compare_digest(digest(api_key),
+                                                             credentials.key_digest)
+    return token_ok and key_ok and token is not None
 
 
 @dataclass
 class Grant:
-    """What resumes one session: its current token's digest and its key's."""
+    """One session's credentials and lease."""
 
-    token_digest: bytes
-    key_digest: bytes
+    credentials: Credentials
     leased_at_s: float | None = None  # None: connected
     expiry: asyncio.TimerHandle | None = None
 
@@ -85,16 +107,20 @@ class Resumption:
         """A new token for the session (its previous one, if any, no longer resumes it)."""
         assert self.enabled
         token = secrets.token_urlsafe(32)
-        self._grants[session_id] = Grant(_digest(token), _digest(api_key))
+        grant = self._grants.get(session_id)
+        if grant is None:
+            self._grants[session_id] = Grant(Credentials.of(token, api_key))
+        else:  # a resumed session's lease state stays as it is
+            grant.credentials = Credentials.of(token, api_key)
         return token
+
+    def credentials(self, session_id: str) -> Credentials | None:
+        grant = self._grants.get(session_id)
+        return None if grant is None else grant.credentials
 
     def verify(self, session_id: str, token: str | None, api_key: str) -> bool:
         """Constant time in the token, whether or not the session exists."""
-        grant = self._grants.get(session_id)
-        expected = _DUMMY_DIGEST if grant is None else grant.token_digest
-        token_ok = hmac.compare_digest(_digest(token or ""), expected)
-        key_ok = grant is not None and hmac.compare_digest(_digest(api_key), grant.key_digest)
-        return token_ok and key_ok and grant is not None and token is not None
+        return verify(self.credentials(session_id), token, api_key)
 
     @property
     def num_leased(self) -> int:

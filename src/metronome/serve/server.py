@@ -66,8 +66,8 @@ class ServerThread:
     (127.0.0.1, a free port) until the block ends."""
 
     def __init__(self, config: ServerConfig, model: LlamaModel | None = None, tokenizer=None,
-                 log_level: str = "warning") -> None:
-        self.app = create_app(config, model, tokenizer)
+                 log_level: str = "warning", **app_options) -> None:
+        self.app = create_app(config, model, tokenizer, **app_options)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]

@@ -65,8 +65,10 @@ from metronome.serve.input_limits import (
 from metronome.serve.kv_events import BoundOut, MetronomeSessionBounded
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.refusals import unsupported
+from metronome.serve.session_checkpoint import load_state
 from metronome.serve.session_host import Input, SessionHost
 from metronome.serve.session_schema import ResumeOut
+from metronome.serve.session_view import summary
 from metronome.serve.settings import SessionSettings
 from metronome.serve.text import ChatText
 from metronome.serve.turn_detection import TurnDetection
@@ -76,8 +78,11 @@ log = logging.getLogger(__name__)
 
 class RealtimeSession:
     def __init__(self, host: SessionHost, sink: Sink, on_failure: Callable[[], None],
-                 extensions: bool = False) -> None:
-        self.id = p.new_id("sess")
+                 extensions: bool = False, saved: dict | None = None,
+                 engine_session_id: int | None = None) -> None:
+        """A new session; or, with `saved` (`saved_state`, from a checkpoint), the one it
+        describes, continuing the engine session `engine_session_id` the host restored."""
+        self.id = p.new_id("sess") if saved is None else saved["id"]
         self.host = host
         config = host.config
         # Its events, numbered and kept for a resume, to its client's connection; a bug in
@@ -88,25 +93,35 @@ class RealtimeSession:
         self.on_failure = self.channel.fail
         self.extensions = extensions  # the client opted in to `metronome.*` events
         self.resume: ResumeOut | None = None  # how its client resumes it (`serve.resume`)
-        self.settings = SessionSettings.defaults(config)
+        self.settings = SessionSettings.defaults(config) if saved is None else (
+            SessionSettings.load(saved["settings"]))
         self.profile = config.profile(self.settings.mode)
-        self.opened_at_s = host.now_s()
-        self.engine_session_id = self._open_engine_session()
+        self.opened_at_s = host.now_s() - (0.0 if saved is None else saved["age_s"])
+        self.client_seq = 0  # client events applied (`serve.checkpoint` logs them by it)
+        if saved is None:
+            self.engine_session_id = self._open_engine_session()
+        else:
+            assert engine_session_id is not None
+            self.engine_session_id = engine_session_id
+            host.adopt_session(self.profile, self.id, engine_session_id, self._on_result_guarded,
+                               self._on_rebound, saved["frames_submitted"], saved["bound"])
         self.framer = AudioFramer(host.frontend(self.settings.sample_rate_hz),
                                   config.frame_period_s)
         self.decoder = host.chat.decoder() if host.chat else None
         self.started = False  # input has reached the engine: mode and rate are fixed
         self.closed = False
         self._origins: dict[int, FrameOrigin] = {}  # frame index -> its origin, until answered
-        self._appended_since_commit_bytes = 0
+        self.appended_since_commit_bytes = 0
         self.committed_ms = 0.0  # input stream position of the last commit
         self.conversation = Conversation()
         self._client_response: ResponseHandle | None = None
         self._client_response_index: int | None = None  # its frame, once in the beat
         self._cancel_pending: str | None = None  # cancel it (this reason) once in the beat
-        self._told_not_honored: set[str] = set()  # logged once per session
-        self._instructions: str | None = None
+        self.told_not_honored: set[str] = set()  # logged once per session
+        self.instructions: str | None = None
         self.turns: TurnDetection | None = None  # server VAD; None: the client commits
+        if saved is not None:
+            load_state(self, saved)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -164,7 +179,7 @@ class RealtimeSession:
     def _update(self, update: p.SessionIn) -> None:
         settings = self.settings.updated(update, self.host.config, self.host.chat is not None)
         instructions = update.instructions
-        new_instructions = instructions is not None and instructions != self._instructions
+        new_instructions = instructions is not None and instructions != self.instructions
         if new_instructions:  # refused before anything changes
             check_text_length(instructions, self.host.config.max_text_chars,
                               "session.instructions")
@@ -178,7 +193,7 @@ class RealtimeSession:
             else:
                 self._instruct(instructions)
         self.settings = settings
-        self._set_turns(settings.turns)
+        self.set_turns(settings.turns)
         self._tell_not_honored(not_honored)
         self.emit(se.SessionUpdated(session=self.describe()))
 
@@ -186,16 +201,16 @@ class RealtimeSession:
         """Instructions are a system message at this point of the conversation (a KV is
         written in order: earlier ones stay until the window slides past them)."""
         self._queue_text("system", instructions, "session.instructions", content_type=None)
-        self._instructions = instructions
+        self.instructions = instructions
 
     def _tell_not_honored(self, fields: list[str]) -> None:
-        new = [name for name in fields if name not in self._told_not_honored]
+        new = [name for name in fields if name not in self.told_not_honored]
         if new:
             log.info("session %s: accepted and not acted on (the served model cannot): %s",
                      self.id, ", ".join(new))
-            self._told_not_honored.update(new)
+            self.told_not_honored.update(new)
 
-    def _set_turns(self, turns: p.ServerVad | None) -> None:
+    def set_turns(self, turns: p.ServerVad | None) -> None:
         """Start, restart (new settings or rate) or stop server VAD from where audio stands."""
         current, rate_hz = self.turns, self.settings.sample_rate_hz
         if current is not None and (current.settings, current.sample_rate_hz) == (
@@ -229,7 +244,7 @@ class RealtimeSession:
         check_audio_room(self.record, framer, config, max(0, len(audio_b64) // 4 * 3 - 2))
         pcm = decode_pcm16(audio_b64)
         check_audio_room(self.record, framer, config, len(pcm))
-        self._appended_since_commit_bytes += len(pcm)
+        self.appended_since_commit_bytes += len(pcm)
         for cut in framer.cut(pcm):
             self._encode_then_submit(cut)
         if self.turns is not None:
@@ -238,9 +253,9 @@ class RealtimeSession:
     def _commit(self, item_id: str | None = None) -> None:
         """The buffer becomes a user item: `item_id` (a turn's), the speech under way's, or a
         new one."""
-        if not self._appended_since_commit_bytes:
+        if not self.appended_since_commit_bytes:
             raise ClientError(ErrorCode.COMMIT_EMPTY, "no audio appended since the last commit")
-        self._appended_since_commit_bytes = 0
+        self.appended_since_commit_bytes = 0
         self.committed_ms = self.framer.received_ms
         self._encode_then_submit(self.framer.cut_rest())
         # a commit mid-speech takes the turn's item id with it
@@ -256,10 +271,10 @@ class RealtimeSession:
         """Audio appended and not yet cut into a frame is dropped; frames already in the beat
         are the conversation's (a KV is written in order)."""
         self.framer.clear_pending()
-        self._appended_since_commit_bytes = 0
+        self.appended_since_commit_bytes = 0
         if self.turns is not None:
-            self._set_turns(None)
-            self._set_turns(self.settings.turns)  # speech under way is forgotten
+            self.set_turns(None)
+            self.set_turns(self.settings.turns)  # speech under way is forgotten
         self.emit(se.InputAudioBufferCleared())
 
     def _create_item(self, event: p.ConversationItemCreate) -> None:
@@ -356,7 +371,7 @@ class RealtimeSession:
 
     # ---- turns (server VAD: `TurnTaker`) -------------------------------------------------
     def end_turn(self, item_id: str) -> None:
-        if not self._appended_since_commit_bytes:
+        if not self.appended_since_commit_bytes:
             return  # the client committed this speech already
         self._commit(item_id)
         if self.turns.settings.create_response and self.settings.mode is SessionMode.TURN:
@@ -450,6 +465,7 @@ class RealtimeSession:
             self.emit(event)
         if origin.kind == "response":
             self._client_response = self._client_response_index = None
+        self.host.settled(self)
 
     def _text_of(self, token_ids: list[int], flush: bool) -> str:
         if self.decoder is None:
@@ -457,11 +473,21 @@ class RealtimeSession:
         text = self.decoder.push(token_ids)
         return text + self.decoder.flush() if flush else text
 
+    # ---- checkpoints (serve.checkpoint) ---------------------------------------------------
+    @property
+    def quiescent(self) -> bool:
+        """Nothing of it under way on the loop, encoder or beat: a checkpoint may be taken
+        (the engine side is checked on the engine thread: nothing still generating)."""
+        record = self.record
+        return (not self.closed and not self._origins and record.unanswered_frames == 0
+                and record.queued_input_tokens == 0 and self._client_response is None
+                and self._cancel_pending is None and not record.ended_reason)
+
     # ---- descriptions --------------------------------------------------------------------
     def describe(self) -> p.SessionOut:
         return self.settings.describe(self.id, self.host.model_name, self.profile,
                                       self._policy(), self.host.config.token_rate_hz,
-                                      self._instructions, self.extensions, self.resume)
+                                      self.instructions, self.extensions, self.resume)
 
     def _policy(self):
         """The KV bound in force: the profile's, or the one KV pressure imposed."""
@@ -470,20 +496,5 @@ class RealtimeSession:
         return self.record.policy
 
     def summary(self, now_s: float, resident_kv_tokens: int | None) -> dict:
-        """What `GET /v1/sessions` shows of this session."""
-        record = self.record
-        last = record.last_status
-        return {
-            "id": self.id, "status": "ended" if record.ended_reason else "active",
-            "ended_reason": record.ended_reason or None, "mode": self.settings.mode.value,
-            "policy": str(record.policy),
-            "sample_rate_hz": self.settings.sample_rate_hz,
-            "age_s": round(now_s - self.opened_at_s, 3),
-            "engine_session_id": self.engine_session_id,
-            "resident_kv_tokens": resident_kv_tokens,
-            "frames_submitted": record.frames_submitted,
-            "frames_answered": record.frames_answered,
-            "last_frame_status": None if last is None else last.value,
-            "unanswered_frames": record.unanswered_frames,
-            "queued_input_tokens": record.queued_input_tokens,
-        }
+        """What `GET /v1/sessions` shows of this session (`serve.session_view`)."""
+        return summary(self, now_s, resident_kv_tokens)

@@ -37,6 +37,15 @@ class SessionHost(VadHost, Protocol):
                      on_result: Callable[[FrameResult], None],
                      on_rebound: Callable[[Rebound], None]) -> int: ...
 
+    def adopt_session(self, profile: SessionProfile, public_id: str, engine_session_id: int,
+                      on_result: Callable[[FrameResult], None],
+                      on_rebound: Callable[[Rebound], None], frames_submitted: int,
+                      bound: str | None) -> None:
+        """Serve an engine session restored from a checkpoint (`serve.checkpoint`)."""
+
+    def settled(self, session) -> None:
+        """A frame result of `session` was handled (a checkpoint may be due)."""
+
     def record(self, engine_session_id: int) -> SessionRecord: ...
 
     def close_session(self, engine_session_id: int) -> None: ...

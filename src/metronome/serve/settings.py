@@ -35,6 +35,17 @@ class SessionSettings:
     def defaults(cls, config: ServerConfig) -> SessionSettings:
         return cls(config.mode, config.default_sample_rate_hz)
 
+    def saved(self) -> dict:
+        """As JSON, for a checkpoint (`serve.checkpoint`)."""
+        return {"mode": self.mode.value, "sample_rate_hz": self.sample_rate_hz,
+                "turns": None if self.turns is None else self.turns.model_dump(mode="json")}
+
+    @classmethod
+    def load(cls, saved: dict) -> SessionSettings:
+        turns = saved["turns"]
+        return cls(SessionMode(saved["mode"]), saved["sample_rate_hz"],
+                   None if turns is None else p.ServerVad.model_validate(turns))
+
     def updated(self, update: p.SessionIn, config: ServerConfig,
                 has_tokenizer: bool) -> SessionSettings:
         """These settings with `update` applied; raises `ClientError` for what is not

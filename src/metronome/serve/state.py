@@ -40,6 +40,8 @@ from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
 from metronome.runtime.record import Accepted, SessionRecord
 from metronome.runtime.wall import WallDriver
+from metronome.serve.checkpoint import CheckpointStore
+from metronome.serve.checkpointing import Checkpointer, Restored
 from metronome.serve.config import ServerConfig
 from metronome.serve.event_stream import EventChannel
 from metronome.serve.loop_lag import LoopLagProbe
@@ -68,6 +70,10 @@ class SessionOwner(Protocol):
     def go_away(self) -> None:
         """The server drains and its timeout passed: close 1001."""
 
+    def migrate(self) -> None:
+        """The server drains and the session is checkpointed: close 4002, the client
+        resumes it on another server."""
+
     def hand_over(self) -> int:
         """The session was resumed on another connection: close 4001, leave the session, and
         say from which event of the session's stream the client may not have it."""
@@ -84,7 +90,9 @@ class ResumeRefused(ClientError):
 
 class ServerState:
     def __init__(self, config: ServerConfig, engine: Engine, tokenizer,
-                 registry: CollectorRegistry, model_name: str) -> None:
+                 registry: CollectorRegistry, model_name: str,
+                 checkpoint_store: CheckpointStore | None = None,
+                 server_name: str = "local") -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
@@ -100,6 +108,7 @@ class ServerState:
         self.owners: dict[str, SessionOwner] = {}  # by public id: its connection; absent:
         # the session is leased (its client dropped; `serve.resume`)
         self.draining = False  # set once (`drain`): no new session from then on
+        self._migrating: set[str] = set()  # draining: checkpoint under way, then closed 4002
         self._frontends: dict[int, AudioFrontEnd] = {}
         # One thread prepares every session's input, audio (log-mel + projection) and text
         # (tokenizing): off the loop, so one session's input never delays another's deadline
@@ -145,6 +154,15 @@ class ServerState:
         self.loop_lag.start()
         self.resumption = Resumption(config.resume_grace_s, self.driver.loop, self.metrics,
                                      self._end_leased)
+        # Checkpoints to a store beyond this server (a cluster's: `serve.checkpointing`), so
+        # another server resumes a session this one held; they need resume tokens and the
+        # native engine's snapshots.
+        self.checkpoints = Checkpointer(
+            checkpoint_store, server_name, config.checkpoint_interval_s, engine,
+            self.driver.run_on_engine, self.resumption.credentials, self.metrics,
+            self.moved, self.now_s) if (
+            checkpoint_store is not None and config.checkpoint_interval_s > 0
+            and self.resumption.enabled and hasattr(engine, "snapshot_session")) else None
 
     # ---- admission and session lifecycle ---------------------------------------------------
     def admit(self) -> Decision:
@@ -161,13 +179,63 @@ class ServerState:
         self.owners[session.id] = owner
 
     def remove(self, session: AdmittedSession, outcome: str) -> None:
-        """Close the session's engine side at once (its blocks go back) and forget it."""
+        """Close the session's engine side at once (its blocks go back) and forget it (a
+        session that `moved` to another server, or `migrated` there by a drain, stays in the
+        checkpoint store)."""
         self.owners.pop(session.id, None)
         self.resumption.forget(session.id, outcome)
+        if self.checkpoints is not None:
+            self.checkpoints.ended(session.id, keep=outcome in ("moved", "migrated"))
         if self.sessions.pop(session.id, None) is None:
             return
         session.close()
         self.metrics.session_closed(outcome)
+
+    # ---- checkpoints (serve.checkpointing) ---------------------------------------------------
+    def settled(self, session) -> None:
+        """`SessionHost`: a frame result was handled: the session may be quiescent."""
+        if self.checkpoints is None:
+            return
+        if self.draining:
+            self._migrate(session.id)
+        else:
+            self.checkpoints.maybe(session, frames_answered=session.record.frames_answered)
+
+    def applied(self, session, event_text: str) -> None:
+        """The session applied a client event (`event_text`): logged for a take-over."""
+        if self.checkpoints is not None:
+            self.checkpoints.applied(session, event_text)
+
+    def moved(self, session_id: str) -> None:
+        """Another server claimed the session (its client resumed there): end it here."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return
+        owner = self.owners.get(session_id)
+        log.info("session %s: resumed on another server; ended here", session_id)
+        if owner is not None:
+            owner.hand_over()  # its connection still looked open
+        self.remove(session, "moved")
+
+    async def take_over(self, session_id: str, token: str | None,
+                        api_key: str) -> Restored:
+        """Claim a session another server held from the checkpoint store and open it here
+        (`ResumeRefused`: no such checkpoint or token, or no room)."""
+        if self.checkpoints is None:
+            self.metrics.resume_attempt("refused_token")
+            raise _no_session(session_id)
+        claim = await self.checkpoints.claim(session_id, token, api_key)
+        if claim is None:
+            self.metrics.resume_attempt("refused_token")
+            raise _no_session(session_id)
+        restored = await self.checkpoints.restore(claim)
+        if restored is None:
+            self.metrics.resume_attempt("refused_pool")
+            raise ResumeRefused(503, ErrorCode.AT_CAPACITY, "this server's KV pool cannot "
+                                "hold the session now; retry (the session stays resumable)",
+                                error_type=ErrorType.SERVER)
+        self.metrics.resume_attempt("restored")
+        return restored
 
     # ---- leases and resumes (serve.resume) ------------------------------------------------
     def owns(self, session: AdmittedSession, owner: SessionOwner) -> bool:
@@ -208,10 +276,7 @@ class ServerState:
                                 "it resumes no session", error_type=ErrorType.SERVER)
         if not resumption.verify(session_id, token, api_key):
             metrics.resume_attempt("refused_token")
-            raise ResumeRefused(404, ErrorCode.RESUME_REFUSED, f"no resumable session "
-                                f"{session_id!r} with this token: it ended, its lease "
-                                "expired, or the token is not its latest (each resume "
-                                "issues a new one)")
+            raise _no_session(session_id)
         session = self.sessions[session_id]
         away_s = resumption.leased_for_s(session_id, self.now_s()) or 0.0
         previous = self.owners.get(session_id)
@@ -228,9 +293,36 @@ class ServerState:
         if self.draining:
             return
         self.draining = True
-        log.info("draining: %d sessions open, closed in %g s if still open",
-                 len(self.sessions), timeout_s)
+        log.info("draining: %d sessions open, %s, closed in %g s if still open",
+                 len(self.sessions), "each moved to another server once it is between frames"
+                 if self.checkpoints is not None else "none moved (no checkpoint store)",
+                 timeout_s)
         self.driver.loop.call_later(timeout_s, self._drain_timeout)
+        for session_id in list(self.owners):
+            self._migrate(session_id)
+
+    def _migrate(self, session_id: str) -> None:
+        """Draining: checkpoint the connected session now if it is between frames, then
+        close 4002 so its client resumes it elsewhere (else: at its next result)."""
+        session, owner = self.sessions.get(session_id), self.owners.get(session_id)
+        if (self.checkpoints is None or session is None or owner is None
+                or session_id in self._migrating):
+            return
+        stored = self.checkpoints.maybe(session, force=True,
+                                        frames_answered=session.record.frames_answered)
+        if stored is None:
+            return
+        self._migrating.add(session_id)
+        stored.add_done_callback(lambda done: self._migrated(session_id, done.result()))
+
+    def _migrated(self, session_id: str, stored: bool) -> None:
+        self._migrating.discard(session_id)
+        session, owner = self.sessions.get(session_id), self.owners.get(session_id)
+        if not stored or session is None or owner is None:
+            return  # not checkpointed (unbounded, store full): closed at the drain timeout
+        owner.migrate()
+        self.remove(session, "migrated")
+        self.metrics.session_migrated()
 
     def _drain_timeout(self) -> None:
         for owner in list(self.owners.values()):
@@ -276,6 +368,14 @@ class ServerState:
                      on_rebound: Callable[[Rebound], None]) -> int:
         return self.driver.beat.open_session(profile, self.now_s(), public_id, on_result,
                                              on_rebound)
+
+    def adopt_session(self, profile: SessionProfile, public_id: str, engine_session_id: int,
+                      on_result: Callable[[FrameResult], None],
+                      on_rebound: Callable[[Rebound], None], frames_submitted: int,
+                      bound: str | None) -> None:
+        self.driver.beat.adopt_session(
+            profile, engine_session_id, self.now_s(), public_id, on_result, on_rebound,
+            frames_submitted, None if bound is None else ResidencyPolicy.parse(bound))
 
     def record(self, engine_session_id: int) -> SessionRecord:
         return self.driver.beat.sessions[engine_session_id]
@@ -372,6 +472,13 @@ class ServerState:
         self.driver.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
         self._vad.shutdown(wait=False, cancel_futures=True)
+
+
+def _no_session(session_id: str) -> ResumeRefused:
+    return ResumeRefused(404, ErrorCode.RESUME_REFUSED, f"no resumable session {session_id!r} "
+                         "with this token: it ended, its lease expired, the token is not its "
+                         "latest (each resume issues a new one), or it was unbounded and its "
+                         "server is gone (only bounded sessions are checkpointed)")
 
 
 def _ceiling_policy(config: ServerConfig, engine: Engine) -> ResidencyPolicy:

@@ -59,6 +59,16 @@ class DeltaDecoder:
         self._held_ids = []
         return text
 
+    @property
+    def held_ids(self) -> list[int]:
+        """Tokens held back (a character not complete yet): a checkpoint keeps them."""
+        return list(self._held_ids)
+
+    def hold(self, token_ids: list[int]) -> None:
+        """Hold `token_ids` as a checkpoint had them (a fresh decoder only)."""
+        assert not self._held_ids
+        self._held_ids = list(token_ids)
+
     def flush(self) -> str:
         """Whatever is held, as it decodes now (the end of a response)."""
         ids, self._held_ids = self._held_ids, []

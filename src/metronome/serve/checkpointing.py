@@ -1,0 +1,208 @@
+"""When a server checkpoints its sessions, logs their input, and takes over one another
+server held (`serve.checkpoint` has the format and the store).
+
+* **Checkpoints.** A session is checkpointed when it opens and then, after a frame result
+  leaves it quiescent, at most once every `interval_s` (`--checkpoint-interval-s`), and only
+  if something changed. The loop captures the session's own state; the engine thread takes
+  the engine snapshot and serializes both (so the MBs are copied off the loop) as the next
+  engine command, i.e. before any input the session sends afterwards. A session still
+  generating when the snapshot runs (a late frame's tokens) is skipped until its next
+  result. Unbounded sessions are never checkpointed (`engine.snapshot` refuses them).
+* **The input log.** Every client event the session applies is numbered
+  (`RealtimeSession.client_seq`) and, once the session has a checkpoint, appended to the
+  store. Store calls of one session run in order, one at a time (`_Lane`), so an append
+  never overtakes the put it follows; a server never awaits them on its loop.
+* **Moves.** A put or append the store refuses because another server claimed the session
+  means the session lives there now: `on_moved` ends it here.
+* **Take-over** (`restore`): a claimed checkpoint is opened in this engine (its own pool:
+  None when it cannot hold it) and the session rebuilt from it; the caller replays the
+  logged events (`RealtimeSession.client_seq` counts them already).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from metronome.engine.snapshot import SessionSnapshot, SnapshotError
+from metronome.observe.metrics import Metrics
+from metronome.serve.checkpoint import Checkpoint, CheckpointStore, Claim
+from metronome.serve.resume import Credentials
+from metronome.serve.session_checkpoint import saved_state
+
+log = logging.getLogger(__name__)
+
+StoreCall = Callable[[], Awaitable[object]]
+
+
+class Checkpointable:
+    """What the checkpointer needs of a session (`serve.session.RealtimeSession`)."""
+
+    id: str
+    engine_session_id: int
+    client_seq: int
+    quiescent: bool
+
+
+@dataclass(frozen=True)
+class Restored:
+    saved: dict  # the session's own state, for `RealtimeSession(saved=...)`
+    engine_session_id: int
+    events: list[str]  # client events to replay, in order
+    client_seq: int  # the checkpoint's: the events replayed are numbered on from it
+
+
+class _Lane:
+    """One session's store calls, in order, one at a time."""
+
+    def __init__(self) -> None:
+        self.calls: asyncio.Queue[StoreCall | None] = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while (call := await self.calls.get()) is not None:
+            try:
+                await call()
+            except Exception:  # the store unreachable: this call is lost, the next may not be
+                log.warning("checkpoint store call failed", exc_info=True)
+
+
+class Checkpointer:
+    def __init__(self, store: CheckpointStore, owner: str, interval_s: float, engine,
+                 run_on_engine: Callable[[Callable], asyncio.Future],
+                 credentials: Callable[[str], Credentials | None], metrics: Metrics,
+                 on_moved: Callable[[str], None], now_s: Callable[[], float]) -> None:
+        self.store = store
+        self.owner = owner  # this server's name in the store
+        self.interval_s = interval_s
+        self.engine = engine
+        self.run_on_engine = run_on_engine
+        self.credentials = credentials
+        self.metrics = metrics
+        self.on_moved = on_moved
+        self.now_s = now_s
+        self._lanes: dict[str, _Lane] = {}  # sessions with a checkpoint put (or queued)
+        self._last: dict[str, tuple[float, int, int]] = {}  # at_s, client_seq, frames
+        self._never: set[str] = set()  # unbounded: not checkpointed
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def opened(self, session: Checkpointable) -> None:
+        """A new session: its first checkpoint (it is quiescent: nothing sent yet)."""
+        self.maybe(session, force=True)
+
+    def maybe(self, session: Checkpointable, force: bool = False,
+              frames_answered: int = 0) -> asyncio.Future | None:
+        """Checkpoint `session` if it is quiescent, its interval has passed (or `force`)
+        and it changed; the future resolves to True once the store holds it."""
+        sid = session.id
+        if sid in self._never or not session.quiescent or self.credentials(sid) is None:
+            return None
+        now_s = self.now_s()
+        at_s, seq, frames = self._last.get(sid, (-math.inf, -1, -1))
+        if (session.client_seq, frames_answered) == (seq, frames) and sid in self._lanes:
+            return None  # nothing new since the last one
+        if not force and now_s - at_s < self.interval_s:
+            return None
+        self._last[sid] = (now_s, session.client_seq, frames_answered)
+        saved, client_seq = saved_state(session), session.client_seq
+        engine, engine_sid = self.engine, session.engine_session_id
+
+        def serialize() -> tuple[bytes | None, float]:  # on the engine thread, between steps
+            start = time.perf_counter()
+            snapshot = engine.snapshot_session(engine_sid)
+            if snapshot.decode_budget > 0:
+                return None, 0.0  # still generating: its state is not the loop's
+            data = Checkpoint(saved, snapshot.to_bytes(), client_seq).to_bytes()
+            return data, time.perf_counter() - start
+
+        serialized = self.run_on_engine(serialize)  # queued now: before any later input
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._lane(sid).calls.put_nowait(lambda: self._put(sid, serialized, client_seq, done))
+        return done
+
+    async def _put(self, sid: str, serialized: asyncio.Future, client_seq: int,
+                   done: asyncio.Future) -> None:
+        stored = False
+        try:
+            data, seconds = await serialized
+        except SnapshotError:
+            self._never.add(sid)  # unbounded: its resume elsewhere is refused
+            self.metrics.checkpoint("unbounded")
+            data = None
+        else:
+            if data is None:
+                self._last.pop(sid, None)  # try again at its next result
+                self.metrics.checkpoint("generating")
+        credentials = self.credentials(sid)
+        if data is not None and credentials is not None:
+            stored = await self.store.put(sid, self.owner, data, client_seq, credentials)
+            self.metrics.checkpoint("stored" if stored else "refused", len(data), seconds)
+            if not stored:
+                self.on_moved(sid)
+        if not done.done():
+            done.set_result(stored)
+
+    def applied(self, session: Checkpointable, event_text: str) -> None:
+        """`session` applied a client event: number it; log it once it has a checkpoint."""
+        seq = session.client_seq
+        session.client_seq += 1
+        if session.id in self._lanes:
+            sid, owner = session.id, self.owner
+            self._lane(sid).calls.put_nowait(lambda: self._append(sid, owner, seq, event_text))
+
+    async def _append(self, sid: str, owner: str, seq: int, event_text: str) -> None:
+        if not await self.store.append(sid, owner, seq, event_text):
+            self.on_moved(sid)
+
+    def regranted(self, session_id: str) -> None:
+        """The session's resume token changed: the store checks the new one from now on."""
+        credentials = self.credentials(session_id)
+        if session_id in self._lanes and credentials is not None:
+            self._lane(session_id).calls.put_nowait(
+                lambda: self.store.regrant(session_id, self.owner, credentials))
+
+    def ended(self, session_id: str, keep: bool) -> None:
+        """The session ended here: the store forgets it unless `keep` (it moves on: a drain
+        migrates it, or another server claimed it)."""
+        lane = self._lanes.pop(session_id, None)
+        self._last.pop(session_id, None)
+        self._never.discard(session_id)
+        if lane is None:
+            return
+        if not keep:
+            lane.calls.put_nowait(lambda: self.store.forget(session_id, self.owner))
+        lane.calls.put_nowait(None)
+
+    def _lane(self, sid: str) -> _Lane:
+        lane = self._lanes.get(sid)
+        if lane is None:
+            lane = self._lanes[sid] = _Lane()
+        return lane
+
+    async def claimed_away(self, session_id: str) -> bool:
+        """Did another server take the session over (a local resume must not)?"""
+        return session_id in self._lanes and await self.store.claimed_away(session_id,
+                                                                           self.owner)
+
+    # ---- take-over ---------------------------------------------------------------------------
+    async def claim(self, session_id: str, token: str | None, api_key: str) -> Claim | None:
+        return await self.store.claim(session_id, token, api_key, self.owner)
+
+    async def restore(self, claim: Claim) -> Restored | None:
+        """Open the claimed checkpoint in this engine; None when its pool cannot hold it."""
+        checkpoint = Checkpoint.from_bytes(claim.checkpoint)
+        snapshot = SessionSnapshot.from_bytes(checkpoint.engine)
+        engine = self.engine
+        engine_sid = await self.run_on_engine(lambda: engine.restore_session(snapshot))
+        if engine_sid is None:
+            return None
+        return Restored(checkpoint.state, engine_sid, claim.events, checkpoint.client_seq)
+
+    def adopted(self, session: Checkpointable, restored: Restored) -> None:
+        """A session taken over here: its store entry is this server's now."""
+        session.client_seq = restored.client_seq
+        self._lane(session.id)  # its appends go on to the entry it was claimed from

@@ -1,0 +1,131 @@
+"""A session another server held, resumed here from its checkpoint (`serve.checkpointing`),
+end to end on two real servers with the bundled SmolLM2 sharing one checkpoint store (a
+cluster's is `cluster.session_store`): the continuation is token-exact against an
+uninterrupted session when the old server never answers again, with a question still in
+flight (its events are replayed from the store's log); a claim needs the session's token
+and key, moves the session for good (the old server's later writes are refused), and an
+unbounded session is never checkpointed, so its resume elsewhere is refused."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from metronome.model.weights import load_tokenizer
+from metronome.serve.checkpoint import MemoryCheckpointStore
+from metronome.serve.protocol import with_extensions
+from metronome.serve.server import ServerThread
+from tests.serve.test_serve_resume import CONFIG, QUESTIONS, _answers, _ask, _drop, _resume
+from tests.served import metric, recv, recv_until
+
+pytestmark = pytest.mark.model
+
+TAKEOVER = CONFIG.model_copy(update={"checkpoint_interval_s": 0.1})
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2):
+    store = MemoryCheckpointStore()
+    tokenizer = load_tokenizer()
+    with ServerThread(TAKEOVER, smollm2, tokenizer, checkpoint_store=store,
+                      server_name="a") as a, ServerThread(
+            TAKEOVER, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
+        yield store, a, b
+
+
+def _stored(store, session_id: str, client_seq: int) -> dict:
+    """Wait until the store holds a checkpoint of the session taken after `client_seq`
+    client events."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        entry = store.shelf.describe(session_id)
+        if entry is not None and entry["client_seq"] >= client_seq:
+            return entry
+        assert time.monotonic() < deadline, entry
+        time.sleep(0.02)
+
+
+def test_a_session_resumes_on_another_server_token_exact(pair):
+    store, a, b = pair
+    with connect(with_extensions(a.ws_url)) as ws:  # the reference, uninterrupted
+        recv(ws)
+        expected = []
+        for question in QUESTIONS:
+            _ask(ws, question)
+            expected += recv_until(ws, "response.done", timeout_s=60.0)
+    ws = connect(with_extensions(a.ws_url))
+    created = recv(ws)["session"]
+    session_id, token = created["id"], created["metronome"]["resume"]["token"]
+    _ask(ws, QUESTIONS[0])
+    events = recv_until(ws, "response.done", timeout_s=60.0)
+    entry = _stored(store, session_id, 2)  # after the first answer: item + response.create
+    assert entry["owner"] == "a" and entry["checkpoint_bytes"] > 100_000
+    _ask(ws, QUESTIONS[1])  # in flight when the client loses server a
+    recv_until(ws, "response.created")
+    _drop(ws, reset=True)
+    with _resume(b, session_id, token) as again:  # server a never answers again
+        resumed = recv(again)
+        assert resumed["type"] == "metronome.session.resumed"
+        assert resumed["resumed"]["from_checkpoint"] is True
+        assert resumed["resumed"]["replayed_client_events"] == 2
+        assert resumed["session"]["id"] == session_id
+        new_token = resumed["session"]["metronome"]["resume"]["token"]
+        assert new_token != token
+        events += recv_until(again, "response.done", timeout_s=60.0)  # made anew on b
+        _ask(again, QUESTIONS[2])
+        events += recv_until(again, "response.done", timeout_s=60.0)
+        assert store.shelf.describe(session_id)["owner"] == "b"
+    assert _answers(events) == _answers(expected)
+    frames = [e["frame"]["index"] for e in events if e["type"] == "metronome.frame"]
+    assert frames == sorted(frames) and len(set(frames)) == len(frames)  # numbering goes on
+    assert metric(b, "metronome_session_resumes_total", outcome="restored") >= 1
+    assert metric(a, "metronome_session_checkpoints_total", outcome="stored") >= 2
+
+
+def test_a_claim_needs_the_token_and_moves_the_session_for_good(pair):
+    store, a, b = pair
+    ws = connect(with_extensions(a.ws_url))
+    created = recv(ws)["session"]
+    session_id, token = created["id"], created["metronome"]["resume"]["token"]
+    _stored(store, session_id, 0)  # a new session is checkpointed at once
+    _drop(ws, reset=False)
+    for wrong in ("x" * 43, ""):
+        with pytest.raises(InvalidStatus) as refused:
+            _resume(b, session_id, wrong)
+        assert refused.value.response.status_code == 404
+        assert json.loads(refused.value.response.body)["error"]["code"] == "resume_refused"
+    assert store.shelf.describe(session_id)["owner"] == "a"  # a wrong token changed nothing
+    with _resume(b, session_id, token) as again:
+        assert recv(again)["resumed"]["from_checkpoint"] is True
+        with pytest.raises(InvalidStatus):  # the old token is spent: not on a, not on b
+            _resume(a, session_id, token)
+        _ask(again, QUESTIONS[0])
+        assert recv_until(again, "response.done", timeout_s=60.0)[-1]["response"][
+            "status"] == "completed"
+    assert store.shelf.describe(session_id)["owner"] in ("b", None)
+
+
+def test_an_unbounded_session_is_not_resumed_elsewhere(smollm2):
+    store = MemoryCheckpointStore()
+    config = TAKEOVER.model_copy(update={"policy": "unbounded"})
+    with ServerThread(config, smollm2, load_tokenizer(), checkpoint_store=store,
+                      server_name="a") as a, ServerThread(
+            config, smollm2, load_tokenizer(), checkpoint_store=store, server_name="b") as b:
+        ws = connect(with_extensions(a.ws_url))
+        created = recv(ws)["session"]
+        deadline = time.monotonic() + 10
+        while metric(a, "metronome_session_checkpoints_total", outcome="unbounded") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        _drop(ws, reset=False)
+        with pytest.raises(InvalidStatus) as refused:
+            _resume(b, created["id"], created["metronome"]["resume"]["token"])
+        assert refused.value.response.status_code == 404
+        assert "unbounded" in json.loads(refused.value.response.body)["error"]["message"]
+        assert len(store.shelf) == 0
+        assert httpx.get(a.url + "/healthz").json()["leased_sessions"] == 1  # a still holds it
