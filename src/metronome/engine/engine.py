@@ -410,6 +410,7 @@ class Engine:
                 self.step()
         finally:
             self.close(sid)
+            self.step_thread_id = None  # warm-up ran on a startup thread, not the stepper
 
     def fast_forward(self, session_id: int, num_tokens: int) -> bool:
         """Lengthen a session by `num_tokens` without running the model.
