@@ -54,7 +54,9 @@ def launched(tmp_path_factory):
     command = [METRONOME, "serve", "--replicas", "2", "--model", "preset:tiny", "--port",
                str(port), "--admission", "static", "--admission-cap", str(CAP),
                "--stats-period-s", "0.25", "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
-               "--log-level", "warning"]
+               "--checkpoint-interval-s", "0", "--log-level", "warning"]
+    # Checkpoints off: a draining replica keeps its sessions to the drain timeout, the path
+    # tested here (with them, it moves each to a survivor: tests/cluster/test_cluster_resume)
     banner = tmp_path_factory.mktemp("cluster") / "stdout.txt"
     with banner.open("w") as out, server_process(command, port, stdout=out) as url:
         wait_for(lambda: view(url)["replicas_live"] == 2, 60, "both replicas' reports")

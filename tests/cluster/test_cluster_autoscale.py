@@ -44,7 +44,9 @@ def autoscaled(tmp_path_factory):
                "--autoscale-headroom-sessions", "0", "--autoscale-cooldown-s", "2",
                "--autoscale-down-after-s", str(DOWN_AFTER_S),
                "--autoscale-refusal-window-s", "6", "--autoscale-metrics-period-s", "0.5",
-               "--log-level", "warning"]
+               "--checkpoint-interval-s", "0", "--log-level", "warning"]
+    # Checkpoints off: the removed replica serves its session on while it drains (with them
+    # it moves the session to the survivor at once: tests/cluster/test_cluster_resume)
     printed = tmp_path_factory.mktemp("autoscale") / "stdout.txt"
     with printed.open("w") as out, server_process(command, port, stdout=out) as url:
         wait_for(lambda: view(url)["replicas_live"] == 1, 60, "the first replica's report")

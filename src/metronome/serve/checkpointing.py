@@ -96,17 +96,17 @@ class Checkpointer:
 
     def maybe(self, session: Checkpointable, force: bool = False,
               frames_answered: int = 0) -> asyncio.Future | None:
-        """Checkpoint `session` if it is quiescent, its interval has passed (or `force`)
-        and it changed; the future resolves to True once the store holds it."""
+        """Checkpoint `session` if it is quiescent, its interval has passed and it changed
+        (or `force`: a drain's migration, a new session); the future resolves to True once
+        the store holds it."""
         sid = session.id
         if sid in self._never or not session.quiescent or self.credentials(sid) is None:
             return None
         now_s = self.now_s()
         at_s, seq, frames = self._last.get(sid, (-math.inf, -1, -1))
-        if (session.client_seq, frames_answered) == (seq, frames) and sid in self._lanes:
-            return None  # nothing new since the last one
-        if not force and now_s - at_s < self.interval_s:
-            return None
+        if not force and ((session.client_seq, frames_answered) == (seq, frames)
+                          and sid in self._lanes or now_s - at_s < self.interval_s):
+            return None  # nothing new since the last one, or too soon
         self._last[sid] = (now_s, session.client_seq, frames_answered)
         saved, client_seq = saved_state(session), session.client_seq
         engine, engine_sid = self.engine, session.engine_session_id
