@@ -26,6 +26,11 @@ def test_bench_resume_smoke(tmp_path):
     assert res["step_cost"]["step_plain"]["n"] == res["step_cost"]["rounds"] == 2
     assert res["server_resume"]["client"]["n"] == 3
     assert res["server_resume"]["server_histogram"]["count"] == 3
+    other = res["other_server_resume"]  # through the store, to the server not holding it
+    assert other["store"] == "memory" and other["client"]["n"] == 3
+    assert other["server_histogram"]["count"] == 3
+    assert other["checkpoints"]["count"] >= 1
+    assert other["checkpoint_bytes"] > 100_000  # KV blocks, not only the session state
     assert res["plots"] == ["resume.png"] and (tmp_path / "resume.png").is_file()
     text = (tmp_path / "resume.md").read_text()
     assert "`metronome bench resume --smoke`" in text and "preset:moshi-7b" in text

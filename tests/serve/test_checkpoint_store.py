@@ -58,9 +58,10 @@ def test_appends_follow_their_checkpoint_and_a_claim_moves_the_session():
     assert not shelf.put("s", "a", b"x", 5, creds)  # the old owner is refused
     assert not shelf.append("s", "a", 3, "late")
     shelf.forget("s", "a")  # ... and cannot forget it
-    assert shelf.describe("s")["owner"] == "b"
+    assert shelf.describe("s")["owner"] == "b" and not shelf.describe("s")["resumable"]
     new = Credentials.of("token2", "key")
     assert shelf.regrant("s", "b", new)
+    assert shelf.describe("s")["resumable"]
     assert shelf.claim("s", "token2", "key", "c") is not None
 
 

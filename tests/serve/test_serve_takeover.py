@@ -129,3 +129,31 @@ def test_an_unbounded_session_is_not_resumed_elsewhere(smollm2):
         assert "unbounded" in json.loads(refused.value.response.body)["error"]["message"]
         assert len(store.shelf) == 0
         assert httpx.get(a.url + "/healthz").json()["leased_sessions"] == 1  # a still holds it
+
+
+def test_a_server_without_room_refuses_the_take_over_and_the_token_still_resumes(pair,
+                                                                                  smollm2):
+    store, a, b = pair
+    small = TAKEOVER.model_copy(update={"pool_tokens": 32})  # 2 blocks: not the session's
+    with ServerThread(small, smollm2, load_tokenizer(), checkpoint_store=store,
+                      server_name="c") as c:
+        ws = connect(with_extensions(a.ws_url))
+        created = recv(ws)["session"]
+        session_id, token = created["id"], created["metronome"]["resume"]["token"]
+        _ask(ws, QUESTIONS[0])
+        recv_until(ws, "response.done", timeout_s=60.0)
+        _stored(store, session_id, 2)
+        _drop(ws, reset=False)
+        with pytest.raises(InvalidStatus) as refused:
+            _resume(c, session_id, token)
+        assert refused.value.response.status_code == 503
+        assert metric(c, "metronome_session_resumes_total", outcome="refused_pool") == 1
+        deadline = time.monotonic() + 10  # the refusal gave the token back to the store
+        while not store.shelf.describe(session_id)["resumable"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with _resume(b, session_id, token) as again:
+            assert recv(again)["resumed"]["from_checkpoint"] is True
+            _ask(again, QUESTIONS[1])
+            assert recv_until(again, "response.done", timeout_s=60.0)[-1]["response"][
+                "status"] == "completed"

@@ -7,25 +7,26 @@
 2. the step-time cost of snapshotting every session every K steps: N bounded sessions
    decoding, rounds of K steps without and with a snapshot of every session at the end,
    alternating in one run (min/median over rounds);
-3. same-server resume latency: a real server (`ServerThread`, the bundled model) with one
-   session; R times its socket is dropped (FIN), the lease awaited, and the client reconnects
-   with `resume=<id>` and its token: the time to `metronome.session.resumed`, and the
-   server's own `metronome_session_resume_seconds` histogram;
-4. restore latency into another engine: the snapshot's bytes loaded and opened in a second
-   engine over the same model (the engine side of resuming on another replica; no network,
-   no store).
+3. restore latency into another engine: the snapshot's bytes loaded and opened in a second
+   engine over the same model (the engine side of resuming on another replica);
+4. resume latency through real servers, on the same server and on another one through the
+   checkpoint store (`bench.resume_servers`).
 """
 
 from __future__ import annotations
 
-import json
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from metronome.bench.resume_servers import (
+    STORES,
+    measure_other_server,
+    measure_same_server,
+    ms_stats,
+)
 from metronome.engine.engine import Engine, EngineConfig, blocks_per_session
 from metronome.engine.session import SessionSpec
 from metronome.engine.snapshot import SessionSnapshot
@@ -39,7 +40,6 @@ from metronome.workload_defaults import BLOCK_SIZE_TOKENS, POLICY_SPEC
 NAME = "resume"
 PRESET_MODELS = ("moshi-7b", "qwen2.5-omni-7b")
 PRESET_DTYPE = torch.bfloat16  # the presets' serving dtype (the paper's setting)
-QUESTION = "What is the capital of France?"
 
 
 @dataclass(frozen=True)
@@ -54,19 +54,16 @@ class Config:
         "help": "K: every session is snapshotted once every K steps"})
     rounds: int = field(default=12, metadata={"help": "rounds of K steps, each with and "
                                                      "without snapshots"})
-    resumes: int = field(default=40, metadata={"help": "same-server resumes timed"})
+    resumes: int = field(default=40, metadata={"help": "resumes timed, on the same server "
+                                                      "and on the other one"})
+    store: str = field(default="ray", metadata={
+        "help": "the store the other-server resumes go through: ray (the cluster's session "
+                "store actor, on a local Ray) or memory"})
 
     @classmethod
     def smoke(cls) -> Config:
         return cls(policy="sinks_window:4:64", snapshots=3, sessions=2, interval_steps=4,
-                   rounds=2, resumes=3)
-
-
-def _ms(seconds: list[float]) -> dict:
-    ordered = sorted(seconds)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {"min_ms": ordered[0] * 1e3, "median_ms": statistics.median(ordered) * 1e3,
-            "p95_ms": p95 * 1e3, "n": len(ordered)}
+                   rounds=2, resumes=3, store="memory")
 
 
 def _steady_bytes(cfg, dtype: torch.dtype, policy: ResidencyPolicy) -> dict:
@@ -123,7 +120,7 @@ def measure_snapshot_cycle(model, policy: ResidencyPolicy, repeats: int) -> dict
         nbytes, kv_bytes = len(data), snapshot.kv_bytes
     return {"session_tokens": source.session_tokens(sid), "blocks": source.session_blocks(sid),
             "bytes": nbytes, "kv_bytes": kv_bytes,
-            "stages": {stage: _ms(seconds) for stage, seconds in stages.items()}}
+            "stages": {stage: ms_stats(seconds) for stage, seconds in stages.items()}}
 
 
 def measure_step_cost(model, policy: ResidencyPolicy, sessions: int, interval: int,
@@ -157,104 +154,23 @@ def measure_step_cost(model, policy: ResidencyPolicy, sessions: int, interval: i
                 with_snap.append((t1 - started) / interval)  # take only: the engine thread's
             else:
                 plain.append((time.perf_counter() - started) / interval)
-    plain_ms, snap_ms = _ms(plain), _ms(with_snap)
+    plain_ms, snap_ms = ms_stats(plain), ms_stats(with_snap)
     paired = statistics.median(w / p - 1 for w, p in zip(with_snap, plain, strict=True))
     return {"sessions": sessions, "interval_steps": interval, "rounds": rounds,
             "step_plain": plain_ms, "step_with_snapshots": snap_ms,
             "overhead_median": snap_ms["median_ms"] / plain_ms["median_ms"] - 1,
             "overhead_min": snap_ms["min_ms"] / plain_ms["min_ms"] - 1,
             "overhead_paired_median": paired,  # each round against its own plain round
-            "take_all": _ms(take_s), "to_bytes_all": _ms(serialize_s),
+            "take_all": ms_stats(take_s), "to_bytes_all": ms_stats(serialize_s),
             "rows": {"plain_s": plain, "with_snapshots_s": with_snap}}
-
-
-def _drop(ws) -> None:
-    """The socket goes without a close frame (a FIN), as a lost connection does."""
-    ws.socket.shutdown(socket.SHUT_RDWR)
-    ws.socket.close()
-
-
-def _wait_leased(url: str, session_id: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 10.0
-    while True:
-        listed = {s["id"]: s for s in httpx.get(url + "/v1/sessions").json()["data"]}
-        if listed.get(session_id, {}).get("connection") == "leased":
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"session {session_id} was not leased within 10 s: {listed}")
-        time.sleep(0.01)
-
-
-def _histogram(url: str, name: str) -> dict:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples = [s for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)
-               for s in family.samples if s.name.startswith(name)]
-    buckets = sorted((float(s.labels["le"]), s.value) for s in samples
-                     if s.name == name + "_bucket")
-    count = next(s.value for s in samples if s.name == name + "_count")
-    total = next(s.value for s in samples if s.name == name + "_sum")
-
-    def quantile(q: float) -> float | None:  # the bucket bound holding the q-th resume
-        return next((le for le, n in buckets if count and n >= q * count), None)
-
-    return {"count": count, "mean_ms": total / count * 1e3 if count else None,
-            "p50_le_ms": _scaled(quantile(0.5)), "p95_le_ms": _scaled(quantile(0.95))}
-
-
-def _scaled(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
-
-
-def measure_server_resumes(model, resumes: int) -> dict:
-    from websockets.sync.client import connect
-
-    from metronome.model.weights import load_tokenizer
-    from metronome.observe.metrics import SESSION_RESUME_SECONDS
-    from metronome.serve.config import ServerConfig
-    from metronome.serve.protocol import with_extensions
-    from metronome.serve.resume import RESUME_QUERY, TOKEN_HEADER
-    from metronome.serve.server import ServerThread
-
-    config = ServerConfig(mode="turn", admission="off", pool_tokens=8192, response_tokens=8,
-                          resume_grace_s=30.0)
-    latencies, away = [], []
-    with ServerThread(config, model, load_tokenizer()) as server:
-        ws = connect(with_extensions(server.ws_url))
-        session = json.loads(ws.recv(timeout=30))["session"]
-        session_id, token = session["id"], session["metronome"]["resume"]["token"]
-        ws.send(json.dumps({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": QUESTION}]}}))
-        ws.send(json.dumps({"type": "response.create"}))
-        while json.loads(ws.recv(timeout=60))["type"] != "response.done":
-            pass  # the session holds a conversation's KV before it is dropped
-        url = with_extensions(server.ws_url) + f"&{RESUME_QUERY}={session_id}"
-        for _ in range(resumes):
-            _drop(ws)
-            _wait_leased(server.url, session_id)
-            started = time.perf_counter()
-            ws = connect(url, additional_headers={TOKEN_HEADER: token})
-            event = json.loads(ws.recv(timeout=30))
-            latencies.append(time.perf_counter() - started)
-            assert event["type"] == "metronome.session.resumed", event["type"]
-            token = event["session"]["metronome"]["resume"]["token"]  # each resumes once
-            away.append(event["resumed"]["away_s"])
-            for _ in range(event["resumed"]["replayed_events"]):
-                ws.recv(timeout=10)
-        ws.close()
-        histogram = _histogram(server.url, SESSION_RESUME_SECONDS)
-    return {"resumes": resumes, "client": _ms(latencies), "server_histogram": histogram,
-            "away_s_median": statistics.median(away), "client_s": latencies}
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
     from metronome.model.dtypes import resolve_dtype
     from metronome.model.weights import load_model
 
+    if cfg.store not in STORES:
+        raise ValueError(f"--store must be one of {', '.join(STORES)}, not {cfg.store!r}")
     dtype = resolve_dtype(cfg.dtype)
     policy = ResidencyPolicy.parse(cfg.policy)
     model = load_model("bundled", dtype)
@@ -271,7 +187,10 @@ def run(ctx: RunContext, cfg: Config) -> dict:
                                             cfg.rounds)
     ctx.keep("step_cost", result["step_cost"])
     ctx.log(f"same-server resumes: {cfg.resumes}")
-    result["server_resume"] = measure_server_resumes(model, cfg.resumes)
+    result["server_resume"] = measure_same_server(model, cfg.resumes)
+    ctx.keep("server_resume", result["server_resume"])
+    ctx.log(f"other-server resumes through the {cfg.store} store: {cfg.resumes}")
+    result["other_server_resume"] = measure_other_server(model, cfg.resumes, cfg.store)
     plot(ctx, result)
     return result
 
@@ -286,10 +205,14 @@ def plot(ctx: RunContext, r: dict) -> None:
     left.set(xlabel="round", ylabel="ms per step (snapshot time spread over K steps)",
              title=f"{r['step_cost']['sessions']} sessions decoding")
     left.legend()
-    client = sorted(s * 1e3 for s in r["server_resume"]["client_s"])
-    right.plot(client, [(i + 1) / len(client) for i in range(len(client))], drawstyle="steps")
+    for key, label in (("server_resume", "same server"),
+                       ("other_server_resume", "other server (store)")):
+        client = sorted(s * 1e3 for s in r[key]["client_s"])
+        right.plot(client, [(i + 1) / len(client) for i in range(len(client))],
+                   drawstyle="steps", label=label)
     right.set(xlabel="ms from connect to metronome.session.resumed", ylabel="share of resumes",
-              title="same-server resume latency (client side)")
+              title="resume latency (client side)", xscale="log")
+    right.legend()
     save(fig)
 
 
@@ -299,8 +222,9 @@ def _mb(nbytes: float) -> str:
 
 def report(r: dict) -> str:
     m, s, sr = r["measured"], r["step_cost"], r["server_resume"]
+    o = r["other_server_resume"]
+    cp = o["checkpoints"]
     stages = m["stages"]
-    hist = sr["server_histogram"]
     bundled = r["computed"][0]
     restore_ms = stages["from_bytes"]["median_ms"] + stages["restore"]["median_ms"]
     return "\n".join([
@@ -356,19 +280,38 @@ def report(r: dict) -> str:
         f"{s['sessions']} snapshots at once holds the engine thread "
         f"{s['take_all']['median_ms']:.1f} ms (median; that step's frames wait that long); "
         f"serializing them takes {s['to_bytes_all']['median_ms']:.1f} ms more.", "",
-        f"## Same-server resume latency ({sr['resumes']} resumes)", "",
-        "A real server (`ServerThread`, in this process) with one session that has answered "
-        "a question; each time its socket is dropped (FIN), its lease awaited, and the "
-        "client reconnects with `resume=<id>` and its token. Client: connect (TCP + "
-        "WebSocket upgrade) to `metronome.session.resumed` received. Server: its "
-        "`metronome_session_resume_seconds` histogram (upgrade request to missed events "
-        "queued; p50/p95 are bucket upper bounds).", "",
+        "## Resume latency through real servers", "",
+        f"{sr['resumes']} resumes each way, with the bundled model (`bench.resume_servers`). "
+        "**Same server**: one server, a session that answered a question; each time its socket "
+        "is dropped (FIN), its lease awaited, and the client reconnects with `resume=<id>` "
+        "and its token. **Other server**: two servers sharing one checkpoint store "
+        f"(`{o['store']}`" + (": the cluster's own session-store actor on a local Ray, each "
+        "checkpoint moved through Ray's object store" if o["store"] == "ray" else "") + "); "
+        "each time the socket is dropped the client reconnects to the server that does not "
+        "hold the session, which claims its checkpoint, opens it in its engine and replays "
+        f"the client events logged since (at most {o['replayed_client_events_max']} here). "
+        "Client: connect (TCP + WebSocket upgrade) to `metronome.session.resumed` received. "
+        "Server: `metronome_session_resume_seconds` (upgrade request to the session live "
+        "again; p50/p95 are bucket upper bounds).", "",
         md_table(("", "p50 ms", "p95 ms", "min ms", "mean ms"),
-                 [("client", fmt(sr["client"]["median_ms"], ".1f"),
-                   fmt(sr["client"]["p95_ms"], ".1f"), fmt(sr["client"]["min_ms"], ".1f"),
-                   fmt(statistics.fmean(sr["client_s"]) * 1e3, ".1f")),
-                  ("server histogram", f"<= {fmt(hist['p50_le_ms'], '.1f')}",
-                   f"<= {fmt(hist['p95_le_ms'], '.1f')}", "", fmt(hist["mean_ms"], ".1f"))]),
-        "", "Resume on another replica (through a store) is not measured here yet: the "
-        "restore row above is its engine side.", "",
+                 [*_latency_rows("same server", sr), *_latency_rows("other server", o)]),
+        "", f"Checkpoints the two servers stored meanwhile: {cp['count']:.0f}, "
+        f"{_mb(cp['mean_bytes'] or 0)} each on average ({o['checkpoint_bytes']:,} bytes after "
+        f"the first answer), {1e3 * (cp['mean_s'] or 0):.2f} ms of engine-thread time each "
+        "(snapshot + serialize, `metronome_session_checkpoint_seconds`, mean). At the "
+        "server's default `--checkpoint-interval-s 5` a session costs its engine at most "
+        f"that per 5 s: {(cp['mean_s'] or 0) / 5:.3%} of the engine thread per session.", "",
     ])
+
+
+def _latency_rows(name: str, r: dict) -> list[tuple]:
+    client, hist = r["client"], r["server_histogram"]
+    return [(f"{name}: client", fmt(client["median_ms"], ".1f"), fmt(client["p95_ms"], ".1f"),
+             fmt(client["min_ms"], ".1f"), fmt(client["mean_ms"], ".1f")),
+            (f"{name}: server histogram", f"<= {fmt(_scaled(hist['p50_le']), '.1f')}",
+             f"<= {fmt(_scaled(hist['p95_le']), '.1f')}", "",
+             fmt(_scaled(hist["mean"]), ".1f"))]
+
+
+def _scaled(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3

@@ -17,6 +17,7 @@ output, not latency:
 | MetronomeDown | the scrape fails | critical |
 | MetronomeResumesRefused | resumes refused for their token (client bug, or guessing) | warning |
 | MetronomeLeasesHoldCapacity | > 25 % of open sessions are leased (clients gone) | warning |
+| MetronomeCheckpointsRefused | the session store refuses checkpoints (full, or moved) | warning |
 
 No metric says the engine thread failed: `/healthz` reports it (`status: critical`,
 `engine_error`), but `metronome_health_state` is the stall detector's verdict only. A failed
@@ -123,6 +124,15 @@ def alert_rules(t: Timings = DEFAULT_TIMINGS) -> list[AlertRule]:
             "Their clients dropped and have not resumed: each still holds its KV and its "
             "admission slot until its lease expires. Many at once: a network problem between "
             "clients and the server, or a grace (--resume-grace-s) too long for this traffic."),
+        AlertRule(
+            "MetronomeCheckpointsRefused",
+            f'sum without (outcome) (rate({m.SESSION_CHECKPOINTS_TOTAL}{{outcome="refused"}}'
+            f"[{w}])) > 0", t.for_long, "warning",
+            "The session store refuses checkpoints",
+            "A cluster's session store (--session-store-bytes) is full, so the sessions whose "
+            "checkpoints it refuses cannot resume on another replica if theirs dies or drains "
+            "(a replica whose session another one claimed is refused once: a refusal that "
+            "lasts is the store's bound)."),
     ]
 
 

@@ -95,8 +95,17 @@ def panels() -> list[Panel]:
         Panel("Resume latency and time away", (
             Query(q.quantile(0.95, m.SESSION_RESUME_SECONDS, W), "p95 resume {{instance}}"),
             Query(q.quantile(0.5, m.SESSION_AWAY_SECONDS, W), "p50 away {{instance}}"),
-            Query(q.quantile(0.95, m.SESSION_AWAY_SECONDS, W), "p95 away {{instance}}"),),
+            Query(q.quantile(0.95, m.SESSION_AWAY_SECONDS, W), "p95 away {{instance}}"),
+            Query(q.quantile(0.95, m.SESSION_CHECKPOINT_SECONDS, W),
+                  "p95 checkpoint (engine thread) {{instance}}"),),
               unit="s"),
+        Panel("Checkpoints and migrations (resumable on another replica)", (
+            Query(f"sum by (job, instance, outcome) (rate({m.SESSION_CHECKPOINTS_TOTAL}[{W}]))",
+                  "checkpoint {{outcome}} {{instance}}"),
+            Query(f"rate({m.SESSION_MIGRATIONS_TOTAL}[{W}])", "migrated {{instance}}"),),
+              description="A cluster's bounded sessions are checkpointed to the session store "
+              "so another replica can resume them; refused: the store is full (or the session "
+              "moved); migrated: a draining replica told the client to resume elsewhere."),
     ]
 
 

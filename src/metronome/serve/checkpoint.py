@@ -106,6 +106,7 @@ class _Entry:
     client_seq: int
     events: list[tuple[int, str]] = field(default_factory=list)  # (seq, event) after it
     touched_s: float = 0.0
+    resumable: bool = True  # False from a claim (its token spent) to the new owner's grant
 
 
 class CheckpointShelf:
@@ -135,6 +136,7 @@ class CheckpointShelf:
         if entry is None:
             entry = self._entries[session_id] = _Entry(owner, grant, checkpoint, client_seq)
         entry.checkpoint, entry.client_seq, entry.grant = checkpoint, client_seq, grant
+        entry.resumable = True
         entry.events = [(seq, e) for seq, e in entry.events if seq >= client_seq]
         entry.touched_s = self.clock()
         self.num_bytes += len(checkpoint) - old_bytes
@@ -155,7 +157,7 @@ class CheckpointShelf:
         entry = self._entries.get(session_id)
         if entry is None or entry.owner != owner:
             return False
-        entry.grant, entry.touched_s = grant, self.clock()
+        entry.grant, entry.touched_s, entry.resumable = grant, self.clock(), True
         return True
 
     def claim(self, session_id: str, token: str | None, api_key: str,
@@ -168,7 +170,7 @@ class CheckpointShelf:
             return None
         assert entry is not None
         claim = Claim(entry.checkpoint, [event for _, event in entry.events], entry.owner)
-        entry.owner, entry.touched_s = owner, self.clock()
+        entry.owner, entry.touched_s, entry.resumable = owner, self.clock(), False
         # the token is spent: nothing resumes the session until its new owner regrants
         entry.grant = Credentials(secrets.token_bytes(32), entry.grant.key_digest)
         return claim
@@ -187,11 +189,13 @@ class CheckpointShelf:
         return len(self._entries)
 
     def describe(self, session_id: str) -> dict | None:
-        """A stored session's owner, checkpoint size and log (None: not stored)."""
+        """A stored session's owner, checkpoint size, log and whether a token resumes it
+        now (None: not stored)."""
         entry = self._entries.get(session_id)
         return None if entry is None else {
             "owner": entry.owner, "checkpoint_bytes": len(entry.checkpoint),
-            "client_seq": entry.client_seq, "logged_events": len(entry.events)}
+            "client_seq": entry.client_seq, "logged_events": len(entry.events),
+            "resumable": entry.resumable}
 
     def _expire(self) -> None:
         now_s = self.clock()

@@ -192,6 +192,12 @@ class Checkpointer:
     async def claim(self, session_id: str, token: str | None, api_key: str) -> Claim | None:
         return await self.store.claim(session_id, token, api_key, self.owner)
 
+    async def unclaim(self, session_id: str, token: str | None, api_key: str) -> None:
+        """A claim this server could not open (no room, or a snapshot it cannot load): the
+        token the client offered resumes the session again, anywhere."""
+        if token is not None:
+            await self.store.regrant(session_id, self.owner, Credentials.of(token, api_key))
+
     async def restore(self, claim: Claim) -> Restored | None:
         """Open the claimed checkpoint in this engine; None when its pool cannot hold it."""
         checkpoint = Checkpoint.from_bytes(claim.checkpoint)

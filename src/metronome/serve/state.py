@@ -228,8 +228,13 @@ class ServerState:
         if claim is None:
             self.metrics.resume_attempt("refused_token")
             raise _no_session(session_id)
-        restored = await self.checkpoints.restore(claim)
+        try:
+            restored = await self.checkpoints.restore(claim)
+        except Exception:
+            await self.checkpoints.unclaim(session_id, token, api_key)
+            raise
         if restored is None:
+            await self.checkpoints.unclaim(session_id, token, api_key)  # the token resumes it
             self.metrics.resume_attempt("refused_pool")
             raise ResumeRefused(503, ErrorCode.AT_CAPACITY, "this server's KV pool cannot "
                                 "hold the session now; retry (the session stays resumable)",
