@@ -47,8 +47,12 @@ def test_every_metric_is_exposed_and_parses():
         "metronome_admission_decisions", "metronome_session_resumes",
         "metronome_session_leases_ended", "metronome_sessions_leased",
         "metronome_session_resume_seconds", "metronome_session_away_seconds",
+        "metronome_session_checkpoints", "metronome_session_checkpoint_bytes",
+        "metronome_session_checkpoint_seconds", "metronome_session_migrations",
     }  # counters are families without `_total`; their samples carry it
     assert value(metrics, "metronome_frames_total", status="context_full") == 0.0
+    for outcome in ("stored", "generating", "refused", "unbounded"):  # declared at 0
+        assert value(metrics, "metronome_session_checkpoints_total", outcome=outcome) == 0.0
     assert value(metrics, "metronome_kv_pool_saturation_eta_seconds") == math.inf
     assert math.isnan(value(metrics, "metronome_goodput_ratio"))
     assert value(metrics, "metronome_admission_memory_ceiling") == math.inf

@@ -134,7 +134,7 @@ def test_an_unbounded_session_is_not_resumed_elsewhere(smollm2):
 def test_a_server_without_room_refuses_the_take_over_and_the_token_still_resumes(pair,
                                                                                   smollm2):
     store, a, b = pair
-    small = TAKEOVER.model_copy(update={"pool_tokens": 32})  # 2 blocks: not the session's
+    small = TAKEOVER.model_copy(update={"pool_tokens": 16})  # 1 block: not the session's
     with ServerThread(small, smollm2, load_tokenizer(), checkpoint_store=store,
                       server_name="c") as c:
         ws = connect(with_extensions(a.ws_url))
@@ -143,6 +143,7 @@ def test_a_server_without_room_refuses_the_take_over_and_the_token_still_resumes
         _ask(ws, QUESTIONS[0])
         recv_until(ws, "response.done", timeout_s=60.0)
         _stored(store, session_id, 2)
+        assert store.shelf.describe(session_id)["checkpoint_bytes"] > 16 * 23_040  # 2+ blocks
         _drop(ws, reset=False)
         with pytest.raises(InvalidStatus) as refused:
             _resume(c, session_id, token)

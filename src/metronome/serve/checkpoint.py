@@ -190,7 +190,8 @@ class CheckpointShelf:
 
     def describe(self, session_id: str) -> dict | None:
         """A stored session's owner, checkpoint size, log and whether a token resumes it
-        now (None: not stored)."""
+        now (None: not stored, or expired)."""
+        self._expire()
         entry = self._entries.get(session_id)
         return None if entry is None else {
             "owner": entry.owner, "checkpoint_bytes": len(entry.checkpoint),
