@@ -282,7 +282,8 @@ def report(r: dict) -> str:
         f"serializing them takes {s['to_bytes_all']['median_ms']:.1f} ms more.", "",
         "## Resume latency through real servers", "",
         f"{sr['resumes']} resumes each way, with the bundled model (`bench.resume_servers`). "
-        "**Same server**: one server, a session that answered a question; each time its socket "
+        "**Same server**: one server, a session that answered a question over a text "
+        "longer than its window (so it holds a full window of KV); each time its socket "
         "is dropped (FIN), its lease awaited, and the client reconnects with `resume=<id>` "
         "and its token. **Other server**: two servers sharing one checkpoint store "
         f"(`{o['store']}`" + (": the cluster's own session-store actor on a local Ray, each "
@@ -298,7 +299,8 @@ def report(r: dict) -> str:
         "", f"Checkpoints the two servers stored meanwhile: {cp['count']:.0f}, "
         f"{_mb(cp['mean_bytes'] or 0)} each on average ({o['checkpoint_bytes']:,} bytes after "
         f"the first answer), {1e3 * (cp['mean_s'] or 0):.2f} ms of engine-thread time each "
-        "(snapshot + serialize, `metronome_session_checkpoint_seconds`, mean). At the "
+        "(the snapshot; serializing runs on a worker thread; "
+        "`metronome_session_checkpoint_seconds`, mean). At the "
         "server's default `--checkpoint-interval-s 5` a session costs its engine at most "
         f"that per 5 s: {(cp['mean_s'] or 0) / 5:.3%} of the engine thread per session.", "",
     ])

@@ -1,8 +1,9 @@
 """Resume latency through real servers (`metronome bench resume`, parts 3 and 4).
 
 * **Same server**: one `ServerThread` (the bundled model) with a session that has answered a
-  question; R times its socket is dropped (FIN), the lease awaited, and the client reconnects
-  with `resume=<id>` and its token.
+  question over a text longer than its window (so it holds a full window of KV); R times its
+  socket is dropped (FIN), the lease awaited, and the client reconnects with `resume=<id>`
+  and its token.
 * **Other server**: two `ServerThread`s sharing one checkpoint store (`store`: `ray`, the
   cluster's own `cluster.session_store` actor on a local Ray, or `memory`); the session
   moves a -> b -> a ... R times: each time its socket is dropped and the client reconnects
@@ -21,7 +22,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-QUESTION = "What is the capital of France?"
+# A conversation past the bound's window (S + W = 516 tokens by default), so the resumed
+# session holds a full window of KV: the checkpoint a long conversation has (~12.5 MB here).
+CONTEXT = " ".join(["The quick brown fox jumps over the lazy dog."] * 64)
+QUESTION = "Remember this text. " + CONTEXT + " What animal jumps?"
 STORES = ("ray", "memory")
 
 
@@ -82,8 +86,8 @@ def histogram(urls: list[str], name: str) -> dict:
 
 
 def _open_answered(url: str):
-    """A session opened on the server at `url` (ws URL) that has answered QUESTION: the
-    socket, session id and resume token."""
+    """A session opened on the server at `url` (ws URL) that has answered QUESTION (its
+    window full): the socket, session id and resume token."""
     from websockets.sync.client import connect
 
     from metronome.serve.protocol import with_extensions

@@ -174,9 +174,9 @@ class Metrics:
                                            "checkpoint (engine snapshot + session state).",
                                            buckets=CHECKPOINT_BYTES_BUCKETS, registry=reg)
         self._checkpoint_seconds = Histogram(
-            SESSION_CHECKPOINT_SECONDS, "Engine-thread time to snapshot and serialize one "
-            "checkpoint (it delays the next step by as much).", buckets=LATENCY_BUCKETS_S,
-            registry=reg)
+            SESSION_CHECKPOINT_SECONDS, "Engine-thread time to snapshot one checkpoint (it "
+            "delays the next step by as much; serializing runs on a worker thread).",
+            buckets=LATENCY_BUCKETS_S, registry=reg)
 
     def session_migrated(self) -> None:
         """A draining server handed a session to the others (closed 4002 after its

@@ -56,7 +56,7 @@ class Checkpoint:
     def to_bytes(self) -> bytes:
         header = json.dumps({"state": self.state, "client_seq": self.client_seq}).encode()
         return b"".join((MAGIC, struct.pack("<II", VERSION, len(header)), header,
-                         bytes(self.engine)))
+                         self.engine))  # a bytearray joins without a copy of its own
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Checkpoint:

@@ -4,8 +4,9 @@ server held (`serve.checkpoint` has the format and the store).
 * **Checkpoints.** A session is checkpointed when it opens and then, after a frame result
   leaves it quiescent, at most once every `interval_s` (`--checkpoint-interval-s`), and only
   if something changed. The loop captures the session's own state; the engine thread takes
-  the engine snapshot and serializes both (so the MBs are copied off the loop) as the next
-  engine command, i.e. before any input the session sends afterwards. A session still
+  the engine snapshot (a copy of its blocks, ~1 ms) as the next engine command, i.e. before
+  any input the session sends afterwards; a worker thread serializes both (the MBs are
+  copied neither on the loop nor on the engine thread). A session still
   generating when the snapshot runs (a late frame's tokens) is skipped until its next
   result. Unbounded sessions are never checkpointed (`engine.snapshot` refuses them).
 * **The input log.** Every client event the session applies is numbered
@@ -22,6 +23,7 @@ server held (`serve.checkpoint` has the format and the store).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -108,35 +110,38 @@ class Checkpointer:
                           and sid in self._lanes or now_s - at_s < self.interval_s):
             return None  # nothing new since the last one, or too soon
         self._last[sid] = (now_s, session.client_seq, frames_answered)
-        saved, client_seq = saved_state(session), session.client_seq
+        # a deep copy now (KBs): the loop changes the session while a worker serializes
+        saved, client_seq = json.loads(json.dumps(saved_state(session))), session.client_seq
         engine, engine_sid = self.engine, session.engine_session_id
 
-        def serialize() -> tuple[bytes | None, float]:  # on the engine thread, between steps
+        def take() -> tuple[SessionSnapshot | None, float]:  # engine thread, between steps
             start = time.perf_counter()
-            snapshot = engine.snapshot_session(engine_sid)
+            snapshot = engine.snapshot_session(engine_sid)  # a copy: serialized elsewhere
             if snapshot.decode_budget > 0:
                 return None, 0.0  # still generating: its state is not the loop's
-            data = Checkpoint(saved, snapshot.to_bytes(), client_seq).to_bytes()
-            return data, time.perf_counter() - start
+            return snapshot, time.perf_counter() - start
 
-        serialized = self.run_on_engine(serialize)  # queued now: before any later input
+        taken = self.run_on_engine(take)  # queued now: before any later input
         done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._lane(sid).calls.put_nowait(lambda: self._put(sid, serialized, client_seq, done))
+        self._lane(sid).calls.put_nowait(
+            lambda: self._put(sid, taken, saved, client_seq, done))
         return done
 
-    async def _put(self, sid: str, serialized: asyncio.Future, client_seq: int,
+    async def _put(self, sid: str, taken: asyncio.Future, saved: dict, client_seq: int,
                    done: asyncio.Future) -> None:
-        stored = False
+        stored, data = False, None
         try:
-            data, seconds = await serialized
+            snapshot, seconds = await taken
         except SnapshotError:
             self._never.add(sid)  # unbounded: its resume elsewhere is refused
             self.metrics.checkpoint("unbounded")
-            data = None
         else:
-            if data is None:
+            if snapshot is None:
                 self._last.pop(sid, None)  # try again at its next result
                 self.metrics.checkpoint("generating")
+            else:  # the MBs are copied on a worker thread: neither the loop nor the engine
+                data = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: Checkpoint(saved, snapshot.to_bytes(), client_seq).to_bytes())
         credentials = self.credentials(sid)
         if data is not None and credentials is not None:
             stored = await self.store.put(sid, self.owner, data, client_seq, credentials)
