@@ -158,3 +158,43 @@ def test_a_server_without_room_refuses_the_take_over_and_the_token_still_resumes
             _ask(again, QUESTIONS[1])
             assert recv_until(again, "response.done", timeout_s=60.0)[-1]["response"][
                 "status"] == "completed"
+
+
+def test_a_replay_of_several_turns_lands_each_event_after_the_response_it_followed(smollm2):
+    """Only the opening checkpoint is stored (a long interval), so the take-over replays two
+    turns; each turn's events wait for the replayed response before them, as the client
+    did (applied at once, the second `response.create` met the first response still
+    active and was refused, and the answers diverged)."""
+    store, tokenizer = MemoryCheckpointStore(), load_tokenizer()
+    config = TAKEOVER.model_copy(update={"checkpoint_interval_s": 3600.0})
+    with ServerThread(config, smollm2, tokenizer, checkpoint_store=store,
+                      server_name="a") as a, ServerThread(
+            config, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
+        with connect(with_extensions(a.ws_url)) as ws:  # the reference, uninterrupted
+            recv(ws)
+            expected = []
+            for question in QUESTIONS:
+                _ask(ws, question)
+                expected += recv_until(ws, "response.done", timeout_s=60.0)
+        ws = connect(with_extensions(a.ws_url))
+        created = recv(ws)["session"]
+        session_id, token = created["id"], created["metronome"]["resume"]["token"]
+        _ask(ws, QUESTIONS[0])
+        recv_until(ws, "response.done", timeout_s=60.0)
+        _ask(ws, QUESTIONS[1])
+        recv_until(ws, "response.created")
+        deadline = time.monotonic() + 10
+        while store.shelf.describe(session_id)["logged_events"] < 4:  # both turns logged
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert store.shelf.describe(session_id)["client_seq"] == 0  # the opening one only
+        _drop(ws, reset=True)
+        with _resume(b, session_id, token) as again:
+            resumed = recv(again)
+            assert resumed["resumed"]["replayed_client_events"] == 4
+            events = recv_until(again, "response.done", timeout_s=60.0)  # turn 1, anew
+            events += recv_until(again, "response.done", timeout_s=60.0)  # turn 2
+            assert not [e for e in events if e["type"] == "error"], events
+            _ask(again, QUESTIONS[2])
+            events += recv_until(again, "response.done", timeout_s=60.0)
+    assert _answers(events) == _answers(expected)

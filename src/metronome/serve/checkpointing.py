@@ -17,7 +17,7 @@ server held (`serve.checkpoint` has the format and the store).
   means the session lives there now: `on_moved` ends it here.
 * **Take-over** (`restore`): a claimed checkpoint is opened in this engine (its own pool:
   None when it cannot hold it) and the session rebuilt from it; the caller replays the
-  logged events (`RealtimeSession.client_seq` counts them already).
+  logged events, each at its place (`serve.replay`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from metronome.engine.snapshot import SessionSnapshot, SnapshotError
 from metronome.observe.metrics import Metrics
 from metronome.serve.checkpoint import Checkpoint, CheckpointStore, Claim
+from metronome.serve.replay import log_entry, read_entry
 from metronome.serve.resume import Credentials
 from metronome.serve.session_checkpoint import saved_state
 
@@ -54,7 +55,8 @@ class Checkpointable:
 class Restored:
     saved: dict  # the session's own state, for `RealtimeSession(saved=...)`
     engine_session_id: int
-    events: list[str]  # client events to replay, in order
+    events: list[tuple[int, str]]  # client events to replay, in order, each with the frames
+    # the session had answered when it was first applied (`serve.replay`)
     client_seq: int  # the checkpoint's: the events replayed are numbered on from it
 
 
@@ -151,13 +153,14 @@ class Checkpointer:
         if not done.done():
             done.set_result(stored)
 
-    def applied(self, session: Checkpointable, event_text: str) -> None:
-        """`session` applied a client event: number it; log it once it has a checkpoint."""
+    def applied(self, session: Checkpointable, event_text: str, frames_answered: int) -> None:
+        """`session` applied a client event with `frames_answered` frames answered: number
+        it; log it (with that count: `serve.replay`) once the session has a checkpoint."""
         seq = session.client_seq
         session.client_seq += 1
         if session.id in self._lanes:
-            sid, owner = session.id, self.owner
-            self._lane(sid).calls.put_nowait(lambda: self._append(sid, owner, seq, event_text))
+            sid, owner, entry = session.id, self.owner, log_entry(frames_answered, event_text)
+            self._lane(sid).calls.put_nowait(lambda: self._append(sid, owner, seq, entry))
 
     async def _append(self, sid: str, owner: str, seq: int, event_text: str) -> None:
         if not await self.store.append(sid, owner, seq, event_text):
@@ -211,7 +214,8 @@ class Checkpointer:
         engine_sid = await self.run_on_engine(lambda: engine.restore_session(snapshot))
         if engine_sid is None:
             return None
-        return Restored(checkpoint.state, engine_sid, claim.events, checkpoint.client_seq)
+        return Restored(checkpoint.state, engine_sid, [read_entry(e) for e in claim.events],
+                        checkpoint.client_seq)
 
     def adopted(self, session: Checkpointable, restored: Restored) -> None:
         """A session taken over here: its store entry is this server's now."""

@@ -49,6 +49,7 @@ from metronome.serve.kv_events import MetronomeSessionResumed, ResumedOut
 from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.rate_limit import RateLimit, Verdict
+from metronome.serve.replay import Replay
 from metronome.serve.resume import (
     LAST_EVENT_QUERY,
     MIGRATED_CLOSE_CODE,
@@ -241,13 +242,11 @@ class Connection:
             self._emit(MetronomeSessionResumed(session=session.describe(), resumed=ResumedOut(
                 away_s=0.0, replayed_events=0, missed_events=0, from_checkpoint=True,
                 replayed_client_events=len(restored.events))))
-            for text in restored.events:  # applied before: they apply again
-                session.client_seq += 1
-                try:
-                    session.handle(p.parse_client_event(text, self.config.max_message_values,
-                                                        self.config.max_message_depth))
-                except ClientError as err:
-                    self._error(err)
+            replay = Replay(restored.events,
+                            lambda text, logged: self._apply(session, text, logged))
+            replay.due(session.record.frames_answered)  # the rest after replayed frames
+            if replay.pending:
+                state.replays[session.id] = replay
             state.metrics.observe_resume(loop.time() - arrived_s)
             log.info("session %s taken over from a checkpoint: %d client events replayed",
                      session.id, len(restored.events))
@@ -353,18 +352,30 @@ class Connection:
                                     f"exceeds {max_bytes} bytes; split the audio"),
                         p.readable_event_id(text))
             return
+        replay = self.state.replays.get(session.id)
+        if replay is not None and replay.pending:
+            replay.offer(text)  # sent after every event the replay still owes: applied after
+            return
+        self._apply(session, text, logged=False)
+
+    def _apply(self, session: RealtimeSession, text: str, logged: bool) -> None:
+        """Apply one client event; `logged`: replayed from the store's log (numbered and
+        logged already), else logged now if it applies."""
         try:
             event = p.parse_client_event(text, self.config.max_message_values,
                                          self.config.max_message_depth)
         except ClientError as err:
             self._error(err, err.event_id)
             return
+        if logged:
+            session.client_seq += 1
         try:
             session.handle(event)
         except ClientError as err:
             self._error(err, event.event_id)
             return
-        self.state.applied(session, text)
+        if not logged:
+            self.state.applied(session, text)
 
     def _on_refused(self, verdict: Verdict, limit: RateLimit, text: str | None) -> None:
         """One error per run of refused messages, echoing the first one's event_id (read

@@ -46,6 +46,7 @@ from metronome.serve.config import ServerConfig
 from metronome.serve.event_stream import EventChannel
 from metronome.serve.loop_lag import LoopLagProbe
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
+from metronome.serve.replay import Replay
 from metronome.serve.resume import Resumption
 from metronome.serve.status import StatusBoard
 from metronome.serve.text import ChatText
@@ -109,6 +110,7 @@ class ServerState:
         # the session is leased (its client dropped; `serve.resume`)
         self.draining = False  # set once (`drain`): no new session from then on
         self._migrating: set[str] = set()  # draining: checkpoint under way, then closed 4002
+        self.replays: dict[str, Replay] = {}  # taken-over sessions still replaying events
         self._frontends: dict[int, AudioFrontEnd] = {}
         # One thread prepares every session's input, audio (log-mel + projection) and text
         # (tokenizing): off the loop, so one session's input never delays another's deadline
@@ -183,6 +185,7 @@ class ServerState:
         session that `moved` to another server, or `migrated` there by a drain, stays in the
         checkpoint store)."""
         self.owners.pop(session.id, None)
+        self.replays.pop(session.id, None)
         self.resumption.forget(session.id, outcome)
         if self.checkpoints is not None:
             self.checkpoints.ended(session.id, keep=outcome in ("moved", "migrated"))
@@ -194,17 +197,19 @@ class ServerState:
     # ---- checkpoints (serve.checkpointing) ---------------------------------------------------
     def settled(self, session) -> None:
         """`SessionHost`: a frame result was handled: the session may be quiescent."""
-        if self.checkpoints is None:
-            return
-        if self.draining:
+        if (replay := self.replays.get(session.id)) is not None:  # taken over: events due?
+            replay.due(session.record.frames_answered)
+            if not replay.pending:
+                del self.replays[session.id]
+        if self.checkpoints is not None and self.draining:
             self._migrate(session.id)
-        else:
+        elif self.checkpoints is not None:
             self.checkpoints.maybe(session, frames_answered=session.record.frames_answered)
 
     def applied(self, session, event_text: str) -> None:
         """The session applied a client event (`event_text`): logged for a take-over."""
         if self.checkpoints is not None:
-            self.checkpoints.applied(session, event_text)
+            self.checkpoints.applied(session, event_text, session.record.frames_answered)
 
     def moved(self, session_id: str) -> None:
         """Another server claimed the session (its client resumed there): end it here."""

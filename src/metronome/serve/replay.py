@@ -1,0 +1,52 @@
+"""Client events a taken-over session applies again (`serve.checkpointing`), in their order
+and at their place in the conversation.
+
+Each logged event carries how many frames the session had answered when it was first
+applied; the new server applies it once the restored session has answered as many. So a
+client that waited for a response before its next message (the turn protocol: item, then
+`response.create`, then `response.done`, then the next item) is replayed exactly: every
+event lands after the replayed response it followed, not in the middle of it. Events the
+client sends on the new connection while a replay is pending queue behind it, since the
+client sent them after everything before. (A duplex audio stream is replayed at the new
+server's pace: its frames are cut where the appends land there.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable
+
+# apply(text, logged): logged events are in the store's log already; a live one is not
+Apply = Callable[[str, bool], None]
+
+
+def log_entry(frames_answered: int, event_text: str) -> str:
+    """An event as the store's log keeps it."""
+    return json.dumps([frames_answered, event_text])
+
+
+def read_entry(entry: str) -> tuple[int, str]:
+    frames_answered, event_text = json.loads(entry)
+    return int(frames_answered), event_text
+
+
+class Replay:
+    def __init__(self, logged: list[tuple[int, str]], apply: Apply) -> None:
+        self.apply = apply
+        self._queue: deque[tuple[int, str, bool]] = deque(
+            (after, text, True) for after, text in logged)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._queue)
+
+    def offer(self, text: str) -> None:
+        """A live event that arrived while the replay is pending: applied after it."""
+        self._queue.append((-1, text, False))
+
+    def due(self, frames_answered: int) -> None:
+        """Apply every queued event whose place the session has reached."""
+        while self._queue and self._queue[0][0] <= frames_answered:
+            _, text, logged = self._queue.popleft()
+            self.apply(text, logged)
