@@ -100,16 +100,18 @@ def test_kill_9_mid_answer_resumes_on_the_survivor_token_exact(launched):
         assert resumed["type"] == "metronome.session.resumed", resumed
         assert resumed["resumed"]["from_checkpoint"] is True
         # the turns since the stored checkpoint are made anew: Q1 if the checkpoint after
-        # the first answer was stored, else (its interval had not passed) Q0 and Q1
+        # the first answer was stored, Q0 and Q1 if only an earlier one was, none if the
+        # replica answered Q1 and checkpointed it before it died (a loaded machine: those
+        # events died with it, README "Resume on another replica", limits)
         turns = resumed["resumed"]["replayed_client_events"] // 2
-        assert turns in (1, 2), resumed
+        assert turns in (0, 1, 2), resumed
         after = []
         for _ in range(turns):
             after += recv_until(again, "response.done", timeout_s=60.0)
         _ask(again, QUESTIONS[2])
         after += recv_until(again, "response.done", timeout_s=60.0)
     assert _answers(events) == expected[:1]
-    assert _answers(after) == expected[2 - turns:]
+    assert _answers(after) == expected[2 - turns:]  # turns 0: A2 only
 
 
 def test_scale_2_to_1_moves_the_draining_replicas_session_token_exact(launched):

@@ -107,7 +107,8 @@ def test_a_claim_needs_the_token_and_moves_the_session_for_good(pair):
         _ask(again, QUESTIONS[0])
         assert recv_until(again, "response.done", timeout_s=60.0)[-1]["response"][
             "status"] == "completed"
-    assert store.shelf.describe(session_id)["owner"] in ("b", None)
+    entry = store.shelf.describe(session_id)  # None once b has ended it and forgotten it
+    assert entry is None or entry["owner"] == "b"
 
 
 def test_an_unbounded_session_is_not_resumed_elsewhere(smollm2):
@@ -198,3 +199,21 @@ def test_a_replay_of_several_turns_lands_each_event_after_the_response_it_follow
             _ask(again, QUESTIONS[2])
             events += recv_until(again, "response.done", timeout_s=60.0)
     assert _answers(events) == _answers(expected)
+
+
+def test_a_session_quiet_after_its_answer_is_checkpointed_once_its_interval_passes(smollm2):
+    """The answer ends within the interval of the opening checkpoint, and no result follows
+    (the user is thinking): the checkpoint is taken when the interval has passed, so a
+    take-over would not make that answer anew."""
+    store = MemoryCheckpointStore()
+    config = TAKEOVER.model_copy(update={"checkpoint_interval_s": 2.0})
+    with ServerThread(config, smollm2, load_tokenizer(), checkpoint_store=store,
+                      server_name="a") as a, connect(with_extensions(a.ws_url)) as ws:
+        session_id = recv(ws)["session"]["id"]
+        opened_s = time.monotonic()
+        _ask(ws, QUESTIONS[0])
+        recv_until(ws, "response.done", timeout_s=60.0)
+        assert time.monotonic() - opened_s < 2.0, "the answer outlasted the interval"
+        assert store.shelf.describe(session_id)["client_seq"] == 0  # not yet: too soon
+        _stored(store, session_id, 2)  # then, with no further result
+        assert time.monotonic() - opened_s < 4.0

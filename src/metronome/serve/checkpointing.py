@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from metronome.engine.snapshot import SessionSnapshot, SnapshotError
 from metronome.observe.metrics import Metrics
+from metronome.runtime.record import SessionRecord
 from metronome.serve.checkpoint import Checkpoint, CheckpointStore, Claim
 from metronome.serve.replay import log_entry, read_entry
 from metronome.serve.resume import Credentials
@@ -49,6 +50,7 @@ class Checkpointable:
     engine_session_id: int
     client_seq: int
     quiescent: bool
+    record: SessionRecord  # frames answered
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Checkpointer:
         self._lanes: dict[str, _Lane] = {}  # sessions with a checkpoint put (or queued)
         self._last: dict[str, tuple[float, int, int]] = {}  # at_s, client_seq, frames
         self._never: set[str] = set()  # unbounded: not checkpointed
+        self._deferred: dict[str, asyncio.TimerHandle] = {}  # a checkpoint due later
 
     # ---- checkpoints -----------------------------------------------------------------------
     def opened(self, session: Checkpointable) -> None:
@@ -108,9 +111,12 @@ class Checkpointer:
             return None
         now_s = self.now_s()
         at_s, seq, frames = self._last.get(sid, (-math.inf, -1, -1))
-        if not force and ((session.client_seq, frames_answered) == (seq, frames)
-                          and sid in self._lanes or now_s - at_s < self.interval_s):
-            return None  # nothing new since the last one, or too soon
+        if not force and (session.client_seq, frames_answered) == (seq, frames) and (
+                sid in self._lanes):
+            return None  # nothing new since the last one
+        if not force and now_s - at_s < self.interval_s:  # too soon: when it is due, if
+            self._defer(session, at_s + self.interval_s - now_s)  # no result comes first
+            return None
         self._last[sid] = (now_s, session.client_seq, frames_answered)
         # a deep copy now (KBs): the loop changes the session while a worker serializes
         saved, client_seq = json.loads(json.dumps(saved_state(session))), session.client_seq
@@ -173,9 +179,24 @@ class Checkpointer:
             self._lane(session_id).calls.put_nowait(
                 lambda: self.store.regrant(session_id, self.owner, credentials))
 
+    def _defer(self, session: Checkpointable, delay_s: float) -> None:
+        """Try again in `delay_s`: a session quiet after its answer (a turn waiting for its
+        user) is checkpointed then, not only at its next result, so a take-over replays
+        from there instead of making that answer anew."""
+        if session.id in self._deferred:
+            return
+
+        def due() -> None:
+            self._deferred.pop(session.id, None)
+            self.maybe(session, frames_answered=session.record.frames_answered)
+
+        self._deferred[session.id] = asyncio.get_running_loop().call_later(delay_s, due)
+
     def ended(self, session_id: str, keep: bool) -> None:
         """The session ended here: the store forgets it unless `keep` (it moves on: a drain
         migrates it, or another server claimed it)."""
+        if (deferred := self._deferred.pop(session_id, None)) is not None:
+            deferred.cancel()
         lane = self._lanes.pop(session_id, None)
         self._last.pop(session_id, None)
         self._never.discard(session_id)
