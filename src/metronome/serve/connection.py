@@ -244,7 +244,8 @@ class Connection:
                 replayed_client_events=len(restored.events))))
             replay = Replay(restored.events,
                             lambda text, logged: self._apply(session, text, logged))
-            replay.due(session.record.frames_answered)  # the rest after replayed frames
+            replay.due(lambda: session.record.frames_answered,  # the rest after replayed
+                       lambda: session.quiescent)  # frames
             if replay.pending:
                 state.replays[session.id] = replay
             state.metrics.observe_resume(loop.time() - arrived_s)

@@ -45,8 +45,11 @@ class Replay:
         """A live event that arrived while the replay is pending: applied after it."""
         self._queue.append((-1, text, False))
 
-    def due(self, frames_answered: int) -> None:
-        """Apply every queued event whose place the session has reached."""
-        while self._queue and self._queue[0][0] <= frames_answered:
+    def due(self, frames_answered: Callable[[], int], quiescent: Callable[[], bool]) -> None:
+        """Apply every queued event whose place the session has reached; and the next ones
+        while the session is quiescent (no frame will come without input: a frame count
+        the replay does not reproduce, e.g. audio cut into frames at another pace, must
+        not hold the session's input back for good)."""
+        while self._queue and (self._queue[0][0] <= frames_answered() or quiescent()):
             _, text, logged = self._queue.popleft()
             self.apply(text, logged)

@@ -198,7 +198,7 @@ class ServerState:
     def settled(self, session) -> None:
         """`SessionHost`: a frame result was handled: the session may be quiescent."""
         if (replay := self.replays.get(session.id)) is not None:  # taken over: events due?
-            replay.due(session.record.frames_answered)
+            replay.due(lambda: session.record.frames_answered, lambda: session.quiescent)
             if not replay.pending:
                 del self.replays[session.id]
         if self.checkpoints is not None and self.draining:
