@@ -38,6 +38,24 @@ def pair(smollm2):
         yield store, a, b
 
 
+def _reference(server) -> list[dict]:
+    """The events of an uninterrupted session asked every question."""
+    with connect(with_extensions(server.ws_url)) as ws:
+        recv(ws)
+        expected = []
+        for question in QUESTIONS:
+            _ask(ws, question)
+            expected += recv_until(ws, "response.done", timeout_s=60.0)
+    return expected
+
+
+def _open(server):
+    """A new session on `server`: its socket, id and resume token."""
+    ws = connect(with_extensions(server.ws_url))
+    created = recv(ws)["session"]
+    return ws, created["id"], created["metronome"]["resume"]["token"]
+
+
 def _stored(store, session_id: str, client_seq: int) -> dict:
     """Wait until the store holds a checkpoint of the session taken after `client_seq`
     client events."""
@@ -52,15 +70,8 @@ def _stored(store, session_id: str, client_seq: int) -> dict:
 
 def test_a_session_resumes_on_another_server_token_exact(pair):
     store, a, b = pair
-    with connect(with_extensions(a.ws_url)) as ws:  # the reference, uninterrupted
-        recv(ws)
-        expected = []
-        for question in QUESTIONS:
-            _ask(ws, question)
-            expected += recv_until(ws, "response.done", timeout_s=60.0)
-    ws = connect(with_extensions(a.ws_url))
-    created = recv(ws)["session"]
-    session_id, token = created["id"], created["metronome"]["resume"]["token"]
+    expected = _reference(a)
+    ws, session_id, token = _open(a)
     _ask(ws, QUESTIONS[0])
     events = recv_until(ws, "response.done", timeout_s=60.0)
     entry = _stored(store, session_id, 2)  # after the first answer: item + response.create
@@ -89,9 +100,7 @@ def test_a_session_resumes_on_another_server_token_exact(pair):
 
 def test_a_claim_needs_the_token_and_moves_the_session_for_good(pair):
     store, a, b = pair
-    ws = connect(with_extensions(a.ws_url))
-    created = recv(ws)["session"]
-    session_id, token = created["id"], created["metronome"]["resume"]["token"]
+    ws, session_id, token = _open(a)
     _stored(store, session_id, 0)  # a new session is checkpointed at once
     _drop(ws, reset=False)
     for wrong in ("x" * 43, ""):
@@ -138,9 +147,7 @@ def test_a_server_without_room_refuses_the_take_over_and_the_token_still_resumes
     small = TAKEOVER.model_copy(update={"pool_tokens": 16})  # 1 block: not the session's
     with ServerThread(small, smollm2, load_tokenizer(), checkpoint_store=store,
                       server_name="c") as c:
-        ws = connect(with_extensions(a.ws_url))
-        created = recv(ws)["session"]
-        session_id, token = created["id"], created["metronome"]["resume"]["token"]
+        ws, session_id, token = _open(a)
         _ask(ws, QUESTIONS[0])
         recv_until(ws, "response.done", timeout_s=60.0)
         _stored(store, session_id, 2)
@@ -171,15 +178,8 @@ def test_a_replay_of_several_turns_lands_each_event_after_the_response_it_follow
     with ServerThread(config, smollm2, tokenizer, checkpoint_store=store,
                       server_name="a") as a, ServerThread(
             config, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
-        with connect(with_extensions(a.ws_url)) as ws:  # the reference, uninterrupted
-            recv(ws)
-            expected = []
-            for question in QUESTIONS:
-                _ask(ws, question)
-                expected += recv_until(ws, "response.done", timeout_s=60.0)
-        ws = connect(with_extensions(a.ws_url))
-        created = recv(ws)["session"]
-        session_id, token = created["id"], created["metronome"]["resume"]["token"]
+        expected = _reference(a)
+        ws, session_id, token = _open(a)
         _ask(ws, QUESTIONS[0])
         recv_until(ws, "response.done", timeout_s=60.0)
         _ask(ws, QUESTIONS[1])
