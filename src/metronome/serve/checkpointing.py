@@ -1,14 +1,17 @@
 """When a server checkpoints its sessions, logs their input, and takes over one another
 server held (`serve.checkpoint` has the format and the store).
 
-* **Checkpoints.** A session is checkpointed when it opens and then, after a frame result
-  leaves it quiescent, at most once every `interval_s` (`--checkpoint-interval-s`), and only
-  if something changed. The loop captures the session's own state; the engine thread takes
-  the engine snapshot (a copy of its blocks, ~1 ms) as the next engine command, i.e. before
-  any input the session sends afterwards; a worker thread serializes both (the MBs are
-  copied neither on the loop nor on the engine thread). A session still
-  generating when the snapshot runs (a late frame's tokens) is skipped until its next
-  result. Unbounded sessions are never checkpointed (`engine.snapshot` refuses them).
+* **Checkpoints.** A session is checkpointed when it opens and then, after a frame result,
+  at most once every `interval_s` (`--checkpoint-interval-s`), and only if something
+  changed; a session not quiescent yet (an answer's tail still going into its context),
+  still generating when the snapshot runs (a late frame's tokens), or checkpointed too
+  recently is tried again at its next result or when the interval has passed, whichever
+  comes first (no further result may come: a turn waits for its user). The loop captures
+  the session's own state; the engine thread takes the engine snapshot (a copy of its
+  blocks, ~1 ms) as the next engine command, i.e. before any input the session sends
+  afterwards; a worker thread serializes both (the MBs are copied neither on the loop nor
+  on the engine thread). Unbounded sessions are never checkpointed (`engine.snapshot`
+  refuses them).
 * **The input log.** Every client event the session applies is numbered
   (`RealtimeSession.client_seq`) and, once the session has a checkpoint, appended to the
   store. Store calls of one session run in order, one at a time (`_Lane`), so an append
@@ -107,7 +110,11 @@ class Checkpointer:
         (or `force`: a drain's migration, a new session); the future resolves to True once
         the store holds it."""
         sid = session.id
-        if sid in self._never or not session.quiescent or self.credentials(sid) is None:
+        if sid in self._never or self.credentials(sid) is None:
+            return None
+        if not session.quiescent:  # e.g. an answer's tail still going into its context,
+            if not force:  # which no result follows: try again when its interval has passed
+                self._defer(session, self.interval_s)
             return None
         now_s = self.now_s()
         at_s, seq, frames = self._last.get(sid, (-math.inf, -1, -1))
@@ -132,12 +139,12 @@ class Checkpointer:
         taken = self.run_on_engine(take)  # queued now: before any later input
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         self._lane(sid).calls.put_nowait(
-            lambda: self._put(sid, taken, saved, client_seq, done))
+            lambda: self._put(session, taken, saved, client_seq, done))
         return done
 
-    async def _put(self, sid: str, taken: asyncio.Future, saved: dict, client_seq: int,
-                   done: asyncio.Future) -> None:
-        stored, data = False, None
+    async def _put(self, session: Checkpointable, taken: asyncio.Future, saved: dict,
+                   client_seq: int, done: asyncio.Future) -> None:
+        sid, stored, data = session.id, False, None
         try:
             snapshot, seconds = await taken
         except SnapshotError:
@@ -145,8 +152,10 @@ class Checkpointer:
             self.metrics.checkpoint("unbounded")
         else:
             if snapshot is None:
-                self._last.pop(sid, None)  # try again at its next result
-                self.metrics.checkpoint("generating")
+                self._last.pop(sid, None)  # try again at its next result, or when its
+                self.metrics.checkpoint("generating")  # interval has passed if none comes
+                if sid in self._lanes:
+                    self._defer(session, self.interval_s)
             else:  # the MBs are copied on a worker thread: neither the loop nor the engine
                 data = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: Checkpoint(saved, snapshot.to_bytes(), client_seq).to_bytes())
@@ -182,7 +191,7 @@ class Checkpointer:
     def _defer(self, session: Checkpointable, delay_s: float) -> None:
         """Try again in `delay_s`: a session quiet after its answer (a turn waiting for its
         user) is checkpointed then, not only at its next result, so a take-over replays
-        from there instead of making that answer anew."""
+        from there instead of making that answer anew. One retry pending per session."""
         if session.id in self._deferred:
             return
 
