@@ -4,8 +4,12 @@ cluster view, open sessions, stream speech and see how a session ended."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -13,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from metronome.serve.protocol import with_extensions
+from tests.served import free_port, server_process
 from tests.streamer import SpeechStreamer
 
 METRONOME = str(Path(sys.executable).parent / "metronome")
@@ -24,6 +29,33 @@ def wait_for(condition, timeout_s: float, what: str):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
     return value
+
+
+@contextmanager
+def launched_cluster(tmp_path_factory, args: list[str], replicas_live: int, timeout_s: float,
+                     name: str = "cluster") -> Iterator[tuple[str, Path]]:
+    """`metronome serve` with `args` on a free port, until `replicas_live` replicas report:
+    its URL and the file its launcher prints to (read `ray_address` from it)."""
+    port = free_port()
+    command = [METRONOME, "serve", *args, "--port", str(port), "--log-level", "warning"]
+    printed = tmp_path_factory.mktemp(name) / "stdout.txt"
+    with printed.open("w") as out, server_process(command, port, stdout=out) as url:
+        wait_for(lambda: view(url)["replicas_live"] == replicas_live, timeout_s,
+                 f"{replicas_live} replicas' reports")
+        yield url, printed
+
+
+def ray_address(printed: Path) -> str:
+    """The Ray address the launcher printed (`Ray at ...`)."""
+    return wait_for(lambda: re.findall(r"Ray at (\S+)", printed.read_text()), 10,
+                    "the launcher's banner")[0]
+
+
+def scale(address: str, replicas: int) -> None:
+    """`metronome cluster scale` on the cluster at Ray `address`."""
+    scaled = subprocess.run([METRONOME, "cluster", "scale", str(replicas), "--ray-address",
+                             address], timeout=60, capture_output=True, text=True)
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
 
 
 def view(url: str) -> dict:

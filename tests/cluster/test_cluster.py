@@ -13,9 +13,7 @@ import asyncio
 import base64
 import json
 import os
-import re
 import signal
-import subprocess
 import time
 
 import httpx
@@ -26,18 +24,19 @@ from websockets.sync.client import connect
 
 from metronome.load.speech import SPEECH_DIR, speech_stream
 from tests.cluster.client import (
-    METRONOME,
     DrainedStreamer,
     Stamped,
     actives,
     closed_within,
+    launched_cluster,
     live,
     live_actives,
     open_session,
+    ray_address,
+    scale,
     view,
     wait_for,
 )
-from tests.served import free_port, server_process
 
 pytest.importorskip("ray.serve", reason="the cluster extra (make install) is not installed")
 
@@ -50,25 +49,13 @@ DRAIN_TIMEOUT_S = 6.0
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """The cluster's URL and the Ray address its launcher printed."""
-    port = free_port()
-    command = [METRONOME, "serve", "--replicas", "2", "--model", "preset:tiny", "--port",
-               str(port), "--admission", "static", "--admission-cap", str(CAP),
-               "--stats-period-s", "0.25", "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
-               "--checkpoint-interval-s", "0", "--log-level", "warning"]
     # Checkpoints off: a draining replica keeps its sessions to the drain timeout, the path
     # tested here (with them, it moves each to a survivor: tests/cluster/test_cluster_resume)
-    banner = tmp_path_factory.mktemp("cluster") / "stdout.txt"
-    with banner.open("w") as out, server_process(command, port, stdout=out) as url:
-        wait_for(lambda: view(url)["replicas_live"] == 2, 60, "both replicas' reports")
-        ray_address = wait_for(lambda: re.findall(r"Ray at (\S+)", banner.read_text()), 10,
-                               "the launcher's banner")[0]
-        yield url, ray_address
-
-
-def scale(ray_address: str, replicas: int) -> None:
-    scaled = subprocess.run([METRONOME, "cluster", "scale", str(replicas), "--ray-address",
-                             ray_address], timeout=60, capture_output=True, text=True)
-    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    args = ["--replicas", "2", "--model", "preset:tiny", "--admission", "static",
+            "--admission-cap", str(CAP), "--stats-period-s", "0.25", "--drain-timeout-s",
+            str(DRAIN_TIMEOUT_S), "--checkpoint-interval-s", "0"]
+    with launched_cluster(tmp_path_factory, args, 2, 60) as (url, printed):
+        yield url, ray_address(printed)
 
 
 def settle(launched, every_listed: bool) -> str:
@@ -78,9 +65,9 @@ def settle(launched, every_listed: bool) -> str:
     `unreachable` until FORGET_AFTER_S after its last report)."""
     from metronome.cluster.replica import FORGET_AFTER_S
 
-    url, ray_address = launched
+    url, address = launched
     if len(live(url)) < 2:
-        scale(ray_address, 2)  # a no-op while Ray replaces a killed replica
+        scale(address, 2)  # a no-op while Ray replaces a killed replica
     wait_for(lambda: len(live(url)) == 2 and live_actives(url) == [0, 0], 120,
              "two live replicas, idle")
     if every_listed:
@@ -183,7 +170,7 @@ def test_kill_9_of_a_replica_ends_only_its_sessions_and_ray_replaces_it(cluster)
 
 
 def test_scale_2_to_1_drains_a_replica_until_its_drain_timeout(launched):
-    url, ray_address = settle(launched, every_listed=False), launched[1]
+    url, address = settle(launched, every_listed=False), launched[1]
     ws_url = url.replace("http", "ws") + "/v1/realtime"
     streamers = []
     for on_each in ([0, 1], [1, 1]):  # the second after the first is reported: the other
@@ -192,7 +179,7 @@ def test_scale_2_to_1_drains_a_replica_until_its_drain_timeout(launched):
         streamers[-1].start()
         wait_for(lambda on_each=on_each: live_actives(url) == on_each, 10,
                  f"sessions {on_each}")
-    scale(ray_address, 1)
+    scale(address, 1)
     draining = wait_for(lambda: [r for r in live(url).values() if r["draining"]], 10,
                         "a replica draining")[0]
     seen_at_s = time.monotonic()

@@ -14,15 +14,15 @@ import pytest
 from websockets.exceptions import InvalidStatus
 
 from tests.cluster.client import (
-    METRONOME,
     DrainedStreamer,
     Stamped,
+    launched_cluster,
     live,
     open_session,
     view,
     wait_for,
 )
-from tests.served import free_port, metric, server_process
+from tests.served import metric
 
 pytest.importorskip("ray.serve", reason="the cluster extra (make install) is not installed")
 
@@ -37,19 +37,14 @@ SERVED_WHILE_DRAINING_S = 4.0  # the session on the removed replica goes on this
 def autoscaled(tmp_path_factory):
     """The cluster's URL and the file its launcher prints to. Headroom 0: only a refusal
     adds a replica, and one wholly free replica (spare >= 0 past one cap) is removed."""
-    port = free_port()
-    command = [METRONOME, "serve", "--replicas", "1..2", "--model", "preset:tiny", "--port",
-               str(port), "--admission", "static", "--admission-cap", str(CAP),
-               "--stats-period-s", "0.25", "--drain-timeout-s", "60",
-               "--autoscale-headroom-sessions", "0", "--autoscale-cooldown-s", "2",
-               "--autoscale-down-after-s", str(DOWN_AFTER_S),
-               "--autoscale-refusal-window-s", "6", "--autoscale-metrics-period-s", "0.5",
-               "--checkpoint-interval-s", "0", "--log-level", "warning"]
     # Checkpoints off: the removed replica serves its session on while it drains (with them
     # it moves the session to the survivor at once: tests/cluster/test_cluster_resume)
-    printed = tmp_path_factory.mktemp("autoscale") / "stdout.txt"
-    with printed.open("w") as out, server_process(command, port, stdout=out) as url:
-        wait_for(lambda: view(url)["replicas_live"] == 1, 60, "the first replica's report")
+    args = ["--replicas", "1..2", "--model", "preset:tiny", "--admission", "static",
+            "--admission-cap", str(CAP), "--stats-period-s", "0.25", "--drain-timeout-s", "60",
+            "--autoscale-headroom-sessions", "0", "--autoscale-cooldown-s", "2",
+            "--autoscale-down-after-s", str(DOWN_AFTER_S), "--autoscale-refusal-window-s", "6",
+            "--autoscale-metrics-period-s", "0.5", "--checkpoint-interval-s", "0"]
+    with launched_cluster(tmp_path_factory, args, 1, 60, "autoscale") as (url, printed):
         yield url, printed
 
 

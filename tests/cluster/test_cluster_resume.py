@@ -10,9 +10,7 @@ both conversations go on token-exact; none is dropped.
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
 import time
 
 import pytest
@@ -20,9 +18,16 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from metronome.serve.protocol import with_extensions
-from tests.cluster.client import METRONOME, live_actives, view, wait_for
+from tests.cluster.client import (
+    launched_cluster,
+    live_actives,
+    ray_address,
+    scale,
+    view,
+    wait_for,
+)
 from tests.serve.test_serve_resume import QUESTIONS, _answers, _ask
-from tests.served import free_port, recv, recv_until, server_process
+from tests.served import recv, recv_until
 
 pytest.importorskip("ray.serve", reason="the cluster extra (make install) is not installed")
 
@@ -31,17 +36,12 @@ pytestmark = [pytest.mark.wall_clock, pytest.mark.model]
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    port = free_port()
-    command = [METRONOME, "serve", "--replicas", "2", "--mode", "turn", "--response-tokens",
-               "12", "--admission", "static", "--admission-cap", "4", "--pool-tokens", "8192",
-               "--checkpoint-interval-s", "0.2", "--stats-period-s", "0.25",
-               "--drain-timeout-s", "30", "--port", str(port), "--log-level", "warning"]
-    banner = tmp_path_factory.mktemp("cluster") / "stdout.txt"
-    with banner.open("w") as out, server_process(command, port, stdout=out) as url:
-        wait_for(lambda: view(url)["replicas_live"] == 2, 120, "both replicas' reports")
-        ray_address = wait_for(lambda: re.findall(r"Ray at (\S+)", banner.read_text()), 10,
-                               "the launcher's banner")[0]
-        yield url, ray_address
+    args = ["--replicas", "2", "--mode", "turn", "--response-tokens", "12", "--admission",
+            "static", "--admission-cap", "4", "--pool-tokens", "8192",
+            "--checkpoint-interval-s", "0.2", "--stats-period-s", "0.25",
+            "--drain-timeout-s", "30"]
+    with launched_cluster(tmp_path_factory, args, 2, 120) as (url, printed):
+        yield url, ray_address(printed)
 
 
 def _ws_url(url: str) -> str:
@@ -118,7 +118,7 @@ def test_kill_9_mid_answer_resumes_on_the_survivor_token_exact(launched):
 
 
 def test_scale_2_to_1_moves_the_draining_replicas_session_token_exact(launched):
-    url, ray_address = launched
+    url, address = launched
     wait_for(lambda: live_actives(url) == [0, 0], 120, "two idle replicas (after a kill)")
     expected = _reference(url)
     sessions = []
@@ -129,9 +129,7 @@ def test_scale_2_to_1_moves_the_draining_replicas_session_token_exact(launched):
     for ws, sid, _ in sessions:
         _ask(ws, QUESTIONS[0])
         events[sid] += recv_until(ws, "response.done", timeout_s=60.0)
-    scaled = subprocess.run([METRONOME, "cluster", "scale", "1", "--ray-address",
-                             ray_address], timeout=60, capture_output=True, text=True)
-    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    scale(address, 1)
     moved = []
     for k, (ws, sid, token) in enumerate(sessions):
         try:
