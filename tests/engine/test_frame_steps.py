@@ -21,9 +21,11 @@ FRAME = [7, 3, 9, 12, 5, 6, 2, 8]
 
 
 def make_engine(model, max_chunk_tokens=16, **config):
+    """Chunks of `max_chunk_tokens` always (the tests count steps: no larger prefill
+    chunks, `engine.chunking`)."""
     return Engine(model, EngineConfig(block_size=BLOCK, pool_tokens=64 * BLOCK,
                                       max_chunk_tokens=max_chunk_tokens, max_step_tokens=64,
-                                      **config))
+                                      max_prefill_chunk_tokens=max_chunk_tokens, **config))
 
 
 def run_frame(engine, sid, frame, max_new_tokens):

@@ -13,8 +13,10 @@ from metronome.kv.residency import ResidencyPolicy
 
 
 def make_engine(model, block: int, pool_blocks: int = 64) -> Engine:
+    """16-token chunks always (the tests count steps: no larger prefill chunks)."""
     return Engine(model, EngineConfig(block_size=block, pool_tokens=pool_blocks * block,
-                                      max_chunk_tokens=16, max_step_tokens=64))
+                                      max_chunk_tokens=16, max_step_tokens=64,
+                                      max_prefill_chunk_tokens=16))
 
 
 def generate(engine: Engine, sid: int, max_steps: int | None = None) -> list[int]:

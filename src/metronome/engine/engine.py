@@ -22,6 +22,7 @@ from metronome.engine.batch_builder import (
     build_batch,
     paged_first,
 )
+from metronome.engine.chunking import chunk_limit
 from metronome.engine.sampling import sample
 from metronome.engine.session import Session, SessionSpec
 from metronome.engine.snapshot import SessionSnapshot, restore, take
@@ -55,6 +56,9 @@ class EngineConfig:
     # a few frames' worth (a 1 s audio frame is 12-25 tokens).
     max_chunk_tokens: int = 64
     max_step_tokens: int = 4096  # input tokens of all sessions in one step
+    # A session's chunk in a step of long prefills only, when the pool can spare the blocks
+    # (`engine.chunking`); at most max_chunk_tokens: never larger.
+    max_prefill_chunk_tokens: int = 256
     # Server limits on what sessions may ask for:
     allow_unbounded: bool = True
     max_window_tokens: int = 8192
@@ -76,7 +80,8 @@ class EngineConfig:
         if self.paged_max_chunk_tokens < 0:
             raise ValueError(f"paged_max_chunk_tokens must be >= 0, got "
                              f"{self.paged_max_chunk_tokens}")
-        for name in ("block_size", "max_chunk_tokens", "max_step_tokens"):
+        for name in ("block_size", "max_chunk_tokens", "max_step_tokens",
+                     "max_prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_step_tokens < self.max_chunk_tokens:
@@ -318,12 +323,16 @@ class Engine:
             self._rotation %= len(ready)
             ready = ready[self._rotation :] + ready[: self._rotation]
             self._rotation += 1
-        budget = self.config.max_step_tokens
+        config = self.config
+        budget = config.max_step_tokens
+        limit = chunk_limit(ready, self.sessions.values(), self.pool.num_free_blocks,
+                            config.max_chunk_tokens, config.max_prefill_chunk_tokens, budget,
+                            config.block_size)
         work, outcomes = [], []
         for session in ready:
             if budget <= 0:
                 break
-            chunk, submitted = session.next_chunk(min(self.config.max_chunk_tokens, budget))
+            chunk, submitted = session.next_chunk(min(limit, budget))
             status = self._reserve(session, len(chunk))
             if status is WorkStatus.STALLED_KV and self._relieve(session, len(chunk), work,
                                                                  rebounds):
