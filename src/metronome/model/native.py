@@ -1,5 +1,7 @@
-"""The compiled kernels: paged attention (`csrc/paged_attention.cpp`) and the fused elementwise
-ops of the forward pass (`csrc/fused_ops.cpp`). Each is built on first use and cached.
+"""The compiled kernels: paged attention (`csrc/paged_attention.cpp`), the fused elementwise
+ops of the forward pass (`csrc/fused_ops.cpp`) and the attention probabilities of long dense
+chunks (`csrc/prefill_attention.cpp`, AVX512-BF16 CPUs). Each is built on first use and
+cached.
 
 `kernel()` returns the loaded extension, or None when it cannot be built here (no C++
 compiler, no ninja): then `unavailable_reason()` says why and the engine runs the dense
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 FUSED_SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.cpp"
 DISABLE_ENV = "METRONOME_NATIVE_ATTENTION"
 # -ffast-math lets GCC use glibc's vector expf in the softmax loop; the kernel uses no
 # infinities or NaNs (a finite sentinel masks). Compile flags only: linking a shared object
@@ -106,6 +109,7 @@ class Extension:
 
 PAGED = Extension("paged_attention", SOURCE, "paged-attention kernel")
 FUSED = Extension("fused_ops", FUSED_SOURCE, "fused elementwise kernels")
+PREFILL = Extension("prefill_attention", PREFILL_SOURCE, "prefill attention kernel")
 
 
 def build_dir() -> Path:
@@ -128,6 +132,13 @@ def fused_ops():
     return FUSED.module()
 
 
+def prefill_attention():
+    """The long-chunk attention module (`attention_probs`), or None where it cannot be built
+    or this CPU has no AVX512-BF16 (the dense path then runs torch's SDPA)."""
+    module = PREFILL.module()
+    return module if module is not None and module.available() else None
+
+
 def main() -> int:
     """`python -m metronome.model.native`: build (or find) both kernels; exit 0 either way
     (a machine without a compiler still runs, on the reference ops), but say which."""
@@ -142,6 +153,12 @@ def main() -> int:
               file=sys.stderr)
     else:
         print(f"metronome: fused elementwise kernels ready ({FUSED.build_dir()})")
+    if prefill_attention() is None:
+        why = PREFILL.reason() or "this CPU has no AVX512-BF16"
+        print(f"metronome: prefill attention kernel unavailable ({why}); long chunks use "
+              "torch's SDPA", file=sys.stderr)
+    else:
+        print(f"metronome: prefill attention kernel ready ({PREFILL.build_dir()})")
     return 0
 
 

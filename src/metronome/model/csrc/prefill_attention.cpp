@@ -1,0 +1,186 @@
+// Attention probabilities of long dense chunks (prefill) in bfloat16, on AVX512-BF16.
+//
+// torch's CPU flash attention reaches ~100-145 GFLOP/s here in bf16: oneDNN cannot pack
+// bf16 brgemm tiles on a CPU without AMX (`cpublas::could_pack` is false), so its tiles fall
+// back to a reference GEMM. A bf16 `bmm` (oneDNN matmul) reaches ~500 GFLOP/s but rounds its
+// output to bf16, which for scores would be 5x the error of the fused path. So the dense
+// path splits attention in two: this kernel computes each row's scores in float32 with
+// `vdpbf16ps` (exact bf16 products, float32 sums), masks them, takes the softmax in float32
+// and writes the probabilities in bf16 (as torch's flash kernel rounds them before its
+// P.V product); torch's bf16 `matmul` then multiplies them by V.
+//
+// Layout: q (R, M, D) with R = kv heads x sessions (r = h * B + b) and M = group x Q query
+// rows (row m is query m % Q of session b); k (R, C, D); attend (B, Q, C) bool, the dense
+// path's visibility (`engine.batch_builder._dense`). Writes probs (R, M, C) bf16: a buffer
+// the caller keeps for every layer of a step (a fresh 10-40 MB tensor per layer costs more in
+// page faults than the softmax itself).
+// One task = one (kv head, session): K is repacked once per task into 16-key groups of
+// dimension pairs (the layout `vdpbf16ps` reads), then 4 query rows x 64 keys at a time.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kRows = 4;      // query rows per micro-tile
+constexpr int kGroups = 4;    // 16-key groups per micro-tile (64 keys)
+constexpr int kMaxD = 256;
+
+#if defined(__AVX512BF16__)
+constexpr bool kAvailable = true;
+
+// K (C, D) bf16 -> packed[g][d2][t] = the (2 d2, 2 d2 + 1) pair of key 16 g + t, as u32;
+// keys past C are zero (their scores are masked anyway).
+void pack_keys(const uint32_t* k, int64_t C, int64_t pairs, uint32_t* packed) {
+  const int64_t groups = (C + 15) / 16;
+  for (int64_t g = 0; g < groups; ++g) {
+    uint32_t* out = packed + g * pairs * 16;
+    for (int t = 0; t < 16; ++t) {
+      const int64_t key = g * 16 + t;
+      if (key < C) {
+        const uint32_t* row = k + key * pairs;
+        for (int64_t d2 = 0; d2 < pairs; ++d2) out[d2 * 16 + t] = row[d2];
+      } else {
+        for (int64_t d2 = 0; d2 < pairs; ++d2) out[d2 * 16 + t] = 0;
+      }
+    }
+  }
+}
+
+// scores[r][c] for rows r < rows of q (each `pairs` u32 apart) against 16-key groups
+// [g0, g0 + ng) of packed K: float32 sums of exact bf16 products.
+inline void score_tile(const uint32_t* q, int64_t pairs, int rows, const uint32_t* packed,
+                       int64_t g0, int ng, float* scores, int64_t ld) {
+  __m512 acc[kRows][kGroups];
+  for (int r = 0; r < kRows; ++r)
+    for (int g = 0; g < kGroups; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < pairs; ++d2) {
+    __m512i kv[kGroups];
+    for (int g = 0; g < ng; ++g)
+      kv[g] = _mm512_loadu_si512(packed + ((g0 + g) * pairs + d2) * 16);
+    for (int r = 0; r < rows; ++r) {
+      const __m512i qb = _mm512_set1_epi32(static_cast<int>(q[r * pairs + d2]));
+      for (int g = 0; g < ng; ++g)
+        acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)qb, (__m512bh)kv[g]);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < ng; ++g) _mm512_storeu_ps(scores + r * ld + (g0 + g) * 16, acc[r][g]);
+}
+// e^x for x <= 0 (x is a score minus its row's max): 2^(x log2 e) split into 2^n 2^f,
+// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error ~1e-7, far below the
+// bf16 rounding of the probabilities).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row: scale and mask its scores (float32, `s`, C of them), softmax, bf16 to `out`.
+inline void softmax_row(float* s, const bool* visible, int64_t C, float scale,
+                        at::BFloat16* out) {
+  const __m512 hidden = _mm512_set1_ps(-3.0e38f);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vmax = hidden;
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 tail = C - c >= 16 ? 0xFFFF : (__mmask16)((1u << (C - c)) - 1);
+    const __m128i bytes = _mm_maskz_loadu_epi8(tail, visible + c);
+    const __mmask16 seen = _mm_test_epi8_mask(bytes, bytes);
+    const __m512 x = _mm512_mask_mul_ps(hidden, seen, _mm512_loadu_ps(s + c), vscale);
+    _mm512_storeu_ps(s + c, x);
+    vmax = _mm512_max_ps(vmax, x);
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 tail = C - c >= 16 ? 0xFFFF : (__mmask16)((1u << (C - c)) - 1);
+    const __m128i bytes = _mm_maskz_loadu_epi8(tail, visible + c);
+    const __mmask16 seen = _mm_test_epi8_mask(bytes, bytes);
+    const __m512 e = _mm512_maskz_mov_ps(
+        seen, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + c), mx)));
+    _mm512_storeu_ps(s + c, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 tail = C - c >= 16 ? 0xFFFF : (__mmask16)((1u << (C - c)) - 1);
+    const __m256bh p = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + c), inv));
+    _mm256_mask_storeu_epi16(out + c, tail, (__m256i)p);
+  }
+}
+#else
+constexpr bool kAvailable = false;
+#endif
+
+}  // namespace
+
+bool available() { return kAvailable; }
+
+void attention_probs(torch::Tensor q, torch::Tensor k, torch::Tensor attend, double scale,
+                     torch::Tensor probs) {
+  TORCH_CHECK(kAvailable, "this build has no AVX512-BF16 (the dense path uses SDPA)");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16,
+              "q and k must be bfloat16");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && attend.is_contiguous(),
+              "q, k and attend must be contiguous");
+  TORCH_CHECK(attend.scalar_type() == at::kBool && attend.dim() == 3, "attend: (B, Q, C) bool");
+  const int64_t R = q.size(0), M = q.size(1), D = q.size(2), C = k.size(1);
+  const int64_t B = attend.size(0), Q = attend.size(1);
+  TORCH_CHECK(D % 2 == 0 && D <= kMaxD, "head size must be even and <= ", kMaxD);
+  TORCH_CHECK(k.size(0) == R && k.size(2) == D && attend.size(2) == C && R % B == 0 &&
+              M % Q == 0, "shapes disagree");
+  TORCH_CHECK(probs.scalar_type() == at::kBFloat16 && probs.is_contiguous() &&
+              probs.numel() == R * M * C, "probs: a contiguous (R, M, C) bf16 buffer");
+#if defined(__AVX512BF16__)
+  const int64_t pairs = D / 2, groups = (C + 15) / 16, padded = groups * 16;
+  const auto* qp = reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint32_t*>(k.data_ptr<at::BFloat16>());
+  const bool* ap = attend.data_ptr<bool>();
+  auto* pp = probs.data_ptr<at::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> packed(groups * pairs * 16);
+    std::vector<float> scores(kRows * padded);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r % B;
+      pack_keys(kp + r * C * pairs, C, pairs, packed.data());
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+        const uint32_t* qrows = qp + (r * M + m0) * pairs;
+        for (int64_t g0 = 0; g0 < groups; g0 += kGroups) {
+          const int ng = static_cast<int>(std::min<int64_t>(kGroups, groups - g0));
+          score_tile(qrows, pairs, rows, packed.data(), g0, ng, scores.data(), padded);
+        }
+        for (int i = 0; i < rows; ++i) {
+          const int64_t m = m0 + i;
+          softmax_row(scores.data() + i * padded, ap + (b * Q + m % Q) * C, C, fscale,
+                      pp + (r * M + m) * C);
+        }
+      }
+    }
+  });
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "whether this build has the AVX512-BF16 kernel");
+  m.def("attention_probs", &attention_probs,
+        "probs = softmax(scale q k^T | attend) per (kv head, session): float32 scores, bf16 probs");
+}
