@@ -70,12 +70,18 @@ async def _stored_seq(store: MemoryCheckpointStore, session: FakeSession, seq: i
     return False
 
 
+async def _opened():
+    """A new session, its opening checkpoint stored: store, engine, session, checkpointer."""
+    store, engine, session = MemoryCheckpointStore(), FakeEngine(), FakeSession()
+    checkpoints = _checkpointer(store, engine)
+    checkpoints.opened(session)
+    assert await _stored_seq(store, session, 0)
+    return store, engine, session, checkpoints
+
+
 def test_a_session_quiescent_only_after_its_last_result_is_checkpointed_later():
     async def scenario():
-        store, engine, session = MemoryCheckpointStore(), FakeEngine(), FakeSession()
-        checkpoints = _checkpointer(store, engine)
-        checkpoints.opened(session)
-        assert await _stored_seq(store, session, 0)
+        store, engine, session, checkpoints = await _opened()
         session.client_seq, session.record.frames_answered = 2, 2  # asked and answered...
         session.quiescent = False  # ... but its answer's tail is still queued
         await asyncio.sleep(INTERVAL_S)  # not too soon: only the quiescence declines it
@@ -89,10 +95,7 @@ def test_a_session_quiescent_only_after_its_last_result_is_checkpointed_later():
 
 def test_a_session_still_generating_at_the_snapshot_is_checkpointed_once_it_stopped():
     async def scenario():
-        store, engine, session = MemoryCheckpointStore(), FakeEngine(), FakeSession()
-        checkpoints = _checkpointer(store, engine)
-        checkpoints.opened(session)
-        assert await _stored_seq(store, session, 0)
+        store, engine, session, checkpoints = await _opened()
         session.client_seq = 2
         engine.decode_budget = 3  # a late frame's tokens: the snapshot is not taken
         await asyncio.sleep(INTERVAL_S)
@@ -106,10 +109,7 @@ def test_a_session_still_generating_at_the_snapshot_is_checkpointed_once_it_stop
 
 def test_an_ended_session_is_not_tried_again():
     async def scenario():
-        store, engine, session = MemoryCheckpointStore(), FakeEngine(), FakeSession()
-        checkpoints = _checkpointer(store, engine)
-        checkpoints.opened(session)
-        assert await _stored_seq(store, session, 0)
+        store, engine, session, checkpoints = await _opened()
         session.quiescent = False
         await asyncio.sleep(INTERVAL_S)
         checkpoints.maybe(session, frames_answered=1)

@@ -20,7 +20,15 @@ from metronome.model.weights import load_tokenizer
 from metronome.serve.checkpoint import MemoryCheckpointStore
 from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
-from tests.serve.test_serve_resume import CONFIG, QUESTIONS, _answers, _ask, _drop, _resume
+from tests.serve.test_serve_resume import (
+    CONFIG,
+    QUESTIONS,
+    _answers,
+    _ask,
+    _drop,
+    _resume,
+    _uninterrupted,
+)
 from tests.served import metric, recv, recv_until
 
 pytestmark = pytest.mark.model
@@ -36,17 +44,6 @@ def pair(smollm2):
                       server_name="a") as a, ServerThread(
             TAKEOVER, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
         yield store, a, b
-
-
-def _reference(server) -> list[dict]:
-    """The events of an uninterrupted session asked every question."""
-    with connect(with_extensions(server.ws_url)) as ws:
-        recv(ws)
-        expected = []
-        for question in QUESTIONS:
-            _ask(ws, question)
-            expected += recv_until(ws, "response.done", timeout_s=60.0)
-    return expected
 
 
 def _open(server):
@@ -70,7 +67,7 @@ def _stored(store, session_id: str, client_seq: int) -> dict:
 
 def test_a_session_resumes_on_another_server_token_exact(pair):
     store, a, b = pair
-    expected = _reference(a)
+    expected = _uninterrupted(a)
     ws, session_id, token = _open(a)
     _ask(ws, QUESTIONS[0])
     events = recv_until(ws, "response.done", timeout_s=60.0)
@@ -91,7 +88,7 @@ def test_a_session_resumes_on_another_server_token_exact(pair):
         _ask(again, QUESTIONS[2])
         events += recv_until(again, "response.done", timeout_s=60.0)
         assert store.shelf.describe(session_id)["owner"] == "b"
-    assert _answers(events) == _answers(expected)
+    assert _answers(events) == expected
     frames = [e["frame"]["index"] for e in events if e["type"] == "metronome.frame"]
     assert frames == sorted(frames) and len(set(frames)) == len(frames)  # numbering goes on
     assert metric(b, "metronome_session_resumes_total", outcome="restored") >= 1
@@ -178,7 +175,7 @@ def test_a_replay_of_several_turns_lands_each_event_after_the_response_it_follow
     with ServerThread(config, smollm2, tokenizer, checkpoint_store=store,
                       server_name="a") as a, ServerThread(
             config, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
-        expected = _reference(a)
+        expected = _uninterrupted(a)
         ws, session_id, token = _open(a)
         _ask(ws, QUESTIONS[0])
         recv_until(ws, "response.done", timeout_s=60.0)
@@ -198,7 +195,7 @@ def test_a_replay_of_several_turns_lands_each_event_after_the_response_it_follow
             assert not [e for e in events if e["type"] == "error"], events
             _ask(again, QUESTIONS[2])
             events += recv_until(again, "response.done", timeout_s=60.0)
-    assert _answers(events) == _answers(expected)
+    assert _answers(events) == expected
 
 
 def test_a_session_quiet_after_its_answer_is_checkpointed_once_its_interval_passes(smollm2):

@@ -130,9 +130,10 @@ class LlamaModel:
             sink_rope = rope.cos_sin(batch.sink_positions, self.inv_freq, x.dtype)
         dense = batch.dense
         buffers = fused_mask = probs = None
+        if dense is not None:
+            buffers = cache.gather_buffers(dense.block_ids)
         if dense is not None and kernel is not None and self.prefill is not None and (
                 dense.sink_cols is None):  # rolling sinks: the explicit path below
-            buffers = cache.gather_buffers(dense.block_ids)
             rows = self.config.num_kv_heads * dense.batch_size
             group = self.config.num_heads // self.config.num_kv_heads
             # one buffer for every layer's probabilities: a fresh one per layer costs more
@@ -140,7 +141,6 @@ class LlamaModel:
             probs = torch.empty(rows, group * dense.max_chunk_tokens,
                                 dense.attend.shape[-1], dtype=x.dtype)
         elif dense is not None:
-            buffers = cache.gather_buffers(dense.block_ids)
             # (kvh * B, 1, Q, C): the step's mask in the fused kernel's layout, built once, and
             # additive (0 / -inf): SDPA would turn a boolean mask into one in every layer
             kvh = self.config.num_kv_heads
