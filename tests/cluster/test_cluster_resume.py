@@ -9,6 +9,7 @@ both conversations go on token-exact; none is dropped.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -84,12 +85,12 @@ def test_kill_9_mid_answer_resumes_on_the_survivor_token_exact(launched):
     expected = _reference(url)
     wait_for(lambda: live_actives(url) == [0, 0], 15, "no session open")
     ws, session_id, token = _open(url)
-    _ask(ws, QUESTIONS[0])
+    sent = _ask(ws, QUESTIONS[0], "q0")
     events = recv_until(ws, "response.done", timeout_s=60.0)
     victim = wait_for(lambda: [r for r in view(url)["replicas"]
                                if r["active_sessions"] == 1], 10, "the session's replica")[0]
     time.sleep(0.5)  # its checkpoint after the answer, if the interval allowed one
-    _ask(ws, QUESTIONS[1])
+    sent += _ask(ws, QUESTIONS[1], "q1")
     recv_until(ws, "response.created")
     os.kill(victim["pid"], signal.SIGKILL)
     with pytest.raises(ConnectionClosed):
@@ -99,15 +100,21 @@ def test_kill_9_mid_answer_resumes_on_the_survivor_token_exact(launched):
         resumed = recv(again, 30)
         assert resumed["type"] == "metronome.session.resumed", resumed
         assert resumed["resumed"]["from_checkpoint"] is True
-        # the responses since the stored checkpoint are made anew, one per replayed
-        # response.create: Q1's if the checkpoint after the first answer was stored (2
-        # events; 1 if it was taken between Q1's item and its response.create), Q0's and
-        # Q1's if only an earlier one was (4), none if the replica answered Q1 and
+        # The survivor holds the checkpoint's client events and the logged ones after it
+        # (replayed): the events the victim applied but died before logging are sent again.
+        # The responses since the checkpoint are made anew, one per response.create
+        # replayed or sent again: Q1's if the checkpoint after the first answer was stored,
+        # Q0's and Q1's if only the opening one was, none if the victim answered Q1 and
         # checkpointed it before it died (a loaded machine: those events died with it,
-        # README "Resume on another replica", limits)
-        replayed = resumed["resumed"]["replayed_client_events"]
-        assert 0 <= replayed <= 4, resumed
-        turns = (replayed + 1) // 2
+        # README "Resume on another replica", limits).
+        held = resumed["resumed"]["client_events"]
+        checkpointed = held - resumed["resumed"]["replayed_client_events"]
+        assert 0 <= checkpointed <= held <= len(sent), resumed
+        assert resumed["resumed"]["last_client_event_id"] == (
+            json.loads(sent[held - 1])["event_id"] if held else None), resumed
+        for text in sent[held:]:
+            again.send(text)
+        turns = sum('"response.create"' in text for text in sent[checkpointed:])
         after = []
         for _ in range(turns):
             after += recv_until(again, "response.done", timeout_s=60.0)

@@ -36,9 +36,15 @@ def _item(text: str) -> str:
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
 
 
-def _ask(ws, question: str) -> None:
-    ws.send(_item(question))
-    ws.send(json.dumps({"type": "response.create"}))
+def _ask(ws, question: str, name: str | None = None) -> list[str]:
+    """Send the question and a `response.create` (`name`: with the event_ids `name`-item and
+    `name`-create); the texts sent."""
+    ids = {} if name is None else {"event_id": f"{name}-item"}
+    texts = [json.dumps(ids | json.loads(_item(question))), json.dumps(
+        ({} if name is None else {"event_id": f"{name}-create"}) | {"type": "response.create"})]
+    for text in texts:
+        ws.send(text)
+    return texts
 
 
 def _resume_url(server, session_id: str, last_event_id: str | None = None) -> str:
@@ -103,7 +109,7 @@ def test_a_dropped_session_resumes_token_exact(server, reset):
     created = recv(ws)["session"]
     session_id, resume = created["id"], created["metronome"]["resume"]
     assert resume["grace_s"] == 30.0 and len(resume["token"]) >= 40
-    _ask(ws, QUESTIONS[0])
+    _ask(ws, QUESTIONS[0], "q0")
     seen = recv_until(ws, "response.created")  # its frame is in the beat: drop mid-answer
     _drop(ws, reset)
     leased = _wait_leased(server, session_id)
@@ -117,6 +123,8 @@ def test_a_dropped_session_resumes_token_exact(server, reset):
         assert resumed["session"]["id"] == session_id
         assert resumed["resumed"]["missed_events"] == 0
         assert resumed["resumed"]["away_s"] >= 1.0
+        assert (resumed["resumed"]["client_events"],  # it holds both of the client's
+                resumed["resumed"]["last_client_event_id"]) == (2, "q0-create")
         assert resumed["session"]["metronome"]["resume"]["token"] != resume["token"]
         replayed = [recv(again) for _ in range(resumed["resumed"]["replayed_events"])]
         assert replayed[-1]["type"] == "response.done"  # the whole answer, none of it twice

@@ -214,3 +214,45 @@ def test_a_session_quiet_after_its_answer_is_checkpointed_once_its_interval_pass
         assert store.shelf.describe(session_id)["client_seq"] == 0  # not yet: too soon
         _stored(store, session_id, 2)  # then, with no further result
         assert time.monotonic() - opened_s < 4.0
+
+
+class _LosingStore(MemoryCheckpointStore):
+    """Never gets a session's client events from `lost_from` on: its server applied them and
+    died before their appends reached the store."""
+
+    def __init__(self, lost_from: int) -> None:
+        super().__init__()
+        self.lost_from = lost_from
+
+    async def append(self, session_id, owner, seq, event) -> bool:
+        return seq >= self.lost_from or await super().append(session_id, owner, seq, event)
+
+
+def test_a_client_resends_the_events_its_dead_server_never_logged(smollm2):
+    """Server a applied Q1's `response.create` but died before logging it: b's
+    `metronome.session.resumed` says it holds 3 of the client's events, the last `q1-item`;
+    the client sends the 4th again and every answer is the uninterrupted session's."""
+    store, tokenizer = _LosingStore(lost_from=3), load_tokenizer()
+    config = TAKEOVER.model_copy(update={"checkpoint_interval_s": 3600.0})
+    with ServerThread(config, smollm2, tokenizer, checkpoint_store=store,
+                      server_name="a") as a, ServerThread(
+            config, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
+        expected = _uninterrupted(a)
+        ws, session_id, token = _open(a)
+        sent = _ask(ws, QUESTIONS[0], "q0")
+        recv_until(ws, "response.done", timeout_s=60.0)
+        sent += _ask(ws, QUESTIONS[1], "q1")
+        recv_until(ws, "response.created")
+        _drop(ws, reset=True)
+        with _resume(b, session_id, token) as again:
+            resumed = recv(again)["resumed"]
+            assert (resumed["client_events"], resumed["last_client_event_id"],
+                    resumed["replayed_client_events"]) == (3, "q1-item", 3)
+            for text in sent[resumed["client_events"]:]:
+                again.send(text)
+            events = recv_until(again, "response.done", timeout_s=60.0)  # Q0's, anew
+            events += recv_until(again, "response.done", timeout_s=60.0)  # Q1's
+            assert not [e for e in events if e["type"] == "error"], events
+            _ask(again, QUESTIONS[2])
+            events += recv_until(again, "response.done", timeout_s=60.0)
+    assert _answers(events) == expected

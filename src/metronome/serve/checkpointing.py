@@ -15,7 +15,11 @@ server held (`serve.checkpoint` has the format and the store).
 * **The input log.** Every client event the session applies is numbered
   (`RealtimeSession.client_seq`) and, once the session has a checkpoint, appended to the
   store. Store calls of one session run in order, one at a time (`_Lane`), so an append
-  never overtakes the put it follows; a server never awaits them on its loop.
+  never overtakes the put it follows; a server never awaits them on its loop, nor before
+  an event applies (a round trip per audio chunk): events a server applied but had not
+  logged when it died are not in the store. `metronome.session.resumed` says how many of
+  its events the session holds (`client_events`, `last_client_event_id`): the client
+  sends the rest again.
 * **Moves.** A put or append the store refuses because another server claimed the session
   means the session lives there now: `on_moved` ends it here.
 * **Take-over** (`restore`): a claimed checkpoint is opened in this engine (its own pool:
@@ -169,10 +173,10 @@ class Checkpointer:
             done.set_result(stored)
 
     def applied(self, session: Checkpointable, event_text: str, frames_answered: int) -> None:
-        """`session` applied a client event with `frames_answered` frames answered: number
-        it; log it (with that count: `serve.replay`) once the session has a checkpoint."""
-        seq = session.client_seq
-        session.client_seq += 1
+        """`session` applied a client event (numbered already: `client_seq` counts it) with
+        `frames_answered` frames answered: log it (with that count: `serve.replay`) once the
+        session has a checkpoint."""
+        seq = session.client_seq - 1
         if session.id in self._lanes:
             sid, owner, entry = session.id, self.owner, log_entry(frames_answered, event_text)
             self._lane(sid).calls.put_nowait(lambda: self._append(sid, owner, seq, entry))

@@ -49,7 +49,7 @@ from metronome.serve.kv_events import MetronomeSessionResumed, ResumedOut
 from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.rate_limit import RateLimit, Verdict
-from metronome.serve.replay import Replay
+from metronome.serve.replay import Replay, held_events
 from metronome.serve.resume import (
     LAST_EVENT_QUERY,
     MIGRATED_CLOSE_CODE,
@@ -205,9 +205,13 @@ class Connection:
             replay = session.channel.attach(self._sink, self._on_failure, last_event_id)
             self._attached_seq = replay.first_seq
             self._grant(session)
+            owed = self.state.replays.get(session.id)  # still replaying a take-over's events
+            held, last_id = held_events(session.client_seq, session.last_client_event_id,
+                                        [] if owed is None else owed.owed)
             self._emit(MetronomeSessionResumed(session=session.describe(), resumed=ResumedOut(
                 away_s=round(away_s, 3), replayed_events=len(replay.texts),
-                missed_events=replay.missed_events)))
+                missed_events=replay.missed_events, client_events=held,
+                last_client_event_id=last_id)))
             for offset, text in enumerate(replay.texts):
                 self._queue(text, replay.first_seq + offset)
             self.state.metrics.observe_resume(loop.time() - arrived_s)
@@ -239,9 +243,12 @@ class Connection:
 
         def resumed() -> None:
             self._grant(session)
+            held, last_id = held_events(session.client_seq, session.last_client_event_id,
+                                        [text for _, text in restored.events])
             self._emit(MetronomeSessionResumed(session=session.describe(), resumed=ResumedOut(
                 away_s=0.0, replayed_events=0, missed_events=0, from_checkpoint=True,
-                replayed_client_events=len(restored.events))))
+                replayed_client_events=len(restored.events), client_events=held,
+                last_client_event_id=last_id)))
             replay = Replay(restored.events,
                             lambda text, logged: self._apply(session, text, logged))
             replay.due(lambda: session.record.frames_answered,  # the rest after replayed
@@ -375,7 +382,9 @@ class Connection:
         except ClientError as err:
             self._error(err, event.event_id)
             return
+        session.last_client_event_id = event.event_id
         if not logged:
+            session.client_seq += 1
             self.state.applied(session, text)
 
     def _on_refused(self, verdict: Verdict, limit: RateLimit, text: str | None) -> None:

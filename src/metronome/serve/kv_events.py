@@ -44,6 +44,12 @@ class ResumedOut(BaseModel):
     # (`replayed_client_events`); they supersede what the client had after the checkpoint.
     from_checkpoint: bool = False
     replayed_client_events: int = 0
+    # The client's events the session holds, counted in the order sent (events answered
+    # with an `error` are not counted), and the last one's `event_id`: any the client sent
+    # after those never reached the session (lost with the connection, or with a server
+    # that died before logging them) and are to be sent again.
+    client_events: int = 0
+    last_client_event_id: str | None = None
 
 
 class MetronomeSessionResumed(ServerEvent):

@@ -31,6 +31,20 @@ def read_entry(entry: str) -> tuple[int, str]:
     return int(frames_answered), event_text
 
 
+def held_events(client_seq: int, last_event_id: str | None,
+                owed: list[str]) -> tuple[int, str | None]:
+    """The client events a session holds, for `metronome.session.resumed`: the `client_seq`
+    it applied (the last one's id `last_event_id`) and the `owed` ones a replay will apply;
+    with the last one's `event_id`."""
+    if owed:
+        try:
+            last = json.loads(owed[-1])
+        except ValueError:  # a live event queued behind the replay, not parsed yet
+            last = None
+        last_event_id = last.get("event_id") if isinstance(last, dict) else None
+    return client_seq + len(owed), last_event_id
+
+
 class Replay:
     def __init__(self, logged: list[tuple[int, str]], apply: Apply) -> None:
         self.apply = apply
@@ -40,6 +54,11 @@ class Replay:
     @property
     def pending(self) -> bool:
         return bool(self._queue)
+
+    @property
+    def owed(self) -> list[str]:
+        """The events still to apply, in order."""
+        return [text for _, text, _ in self._queue]
 
     def offer(self, text: str) -> None:
         """A live event that arrived while the replay is pending: applied after it."""

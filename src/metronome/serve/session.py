@@ -82,8 +82,7 @@ class RealtimeSession:
                  engine_session_id: int | None = None) -> None:
         """A new session; or, with `saved` (`saved_state`, from a checkpoint), the one it
         describes, continuing the engine session `engine_session_id` the host restored."""
-        self.id = p.new_id("sess") if saved is None else saved["id"]
-        self.host = host
+        self.id, self.host = p.new_id("sess") if saved is None else saved["id"], host
         config = host.config
         # Its events, numbered and kept for a resume, to its client's connection; a bug in
         # this session (`on_failure`): the connection ends it (1011), or its lease ends.
@@ -98,6 +97,7 @@ class RealtimeSession:
         self.profile = config.profile(self.settings.mode)
         self.opened_at_s = host.now_s() - (0.0 if saved is None else saved["age_s"])
         self.client_seq = 0  # client events applied (`serve.checkpoint` logs them by it)
+        self.last_client_event_id: str | None = None  # the last one's
         if saved is None:
             self.engine_session_id = self._open_engine_session()
         else:

@@ -30,6 +30,7 @@ def saved_state(session) -> dict:
         "decoder_held_ids": [] if session.decoder is None else session.decoder.held_ids,
         "instructions": session.instructions,
         "told_not_honored": sorted(session.told_not_honored),
+        "last_client_event_id": session.last_client_event_id,
     }
 
 
@@ -45,4 +46,5 @@ def load_state(session, saved: dict) -> None:
         session.decoder.hold(saved["decoder_held_ids"])
     session.instructions = saved["instructions"]
     session.told_not_honored = set(saved["told_not_honored"])
+    session.last_client_event_id = saved.get("last_client_event_id")  # older checkpoints: none
     session.set_turns(session.settings.turns)  # server VAD listens afresh from here
