@@ -37,7 +37,7 @@ def launched_cluster(tmp_path_factory, args: list[str], replicas_live: int, time
     """`metronome serve` with `args` on a free port, until `replicas_live` replicas report:
     its URL and the file its launcher prints to (read `ray_address` from it)."""
     port = free_port()
-    command = [METRONOME, "serve", *args, "--port", str(port), "--log-level", "warning"]
+    command = [METRONOME, "serve", *args, "--port", str(port), "--log-level", "info"]
     printed = tmp_path_factory.mktemp(name) / "stdout.txt"
     with printed.open("w") as out, server_process(command, port, stdout=out) as url:
         wait_for(lambda: view(url)["replicas_live"] == replicas_live, timeout_s,

@@ -62,7 +62,7 @@ def autoscaling_config(cluster: ClusterConfig) -> AutoscalingConfig:
                 "metrics_period_s": period_s}))
 
 
-def application(config: ServerConfig, cluster: ClusterConfig):
+def application(config: ServerConfig, cluster: ClusterConfig, log_level: str = "info"):
     """The Ray Serve application: `cluster.replicas` replicas of the server (or MIN..MAX,
     autoscaled), placed by admission headroom."""
     count = ({"autoscaling_config": autoscaling_config(cluster)} if cluster.autoscaled
@@ -82,7 +82,7 @@ def application(config: ServerConfig, cluster: ClusterConfig):
             request_routing_stats_period_s=cluster.stats_period_s,
             request_routing_stats_timeout_s=max(1.0, 2 * cluster.stats_period_s)),
     )
-    return deployment.bind(config, cluster)
+    return deployment.bind(config, cluster, log_level)
 
 
 def init_ray(address: str | None, log_level: str) -> None:
@@ -110,8 +110,8 @@ def serve_cluster(config: ServerConfig, cluster: ClusterConfig, log_level: str =
     board = board_handle(cluster)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
-        serve.run(application(config, cluster), name=APP_NAME, route_prefix=APP_ROUTE_PREFIX,
-                  external_scaler_enabled=True)
+        serve.run(application(config, cluster, log_level), name=APP_NAME,
+                  route_prefix=APP_ROUTE_PREFIX, external_scaler_enabled=True)
         base = f"{config.host}:{config.port}"
         ray_address = ray.get_runtime_context().gcs_address
         replicas = (f"{cluster.replicas}..{cluster.max_replicas} (autoscaled)"

@@ -60,9 +60,24 @@ def board_handle(cluster: ClusterConfig):
                            forget_after_s=FORGET_AFTER_S)
 
 
+def _log_to_stderr(log_level: str) -> None:
+    """Metronome's own log lines (take-overs, resumes, failures) at `log_level` in the
+    replica's log: Ray sets up its own loggers in a worker, not the root one."""
+    logger = logging.getLogger("metronome")
+    logger.setLevel(log_level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "%(levelname)s %(asctime)s %(name)s -- %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 @serve.ingress()
 class MetronomeReplica:
-    def __init__(self, config: ServerConfig, cluster: ClusterConfig) -> None:
+    def __init__(self, config: ServerConfig, cluster: ClusterConfig,
+                 log_level: str = "info") -> None:
+        _log_to_stderr(log_level)
         if config.engine == "native":  # the engine thread's, the rest single-threaded
             reserve_for_engine_thread(cluster.torch_threads)
         else:
