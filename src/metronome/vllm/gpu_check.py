@@ -420,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.tokens.split(",")]
     repeats = args.repeats
     if args.dry_run:  # the interpreter's time grows with the tiles a call visits: a proxy
-        span = shapes.sink_tokens + shapes.window_tokens
-        sessions, lengths, repeats = [2], [4 * span, 16 * span], 1
+        span = shapes.sink_tokens + shapes.window_tokens  # (the median of 3: one sample on
+        sessions, lengths, repeats = [2], [4 * span, 16 * span], 3  # a busy CPU can be off)
     proxy = ", interpreter: time ~ tiles visited" if args.dry_run else ""
     log(f"timing (decode, one layer{proxy}):")
     timing = time_grid(torch, runner, shapes, device, sessions, lengths, repeats, log)
