@@ -58,18 +58,21 @@ class Shares:
     def __init__(self) -> None:
         self.beat, self.calm, self.text = None, [], None
         self.steps: list[tuple[bool, int]] = []
+        self.started_s: list[float] = []
 
     def on_step(self, report) -> None:  # after the beat has answered the step's frames
         due = any(self.beat.sessions[s].in_flight is not None for s in self.calm)
         mine = [s.input_tokens for s in report.result.sessions if s.session_id == self.text]
         self.steps.append((self.due_before or due, mine[0] if mine else 0))
+        self.started_s.append(report.started_s)
         self.due_before = due
 
     due_before = False
 
 
 def flood_run(model, policy: FeedPolicy, streamers: int = STREAMERS, text_flood: bool = True,
-              audio_flood: bool = True):
+              audio_flood: bool = True, quiet_until_s: float = 0.0):
+    """`quiet_until_s`: the streamers send nothing before then."""
     engine = Engine(model, EngineConfig(block_size=BLOCK, pool_tokens=512 * BLOCK))
     recorder, shares = RunRecorder(), Shares()
     driver = VirtualDriver(engine, COST, Listeners.of(recorder, shares))
@@ -90,7 +93,7 @@ def flood_run(model, policy: FeedPolicy, streamers: int = STREAMERS, text_flood:
     for k in range(round(DURATION_S * 60)):  # 1/60 s ticks
         t = k / 60
         driver.run_until(t)
-        if k % 60 == 0:
+        if k % 60 == 0 and t >= quiet_until_s:
             for sid in calm:
                 submit(sid, tokens(sid + k, FRAME_TOKENS), t)
         if text is not None and k % 15 == 0:
@@ -98,7 +101,7 @@ def flood_run(model, policy: FeedPolicy, streamers: int = STREAMERS, text_flood:
         if audio is not None and k % 10 == 0:
             submit(audio, tokens(k + 5, FRAME_TOKENS), t)
     driver.run_until(DURATION_S + 30)  # everything answered, every flood consumed
-    return engine, beat, recorder, commands, calm, text, sent, shares.steps
+    return engine, beat, recorder, commands, calm, text, sent, shares
 
 
 def calm_misses(recorder: RunRecorder, calm: list[int]) -> int:
@@ -123,14 +126,17 @@ def test_streamers_beside_floods_meet_their_deadlines_only_when_metered(runs):
 
 def test_a_flood_takes_a_fair_share_while_frames_are_due_and_full_chunks_otherwise(runs):
     *_, shares = runs[True]
-    due = [n for busy, n in shares if busy]
-    free = [n for busy, n in shares if not busy and n]
+    due = [n for busy, n in shares.steps if busy]
+    steps = list(zip(shares.steps, shares.started_s, strict=True))
+    free = [n for (busy, n), t in steps if not busy and n and t < DURATION_S]
     policy = FeedPolicy()
     # a step planned before a frame arrived may still take a chunk queued before it
     assert sum(n > policy.fair_tokens for n in due) <= round(DURATION_S) * 2
-    assert max(free) == EngineConfig.max_chunk_tokens
+    assert max(free) == EngineConfig.max_chunk_tokens  # while the streamers are live
+    alone = [n for (_, n), t in steps if t > DURATION_S + 2.0]  # then no longer
+    assert max(alone) == EngineConfig.max_prefill_chunk_tokens
     *_, before_shares = runs[False]
-    assert max(n for busy, n in before_shares if busy) == EngineConfig.max_chunk_tokens
+    assert max(n for busy, n in before_shares.steps if busy) == EngineConfig.max_chunk_tokens
 
 
 def test_every_input_reaches_the_engine_whole_in_order_and_every_frame_once(runs):
@@ -146,13 +152,35 @@ def test_every_input_reaches_the_engine_whole_in_order_and_every_frame_once(runs
             assert engine.session_tokens(sid) >= sum(map(len, frames))
 
 
-def test_a_flood_alone_runs_at_full_chunks(tiny_model):
+def test_a_flood_alone_runs_at_the_engines_prefill_chunks(tiny_model):
     _, _, recorder, _, _, text, sent, shares = flood_run(
         tiny_model, FeedPolicy(), streamers=0, audio_flood=False)
-    taken = [n for _, n in shares if n]
+    taken = [n for _, n in shares.steps if n]
     assert sum(taken) == sum(map(len, sent[text]))
-    full = [n for n in taken if n == EngineConfig.max_chunk_tokens]
+    full = [n for n in taken if n == EngineConfig.max_prefill_chunk_tokens]
     assert len(full) >= len(taken) - len(sent[text])  # one short chunk per item at most
+
+
+def test_streamers_that_speak_up_during_a_lone_flood_are_not_late(tiny_model):
+    """Deadline-aware chunking: the flood runs at the engine's prefill chunks while no
+    streamer is live and at a frame's chunk once one is; no streamer frame is late that
+    the fixed chunk (the flood's pieces one chunk at most) met, and the flood gets further
+    while it is alone."""
+    runs = {alone: flood_run(tiny_model, FeedPolicy(alone_engine_tokens=alone),
+                             audio_flood=False, quiet_until_s=4.0)
+            for alone in (EngineConfig.max_chunk_tokens, EngineConfig.max_prefill_chunk_tokens)}
+    progress = {}
+    for alone, (_, _, recorder, _, calm, _, _, shares) in runs.items():
+        assert len([r for r in recorder.results if r.session_id in calm]) == STREAMERS * 8
+        assert calm_misses(recorder, calm) == 0, alone
+        before = [n for (_, n), t in zip(shares.steps, shares.started_s, strict=True) if t < 4.0]
+        live = [n for (_, n), t in zip(shares.steps, shares.started_s, strict=True)
+                if 4.1 <= t < DURATION_S]
+        assert max(before) == alone
+        assert max(live) <= EngineConfig.max_chunk_tokens  # once a streamer is live
+        progress[alone] = sum(before)
+    assert progress[EngineConfig.max_prefill_chunk_tokens] > progress[
+        EngineConfig.max_chunk_tokens]
 
 
 def test_feed_hands_one_piece_at_a_time_joined_up_to_the_limit_budget_last():
@@ -183,6 +211,8 @@ def test_policy_limits():
     assert policy.engine_tokens(ahead=False, contended=True) is None
     assert policy.engine_tokens(ahead=True, contended=True) == 16
     assert policy.engine_tokens(ahead=True, contended=False) == 64
+    assert policy.engine_tokens(ahead=True, contended=False, alone=True) == 256
+    assert policy.engine_tokens(ahead=True, contended=True, alone=True) == 16
     assert FeedPolicy(metered=False).engine_tokens(ahead=True, contended=True) is None
     with pytest.raises(ValueError):
         FeedPolicy(fair_tokens=0)

@@ -70,8 +70,8 @@ def test_queued_input_is_bounded_refused_with_the_numbers_and_never_dropped(tiny
 
 
 def test_without_a_bound_the_backlog_grows_without_limit(tiny_model):
-    _, _, _, _, peak = flood_run(tiny_model, limit=None, frame_tokens=1000, frames=12)
-    assert peak > 4000  # 1000 tokens/s in, ~560/s out (64 per 0.114 s step)
+    _, _, _, _, peak = flood_run(tiny_model, limit=None, frame_tokens=2000, frames=12)
+    assert peak > 8000  # 2000 tokens/s in, ~840/s out (alone: 256 per 0.306 s step)
 
 
 def test_one_sessions_own_flood_does_not_cut_the_cap(tiny_model):

@@ -35,6 +35,7 @@ BENCHES = {
     "soak": ("soak_bench", False),
     "vad": ("vad_bench", False),
     "resume": ("resume_bench", False),
+    "prompt": ("prompt_bench", False),
     "vllm": ("vllm_bench", True),
     "engine-vs-vllm": ("engine_vs_vllm", True),
 }

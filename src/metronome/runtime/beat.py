@@ -32,7 +32,7 @@ from metronome.engine.engine import SessionError
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import PreparedInput, Rebound, SessionStep, WorkStatus
 from metronome.kv.residency import ResidencyPolicy
-from metronome.runtime.feed import DEFAULT_FEED, FeedPolicy, SessionFeed
+from metronome.runtime.feed import DEFAULT_FEED, LIVE_PERIODS, FeedPolicy, SessionFeed
 from metronome.runtime.frame import Frame, FrameResult, FrameStatus
 from metronome.runtime.ports import EngineCommands, Listeners, StepReport, Timer
 from metronome.runtime.profile import SessionProfile
@@ -91,7 +91,7 @@ class Beat:
         finally:  # a failing result callback must not keep the blocks
             del self.feeds[session_id]  # its held input goes with it
             self.engine.close(session_id)
-        self._feed_all()  # a frame it had in flight may have held others back
+        self._feed_all(now_s)  # a frame it had in flight may have held others back
 
     def _record(self, session_id: int) -> SessionRecord:
         record = self.sessions.get(session_id)
@@ -148,7 +148,7 @@ class Beat:
         self.timer.call_at(deadline_at_s, lambda t: self._on_deadline(frame, t))
         record.waiting.append((frame, prepared))
         self._advance(record)
-        self._feed_all()
+        self._feed_all(now_s)
 
     def _advance(self, record: SessionRecord) -> None:
         """Put the next waiting frame in flight if none is."""
@@ -172,16 +172,26 @@ class Beat:
             record.submitted_queued_tokens > self.feed_policy.ahead_tokens
             and record.last_status is not FrameStatus.STALLED_KV)
 
-    def _feed_all(self) -> None:
+    @staticmethod
+    def _live(record: SessionRecord, now_s: float) -> bool:
+        """It has a frame under way, or had one arrive recently enough to send the next."""
+        last = record.last_answered
+        return bool(record.in_flight or record.waiting or record.accepted) or (
+            last is not None
+            and now_s - last.arrival_s < LIVE_PERIODS * record.profile.frame_period_s)
+
+    def _feed_all(self, now_s: float) -> None:
         """Hand each session the input the feed policy lets the engine hold now."""
         ahead = {sid: self._ahead(r) for sid, r in self.sessions.items()}
         contended = any(r.in_flight is not None and not ahead[sid]
+                        for sid, r in self.sessions.items())
+        alone = not any(not ahead[sid] and self._live(r, now_s)
                         for sid, r in self.sessions.items())
         for sid in self.sessions:
             feed = self.feeds[sid]
             if not feed.held:
                 continue
-            limit = self.feed_policy.engine_tokens(ahead[sid], contended)
+            limit = self.feed_policy.engine_tokens(ahead[sid], contended, alone)
             for piece in feed.take(limit):
                 self.engine.submit_prepared(sid, PreparedInput(piece.data),
                                             piece.max_new_tokens)
@@ -193,7 +203,7 @@ class Beat:
         if flight is not None and flight.frame.index == index:
             self._answer(record, flight, FrameStatus.CANCELLED, now_s, reason)
             self._advance(record)
-            self._feed_all()
+            self._feed_all(now_s)
             return True
         for position, (frame, _) in enumerate(record.waiting):
             if frame.index == index:
@@ -212,7 +222,7 @@ class Beat:
         if flight is not None and flight.frame is frame:
             self._answer(record, flight, FrameStatus.LATE, now_s, "deadline passed mid-work")
             self._advance(record)
-            self._feed_all()
+            self._feed_all(now_s)
 
     # ---- engine steps -------------------------------------------------------------------
     def on_step(self, report: StepReport) -> None:
@@ -222,7 +232,7 @@ class Beat:
             record = self.sessions.get(outcome.session_id)
             if record is not None:
                 self._apply(record, outcome, report)
-        self._feed_all()
+        self._feed_all(report.finished_s)
         self.listeners.on_step(report)
 
     def _rebound(self, rebound: Rebound) -> None:

@@ -47,7 +47,8 @@ class Driver:
         self.listeners = listeners
         chunk_tokens = engine.config.max_chunk_tokens  # a session ahead: one step's chunk
         self.beat = Beat(commands, timer, listeners, FeedPolicy(
-            ahead_tokens=chunk_tokens, free_engine_tokens=chunk_tokens))
+            ahead_tokens=chunk_tokens, free_engine_tokens=chunk_tokens,
+            alone_engine_tokens=max(chunk_tokens, engine.config.max_prefill_chunk_tokens)))
         self.overhead = OverheadMeter()
         self._idle = False  # see the idle rule above
 

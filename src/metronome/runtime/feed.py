@@ -16,6 +16,11 @@ engine in pieces as `FeedPolicy` allows.
   the engine, so its prefill runs at full chunks; one chunk is also all that runs before it
   falls back to `fair_tokens` when a frame comes due (two chunks measured slower: the due
   frames waited behind both).
+* **Alone**: no on-pace session is live (none has a frame under way, or had one arrive
+  within `LIVE_PERIODS` of its frame periods): an ahead session has up to
+  `alone_engine_tokens` (the engine's `max_prefill_chunk_tokens`) in the engine, so a long
+  prompt runs at the engine's large prefill chunks (`engine.chunking`) instead of a frame's
+  chunk. A real-time session that speaks up waits at most for the one step under way.
 
 Ahead mirrors `admission.pacing`'s self-paced judgement (by size: more than one step's chunk
 of its own work; by pace: a frame queued behind its own), so the sessions admission leaves
@@ -36,6 +41,7 @@ import torch
 from metronome.engine.engine import EngineConfig
 
 ONE_FRAME_TOKENS = 16  # a 1 s audio frame is 12-25 tokens; 16 keeps it on the paged path
+LIVE_PERIODS = 2.0  # a session whose last frame arrived this many periods ago may send more
 
 
 @dataclass(frozen=True)
@@ -43,19 +49,23 @@ class FeedPolicy:
     ahead_tokens: int = EngineConfig.max_chunk_tokens  # more queued: ahead (one step's chunk)
     fair_tokens: int = ONE_FRAME_TOKENS  # an ahead session's share while frames are due
     free_engine_tokens: int = EngineConfig.max_chunk_tokens  # ... while none are
+    alone_engine_tokens: int = EngineConfig.max_prefill_chunk_tokens  # ... while none is live
     # False: every session's input goes in whole, as before the feed (before/after runs)
     metered: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("ahead_tokens", "fair_tokens", "free_engine_tokens"):
+        for name in ("ahead_tokens", "fair_tokens", "free_engine_tokens",
+                     "alone_engine_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def engine_tokens(self, ahead: bool, contended: bool) -> int | None:
+    def engine_tokens(self, ahead: bool, contended: bool, alone: bool = False) -> int | None:
         """How much of a session's input the engine may hold now (None: all of it)."""
         if not (ahead and self.metered):
             return None
-        return self.fair_tokens if contended else self.free_engine_tokens
+        if contended:
+            return self.fair_tokens
+        return self.alone_engine_tokens if alone else self.free_engine_tokens
 
 
 DEFAULT_FEED = FeedPolicy()

@@ -51,6 +51,10 @@ class ServerConfig(BaseModel):
         "unbounded sessions (largest first) to this bound, e.g. sinks_window:4:512, freeing "
         "their middle blocks and telling each client (metronome.session.bounded); off by "
         "default")
+    prefill_chunk_tokens: int = Field(
+        EngineConfig.max_prefill_chunk_tokens, ge=1, description="the largest piece of a "
+        "long prompt the engine takes in one step while no real-time session is live "
+        "(native engine; 64, a frame's chunk, turns the large chunks off)")
     block_size: int = Field(BLOCK_SIZE_TOKENS, ge=1, description="KV block size in tokens "
                             "(--engine vllm: 32 unless given; its CPU attention needs a "
                             "multiple of 32)")
@@ -226,7 +230,8 @@ class ServerConfig(BaseModel):
         pressure = None if self.degrade_policy is None else ResidencyPolicy.parse(
             self.degrade_policy)
         return EngineConfig(block_size=self.block_size, pool_tokens=self.pool_tokens,
-                            pressure_policy=pressure)
+                            pressure_policy=pressure,
+                            max_prefill_chunk_tokens=self.prefill_chunk_tokens)
 
     @property
     def ws_max_message_bytes(self) -> int:
