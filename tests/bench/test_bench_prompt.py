@@ -23,4 +23,4 @@ def test_bench_prompt_smoke(tmp_path):
     assert 150 <= res["prompt_tokens"] <= 200
     text = (tmp_path / "prompt.md").read_text()
     assert "`metronome bench prompt --smoke`" in text and "| 256 |" in text
-    assert (tmp_path / "prompt.png").stat().st_size > 1000
+    assert (tmp_path / "prompt.png").stat().st_size > 1000  # named after --out

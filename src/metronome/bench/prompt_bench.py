@@ -118,7 +118,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
 
 
 def plot(ctx: RunContext, r: dict) -> None:
-    plt, save = ctx.figure("prompt.png")
+    plt, save = ctx.figure(ctx.out_json.stem + ".png")  # beside its report (--out)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, row in enumerate(r["rows"]):
         ax.scatter([i] * len(row["samples_s"]), row["samples_s"], alpha=0.6)
