@@ -18,7 +18,6 @@ application takes it too, but its autoscaler sets the count again at its next de
 from __future__ import annotations
 
 import contextlib
-import logging
 import signal
 import threading
 import warnings
@@ -30,7 +29,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from metronome.cluster.autoscaler import POLICY_PATH
 from metronome.cluster.board import NAMESPACE
 from metronome.cluster.config import ClusterConfig
-from metronome.cluster.replica import MetronomeReplica, board_handle
+from metronome.cluster.replica import MetronomeReplica, board_handle, logging_level
 from metronome.cluster.router import APP_ROUTE_PREFIX, ROUTER_PATH
 from metronome.cluster.session_store import STORE_NAME
 from metronome.serve.config import ServerConfig
@@ -97,7 +96,7 @@ def init_ray(address: str | None, log_level: str) -> None:
 
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     ray.init(address=address, namespace=NAMESPACE,
-             logging_level=logging.getLevelName(log_level.upper()),
+             logging_level=logging_level(log_level),
              **({"include_dashboard": False} if address is None else {}))  # ours: none
 
 

@@ -60,11 +60,16 @@ def board_handle(cluster: ClusterConfig):
                            forget_after_s=FORGET_AFTER_S)
 
 
+def logging_level(log_level: str) -> int:
+    """`--log-level` (uvicorn's names) as a `logging` level: uvicorn's `trace` is DEBUG."""
+    return logging.getLevelNamesMapping().get(log_level.upper(), logging.DEBUG)
+
+
 def _log_to_stderr(log_level: str) -> None:
     """Metronome's own log lines (take-overs, resumes, failures) at `log_level` in the
     replica's log: Ray sets up its own loggers in a worker, not the root one."""
     logger = logging.getLogger("metronome")
-    logger.setLevel(log_level.upper())
+    logger.setLevel(logging_level(log_level))
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(

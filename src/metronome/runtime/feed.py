@@ -20,7 +20,9 @@ engine in pieces as `FeedPolicy` allows.
   within `LIVE_PERIODS` of its frame periods): an ahead session has up to
   `alone_engine_tokens` (the engine's `max_prefill_chunk_tokens`) in the engine, so a long
   prompt runs at the engine's large prefill chunks (`engine.chunking`) instead of a frame's
-  chunk. A real-time session that speaks up waits at most for the one step under way.
+  chunk. A real-time session that speaks up waits at most for the one step under way (a
+  streamer fallen behind counts as ahead, not live; the engine keeps every chunk at
+  `max_chunk_tokens` while any session with work has that little pending: `engine.chunking`).
 
 Ahead mirrors `admission.pacing`'s self-paced judgement (by size: more than one step's chunk
 of its own work; by pace: a frame queued behind its own), so the sessions admission leaves

@@ -375,16 +375,17 @@ class Connection:
         except ClientError as err:
             self._error(err, err.event_id)
             return
-        if logged:
+        if logged:  # counted where it was first applied, whatever happens to it here
             session.client_seq += 1
+            session.last_client_event_id = event.event_id
         try:
             session.handle(event)
         except ClientError as err:
             self._error(err, event.event_id)
             return
-        session.last_client_event_id = event.event_id
         if not logged:
             session.client_seq += 1
+            session.last_client_event_id = event.event_id
             self.state.applied(session, text)
 
     def _on_refused(self, verdict: Verdict, limit: RateLimit, text: str | None) -> None:

@@ -45,9 +45,11 @@ class ResumedOut(BaseModel):
     from_checkpoint: bool = False
     replayed_client_events: int = 0
     # The client's events the session holds, counted in the order sent (events answered
-    # with an `error` are not counted), and the last one's `event_id`: any the client sent
-    # after those never reached the session (lost with the connection, or with a server
-    # that died before logging them) and are to be sent again.
+    # with an `error` are not counted; events still queued behind a take-over's replay
+    # are), and the last one's `event_id` (None: it had none, or a checkpoint older than
+    # this field): any the client sent after that one never reached the session (lost
+    # with the connection, or with a server that died before logging them): send them
+    # again. Match on the id (give events unique ids); the count is the fallback.
     client_events: int = 0
     last_client_event_id: str | None = None
 

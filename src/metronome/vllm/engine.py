@@ -190,6 +190,7 @@ class VllmEngine:
         self.config = EngineConfig(
             block_size=config.block_size, pool_tokens=num_blocks * config.block_size,
             max_chunk_tokens=config.max_chunk_tokens, max_step_tokens=config.max_step_tokens,
+            max_prefill_chunk_tokens=config.max_chunk_tokens,  # no large-chunk path here
             allow_unbounded=not config.policy.bounded)
         self.num_blocks = num_blocks
         self.model = None  # no native model: no audio front end (token ids only)
