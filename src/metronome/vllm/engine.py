@@ -177,9 +177,7 @@ class VllmEngine:
     accepts_embeddings = False  # token ids only
 
     def __init__(self, config: VllmEngineConfig, llm_engine, vocab_size: int) -> None:
-        self.vllm_config = config
-        self.llm = llm_engine
-        self.vocab_size = vocab_size
+        self.vllm_config, self.llm, self.vocab_size = config, llm_engine, vocab_size
         core = llm_engine.engine_core.engine_core  # the in-process EngineCore
         self.scheduler = core.scheduler
         manager = self.scheduler.kv_cache_manager
