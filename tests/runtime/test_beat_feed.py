@@ -133,7 +133,8 @@ def test_a_flood_takes_a_fair_share_while_frames_are_due_and_full_chunks_otherwi
     # a step planned before a frame arrived may still take a chunk queued before it
     assert sum(n > policy.fair_tokens for n in due) <= round(DURATION_S) * 2
     assert max(free) == EngineConfig.max_chunk_tokens  # while the streamers are live
-    alone = [n for (_, n), t in steps if t > DURATION_S + 2.0]  # then no longer
+    # two periods after the last frames, the text flood is the only session still live
+    alone = [n for (_, n), t in steps if t > DURATION_S + 2.0]
     assert max(alone) == EngineConfig.max_prefill_chunk_tokens
     *_, before_shares = runs[False]
     assert max(n for busy, n in before_shares.steps if busy) == EngineConfig.max_chunk_tokens

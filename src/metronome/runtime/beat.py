@@ -185,12 +185,13 @@ class Beat:
         ahead = {sid: self._ahead(r) for sid, r in self.sessions.items()}
         contended = any(r.in_flight is not None and not ahead[sid]
                         for sid, r in self.sessions.items())
-        alone = not any(not ahead[sid] and self._live(r, now_s)
-                        for sid, r in self.sessions.items())
+        live = {sid: self._live(r, now_s) for sid, r in self.sessions.items()}
+        num_live = sum(live.values())
         for sid in self.sessions:
             feed = self.feeds[sid]
             if not feed.held:
                 continue
+            alone = num_live - live[sid] == 0  # no other session live, ahead or on pace
             limit = self.feed_policy.engine_tokens(ahead[sid], contended, alone)
             for piece in feed.take(limit):
                 self.engine.submit_prepared(sid, PreparedInput(piece.data),

@@ -16,13 +16,14 @@ engine in pieces as `FeedPolicy` allows.
   the engine, so its prefill runs at full chunks; one chunk is also all that runs before it
   falls back to `fair_tokens` when a frame comes due (two chunks measured slower: the due
   frames waited behind both).
-* **Alone**: no on-pace session is live (none has a frame under way, or had one arrive
-  within `LIVE_PERIODS` of its frame periods): an ahead session has up to
-  `alone_engine_tokens` (the engine's `max_prefill_chunk_tokens`) in the engine, so a long
-  prompt runs at the engine's large prefill chunks (`engine.chunking`) instead of a frame's
-  chunk. A real-time session that speaks up waits at most for the one step under way (a
-  streamer fallen behind counts as ahead, not live; the engine keeps every chunk at
-  `max_chunk_tokens` while any session with work has that little pending: `engine.chunking`).
+* **Alone**: no other session is live (none has a frame under way, or had one arrive
+  within `LIVE_PERIODS` of its frame periods, whether on pace or ahead): an ahead session
+  has up to `alone_engine_tokens` (the engine's `max_prefill_chunk_tokens`) in the engine,
+  so a long prompt runs at the engine's large prefill chunks (`engine.chunking`) instead of
+  a frame's chunk. A real-time session that speaks up waits at most for the one step under
+  way. Other *ahead* sessions count as live: streamers fallen behind are ahead, and with
+  everyone behind (overload) large pieces measured worse (40 streaming sessions: goodput
+  0.957 and 0.969 vs 1.000 with 64-token pieces).
 
 Ahead mirrors `admission.pacing`'s self-paced judgement (by size: more than one step's chunk
 of its own work; by pace: a frame queued behind its own), so the sessions admission leaves
