@@ -21,9 +21,10 @@ engine in pieces as `FeedPolicy` allows.
   has up to `alone_engine_tokens` (the engine's `max_prefill_chunk_tokens`) in the engine,
   so a long prompt runs at the engine's large prefill chunks (`engine.chunking`) instead of
   a frame's chunk. A real-time session that speaks up waits at most for the one step under
-  way. Other *ahead* sessions count as live: streamers fallen behind are ahead, and with
-  everyone behind (overload) large pieces measured worse (40 streaming sessions: goodput
-  0.957 and 0.969 vs 1.000 with 64-token pieces).
+  way. Other *ahead* sessions count as live: streamers fallen behind are ahead, and under
+  overload (everyone behind) they would all get large pieces (40 streaming sessions, one
+  run each: goodput 0.957 and 0.969 with that vs 1.000 without; a later run with this rule
+  gave 0.950: at 40 sessions this machine's noise is as large, so the conservative rule).
 
 Ahead mirrors `admission.pacing`'s self-paced judgement (by size: more than one step's chunk
 of its own work; by pace: a frame queued behind its own), so the sessions admission leaves
