@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -36,13 +37,20 @@ pytestmark = pytest.mark.model
 TAKEOVER = CONFIG.model_copy(update={"checkpoint_interval_s": 0.1})
 
 
+@contextmanager
+def _two_servers(model, store, config=TAKEOVER):
+    """Servers "a" and "b" sharing one checkpoint store."""
+    tokenizer = load_tokenizer()
+    with ServerThread(config, model, tokenizer, checkpoint_store=store,
+                      server_name="a") as a, ServerThread(
+            config, model, tokenizer, checkpoint_store=store, server_name="b") as b:
+        yield a, b
+
+
 @pytest.fixture(scope="module")
 def pair(smollm2):
     store = MemoryCheckpointStore()
-    tokenizer = load_tokenizer()
-    with ServerThread(TAKEOVER, smollm2, tokenizer, checkpoint_store=store,
-                      server_name="a") as a, ServerThread(
-            TAKEOVER, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
+    with _two_servers(smollm2, store) as (a, b):
         yield store, a, b
 
 
@@ -120,9 +128,7 @@ def test_a_claim_needs_the_token_and_moves_the_session_for_good(pair):
 def test_an_unbounded_session_is_not_resumed_elsewhere(smollm2):
     store = MemoryCheckpointStore()
     config = TAKEOVER.model_copy(update={"policy": "unbounded"})
-    with ServerThread(config, smollm2, load_tokenizer(), checkpoint_store=store,
-                      server_name="a") as a, ServerThread(
-            config, smollm2, load_tokenizer(), checkpoint_store=store, server_name="b") as b:
+    with _two_servers(smollm2, store, config) as (a, b):
         ws = connect(with_extensions(a.ws_url))
         created = recv(ws)["session"]
         deadline = time.monotonic() + 10
@@ -170,11 +176,9 @@ def test_a_replay_of_several_turns_lands_each_event_after_the_response_it_follow
     turns; each turn's events wait for the replayed response before them, as the client
     did (applied at once, the second `response.create` met the first response still
     active and was refused, and the answers diverged)."""
-    store, tokenizer = MemoryCheckpointStore(), load_tokenizer()
+    store = MemoryCheckpointStore()
     config = TAKEOVER.model_copy(update={"checkpoint_interval_s": 3600.0})
-    with ServerThread(config, smollm2, tokenizer, checkpoint_store=store,
-                      server_name="a") as a, ServerThread(
-            config, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
+    with _two_servers(smollm2, store, config) as (a, b):
         expected = _uninterrupted(a)
         ws, session_id, token = _open(a)
         _ask(ws, QUESTIONS[0])
@@ -232,11 +236,9 @@ def test_a_client_resends_the_events_its_dead_server_never_logged(smollm2):
     """Server a applied Q1's `response.create` but died before logging it: b's
     `metronome.session.resumed` says it holds 3 of the client's events, the last `q1-item`;
     the client sends the 4th again and every answer is the uninterrupted session's."""
-    store, tokenizer = _LosingStore(lost_from=3), load_tokenizer()
+    store = _LosingStore(lost_from=3)
     config = TAKEOVER.model_copy(update={"checkpoint_interval_s": 3600.0})
-    with ServerThread(config, smollm2, tokenizer, checkpoint_store=store,
-                      server_name="a") as a, ServerThread(
-            config, smollm2, tokenizer, checkpoint_store=store, server_name="b") as b:
+    with _two_servers(smollm2, store, config) as (a, b):
         expected = _uninterrupted(a)
         ws, session_id, token = _open(a)
         sent = _ask(ws, QUESTIONS[0], "q0")
