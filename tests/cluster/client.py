@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from metronome.serve.protocol import with_extensions
@@ -82,6 +82,21 @@ def open_session(ws_url: str):
     created = json.loads(ws.recv(timeout=10))
     assert created["type"] == "session.created" and "metronome" in created["session"]
     return ws
+
+
+def open_session_retrying(ws_url: str, attempts: int = 3):
+    """`open_session` as a client at capacity does it: on HTTP 503, wait the Retry-After and
+    try again. The router ranks by the stats each replica last reported (a stats period plus
+    delivery behind), so a session opened just after another closed can still be placed on
+    a full replica and refused; the next try, a report later, finds the room."""
+    for attempt in range(attempts):
+        try:
+            return open_session(ws_url)
+        except InvalidStatus as refused:
+            response = refused.response
+            if response.status_code != 503 or attempt == attempts - 1:
+                raise
+            time.sleep(float(response.headers["Retry-After"]))
 
 
 def closed_within(ws, timeout_s: float) -> bool:
