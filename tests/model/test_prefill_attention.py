@@ -1,7 +1,8 @@
 """The prefill attention kernel (`csrc/prefill_attention.cpp`, `LlamaModel._prefill_attention`)
 against the reference: float32 scores from bf16 products, so its error against exact float32
 attention is of the order of torch's bf16 SDPA's (the reference path), at chunk sizes 16 to
-2,048, with past context, sinks and a window, and padded rows; and the bundled model in
+2,048, with past context, sinks and a window, a window alone (the kernel skips the keys no
+row of a tile sees, here both ends of a row), and padded rows; and the bundled model in
 bf16 computes the same prompt logits and greedy tokens on the fast path (which runs it for
 long chunks) as on the reference path."""
 
@@ -53,7 +54,8 @@ def visibility(chunks: list[int], past: list[int], sinks: int, window: int | Non
 
 
 @pytest.mark.parametrize("q_len", [16, 64, 256, 1024, 2048])
-@pytest.mark.parametrize("bound", [None, (4, 300)], ids=["unbounded", "sinks_window"])
+@pytest.mark.parametrize("bound", [None, (4, 300), (0, 100)],
+                         ids=["unbounded", "sinks_window", "window_only"])
 def test_kernel_error_is_of_the_reference_paths_order(prefill, q_len, bound):
     torch.manual_seed(q_len)
     sinks, window = bound if bound else (0, None)
