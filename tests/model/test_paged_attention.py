@@ -78,6 +78,47 @@ def test_paged_kernel_matches_dense_path_in_bfloat16(paged_kernel):
         torch.testing.assert_close(got, want, atol=6e-2, rtol=5e-2)
 
 
+def _kernel_inputs(head_dim: int, block_size: int, dtype: torch.dtype):
+    """Two sessions over a shuffled pool: one unbounded (8 blocks), one with 4 sinks and a
+    window (logical blocks 0, 6, 7, 8; its sink block scored with q_sink, as rolling
+    positions do); queries at a block's end, mid-block, position 0 and past the resident
+    blocks. The kernel's arguments, in order."""
+    g = torch.Generator().manual_seed(head_dim * 100 + block_size)
+    kvh, group, pool_blocks = 2, 3, 24
+    k, v = (torch.randn(kvh, pool_blocks * block_size, head_dim, generator=g)
+            for _ in range(2))
+    perm = torch.randperm(pool_blocks, generator=g)
+    block_ids = torch.zeros(2, 8, dtype=torch.long)
+    block_logical = torch.zeros(2, 8, dtype=torch.long)
+    block_ids[0], block_logical[0] = perm[:8], torch.arange(8)
+    block_ids[1, :4], block_logical[1, :4] = perm[8:12], torch.tensor([0, 6, 7, 8])
+    bs = block_size
+    # (session, position, window_start)
+    tokens = [(0, 8 * bs - 1, 0), (0, 5 * bs + 3, 0), (0, 0, 0),
+              (1, 9 * bs - 1, 6 * bs + 1), (1, 7 * bs + 2, 6 * bs - 3)]
+    t = len(tokens)
+    q, q_sink = (torch.randn(t, kvh * group, head_dim, generator=g) * 2 for _ in range(2))
+    longs = [torch.tensor(col, dtype=torch.long) for col in zip(*tokens, strict=True)]
+    return (q.to(dtype), q_sink.to(dtype), k.to(dtype), v.to(dtype), *longs, block_ids,
+            block_logical, torch.tensor([8, 4]), torch.tensor([0, 4]), torch.tensor([0, 1]),
+            block_size, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [4, 16, 48])  # a chunk's tail, one chunk, three
+def test_bf16_kernel_matches_its_float32_task(paged_kernel, head_dim, block_size):
+    """bf16 at head sizes 64 and 128 runs the AVX512-BF16 task where the CPU has it (16
+    keys at a time, `vdpbf16ps` dot products), float32 the generic task: on the same
+    (bf16-valued) inputs they agree to bf16's rounding of the output."""
+    kernel = paged_kernel()
+    args = _kernel_inputs(head_dim, block_size, torch.bfloat16)
+    got = kernel.paged_attention(*args).float()
+    exact = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+             for a in args]
+    want = kernel.paged_attention(*exact)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
 def test_bundled_model_decodes_the_same_tokens_on_both_paths(smollm2, paged_kernel):
     """Real text, a bound that slides during decode: greedy tokens equal, logits close."""
     from metronome.model.weights import load_tokenizer
