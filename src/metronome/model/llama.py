@@ -102,7 +102,7 @@ class LlamaModel:
     def use_prefill_kernel(self, enabled: bool) -> None:
         """On the fast path (a paged kernel passed to `forward`), run the attention of long
         dense chunks as `native.prefill_attention` (float32 scores from bf16 products, bf16
-        probabilities, torch's bf16 matmul for P.V: ~2.5x torch's SDPA here) when it builds
+        probabilities, torch's bf16 matmul for P.V: over 2.5x torch's SDPA here) when it builds
         here and the model is bf16; else, and always on the reference path, torch's SDPA."""
         from metronome.model import native
 
