@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_exp.h"
+
 namespace {
 
 constexpr float kMasked = -1.0e30f;  // finite: the build uses -ffast-math (no infinities)
@@ -154,23 +156,6 @@ inline __m512 fold16(__m512* v) {
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// e^x for x <= 0, lanes in `live` (others 0): 2^n 2^f with 2^f by its degree-6 Taylor
-// polynomial (relative error ~1e-7).
-inline __m512 exp_live(__m512 x, __mmask16 live) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-
 // bf16 row (16 values) -> float32
 inline __m512 widen(const at::BFloat16* x) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -255,7 +240,8 @@ void attend_task_bf16(const at::BFloat16* q, const at::BFloat16* q_sink,
             _mm512_store_ps(acc[h] + v * 16, _mm512_mul_ps(_mm512_load_ps(acc[h] + v * 16), r));
           run_max[h] = chunk_max;
         }
-        const __m512 p = exp_live(_mm512_sub_ps(score, _mm512_set1_ps(run_max[h])), seen);
+        const __m512 p = _mm512_maskz_mov_ps(
+            seen, exp_nonpositive(_mm512_sub_ps(score, _mm512_set1_ps(run_max[h]))));
         run_sum[h] += _mm512_reduce_add_ps(p);
         _mm512_store_ps(probs[h], p);
       }
