@@ -13,9 +13,15 @@ import time
 import pytest
 import uvicorn
 
+from metronome.serve import guard
 from metronome.serve import protocol as p
 from metronome.serve.auth import chosen_subprotocol, key_matches, offered_keys
-from metronome.serve.guard import ABORT_EXTENSION, TransportLimits, protocols
+from metronome.serve.guard import (
+    ABORT_EXTENSION,
+    REFUSAL_WAIT_S,
+    TransportLimits,
+    protocols,
+)
 from metronome.serve.outbox import Outbox
 from metronome.serve.peers import PeerLimits, PeerSlot, PeerTable, Refusal, peer_key
 from metronome.serve.protocol import ClientError, ErrorCode
@@ -381,16 +387,32 @@ def test_headers_within_the_cap_in_one_send_are_served(guarded_port):
     sock.close()
 
 
-def test_connections_past_the_cap_get_503_at_once(guarded_port):
-    held = [_open(guarded_port) for _ in range(LIMITS.max_connections)]
+def _refused_past_the_cap(port: int, request: bytes) -> tuple[bytes, float]:
+    """What a connection past the cap reads, and when (s): the cap is held by sockets that
+    the request timer drops 0.5 s later, so each case holds it anew."""
+    held = [_open(port) for _ in range(LIMITS.max_connections)]
     time.sleep(0.1)
     started = time.monotonic()
-    refused = _read_all(_open(guarded_port))
-    assert refused.startswith(b"HTTP/1.1 503")
-    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "server_at_capacity"
-    assert time.monotonic() - started < 0.3
+    answer = _read_all(_open(port, request))
+    elapsed_s = time.monotonic() - started
     for sock in held:
         sock.close()
+    time.sleep(0.1)
+    return answer, elapsed_s
+
+
+def test_connections_past_the_cap_get_503_at_their_request(guarded_port, monkeypatch):
+    refused, elapsed_s = _refused_past_the_cap(guarded_port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert refused.startswith(b"HTTP/1.1 503")  # a request: answered at once
+    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "server_at_capacity"
+    assert elapsed_s < 0.3
+    refused, elapsed_s = _refused_past_the_cap(guarded_port, b"")
+    assert refused.startswith(b"HTTP/1.1 503")  # nothing sent: once the wait for it is over
+    assert REFUSAL_WAIT_S - 0.05 < elapsed_s < REFUSAL_WAIT_S + 0.3
+    monkeypatch.setattr(guard, "MAX_REFUSALS_WAITING", 0)  # a flood: no waiting
+    refused, elapsed_s = _refused_past_the_cap(guarded_port, b"")
+    assert refused.startswith(b"HTTP/1.1 503")
+    assert elapsed_s < 0.3
 
 
 def test_a_websocket_can_drop_its_transport(guarded_port):
@@ -467,6 +489,30 @@ def test_a_peer_connecting_past_its_rate_gets_429_with_retry_after(peer_guarded_
     assert _status_and_retry_after(refused) == (429, "1")
     assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
         "rate_limit_exceeded")
+
+
+def test_a_websocket_client_refused_at_its_connect_reads_the_refusal(peer_guarded_port):
+    """Answered before it had sent its handshake, the websockets client raised 'no close
+    frame received or sent' instead of the 429 (a CI flake): the answer waits for it."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    def upgrade() -> None:
+        sock = socket.create_connection(("127.0.0.1", peer_guarded_port),
+                                        source_address=("127.0.0.6", 0))
+        with connect(f"ws://127.0.0.1:{peer_guarded_port}/", sock=sock):
+            pass
+
+    for _ in range(PEER_LIMITS.peers.burst):
+        upgrade()
+    refusals = 0
+    while refusals < 20:  # past the burst: refused (or let in, as the bucket refills 2/s)
+        try:
+            upgrade()
+        except InvalidStatus as refused:  # not ConnectionClosedError, which lost the 429
+            assert refused.response.status_code == 429
+            assert refused.response.headers["Retry-After"] == "1"
+            refusals += 1
 
 
 def _upgrade_from_proxy(port: int, forwarded_for: str) -> socket.socket:

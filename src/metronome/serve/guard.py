@@ -15,10 +15,16 @@ headers are complete, so such sockets are never refused either. Here, per connec
   request runs (no app call, no upgrade), and its socket lingers at most `LINGER_S` (what
   the client still sends is dropped) so that the answer is read, not reset;
 - with `max_connections` connections open (WebSockets included), one more is answered 503
-  at once, before it sends anything, and closed;
+  and closed, never counted as open;
 - per peer (`serve.peers`): one holding its `max_open` connections is answered 503, one
-  connecting faster than its rate 429, both with `Retry-After`, at once and closed. A
-  connection from a trusted proxy is counted at its upgrade, under the forwarded peer.
+  connecting faster than its rate 429, both with `Retry-After`, and closed. A connection
+  from a trusted proxy is counted at its upgrade, under the forwarded peer.
+- Those refusals are decided at the connect and answered when the request's first bytes
+  arrive (at most `REFUSAL_WAIT_S` later): an HTTP client reads a response only to a
+  request it has sent, and one answered before it sent its own (the `websockets` client,
+  among others) reports a connection closed in its handshake instead of the 503/429 and
+  its `Retry-After`. Nothing of the request is parsed. At most `MAX_REFUSALS_WAITING`
+  refused connections wait at once (a flood past that is answered and closed at once).
 
 WebSockets:
 - uvicorn parses all of one read (256 KiB) at once and queues every message in it: 32k
@@ -54,6 +60,8 @@ ABORT_EXTENSION = "metronome.transport.abort"
 MAX_WRITE_BACKLOG_BYTES = 1 << 20  # unsent output a pong may not add to
 PARSE_SLICE_BYTES = 16 << 10  # ~13 ms of parsing for the worst frames (2-byte messages)
 LINGER_S = 1.0  # a refused request's socket stays this long at most for its answer to be read
+REFUSAL_WAIT_S = 0.5  # a connection refused at its connect waits this long at most for its request
+MAX_REFUSALS_WAITING = 256  # refused connections waiting for their request, at most, at once
 
 
 @dataclass(frozen=True)
@@ -86,14 +94,35 @@ def _peer_refusal(refused: Refused) -> bytes:
     return _response(_STATUS_LINES[code], error_code, refused.message, refused.retry_after_s)
 
 
+@dataclass
+class RefusalsWaiting:
+    """The refused connections of one server still waiting for their request."""
+
+    count: int = 0
+
+    def take(self) -> bool:
+        if self.count >= MAX_REFUSALS_WAITING:
+            return False
+        self.count += 1
+        return True
+
+    def give_back(self) -> None:
+        assert self.count > 0, "a waiting refusal given back twice"
+        self.count -= 1
+
+
 class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the request timer, the header cap, and the
     connection caps (all connections, and per peer)."""
 
-    def __init__(self, *args, limits: TransportLimits, peers: PeerTable, **kwargs) -> None:
+    def __init__(self, *args, limits: TransportLimits, peers: PeerTable,
+                 refusals_waiting: RefusalsWaiting, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
         self.peers = peers
+        self.refusals_waiting = refusals_waiting
+        self._refused_at_connect: bytes | None = None  # its answer, until its request comes
+        self._refusal_timer: asyncio.TimerHandle | None = None
         self._peer_slot: PeerSlot | None = None  # this connection, counted for its peer
         self._request_timer: asyncio.TimerHandle | None = None
         self._reading_headers = True  # until a request's headers are complete
@@ -106,11 +135,32 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         refusal = self._connection_refusal(transport)
         if refusal is not None:
             self.transport = transport  # for connection_lost; never counted as open
-            transport.write(refusal)
-            transport.close()
+            if not self.refusals_waiting.take():  # a flood: no waiting for its request
+                transport.write(refusal)
+                transport.close()
+                return
+            self._refused_at_connect = refusal
+            self._refusal_timer = self.loop.call_later(REFUSAL_WAIT_S,
+                                                       self._answer_refused_at_connect)
             return
         super().connection_made(transport)
         self._arm_request_timer()
+
+    def _answer_refused_at_connect(self) -> None:
+        """Answer a connection refused at its connect (its request arrived, or the wait is
+        over) and close it; what it sent is dropped unparsed."""
+        refusal, self._refused_at_connect = self._refused_at_connect, None
+        if refusal is None:
+            return
+        self._stop_waiting_for_refused_request()
+        self.transport.write(refusal)
+        self.transport.close()
+
+    def _stop_waiting_for_refused_request(self) -> None:
+        if self._refusal_timer is not None:
+            self._refusal_timer.cancel()
+            self._refusal_timer = None
+            self.refusals_waiting.give_back()
 
     def _connection_refusal(self, transport: asyncio.Transport) -> bytes | None:
         """The answer to a connection refused before it sends anything, else None (and the
@@ -132,6 +182,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._refused_at_connect = None
+        self._stop_waiting_for_refused_request()
         self._disarm_request_timer()
         self._release_peer_slot()
         super().connection_lost(exc)
@@ -144,6 +196,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing() or self._lingering:
             return  # (lingering: read and dropped)
+        if self._refused_at_connect is not None:
+            self._answer_refused_at_connect()
+            return
         super().data_received(data)
         if self.transport.is_closing():
             return
@@ -335,5 +390,6 @@ def _host(peername) -> str | None:
 def protocols(limits: TransportLimits) -> dict:
     """The `http` and `ws` arguments of `uvicorn.Config` (one peer table for the server)."""
     peers = PeerTable(limits.peers)
-    return {"http": functools.partial(GuardedHttpProtocol, limits=limits, peers=peers),
+    return {"http": functools.partial(GuardedHttpProtocol, limits=limits, peers=peers,
+                                      refusals_waiting=RefusalsWaiting()),
             "ws": functools.partial(GuardedWebSocketProtocol, limits=limits)}
