@@ -1,7 +1,8 @@
 """The compiled kernels: paged attention (`csrc/paged_attention.cpp`), the fused elementwise
-ops of the forward pass (`csrc/fused_ops.cpp`) and the attention probabilities of long dense
-chunks (`csrc/prefill_attention.cpp`, AVX512-BF16 CPUs). Each is built on first use and
-cached.
+ops of the forward pass (`csrc/fused_ops.cpp`), the attention probabilities of long dense
+chunks (`csrc/prefill_attention.cpp`) and the few-row projections of decode steps
+(`csrc/small_linear.cpp`), the last two on AVX512-BF16 CPUs. Each is built on first use
+and cached.
 
 `kernel()` returns the loaded extension, or None when it cannot be built here (no C++
 compiler, no ninja): then `unavailable_reason()` says why and the engine runs the dense
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 FUSED_SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.cpp"
+SMALL_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "small_linear.cpp"
 DISABLE_ENV = "METRONOME_NATIVE_ATTENTION"
 # -ffast-math lets GCC use glibc's vector expf in the softmax loop; the kernel uses no
 # infinities or NaNs (a finite sentinel masks). Compile flags only: linking a shared object
@@ -110,6 +112,7 @@ class Extension:
 PAGED = Extension("paged_attention", SOURCE, "paged-attention kernel")
 FUSED = Extension("fused_ops", FUSED_SOURCE, "fused elementwise kernels")
 PREFILL = Extension("prefill_attention", PREFILL_SOURCE, "prefill attention kernel")
+SMALL_LINEAR = Extension("small_linear", SMALL_LINEAR_SOURCE, "few-row projection kernel")
 
 
 def build_dir() -> Path:
@@ -139,8 +142,15 @@ def prefill_attention():
     return module if module is not None and module.available() else None
 
 
+def small_linear():
+    """The few-row bf16 projection module (`small_linear`), or None where it cannot be built
+    or this CPU has no AVX512-BF16 (projections then run on oneDNN at every row count)."""
+    module = SMALL_LINEAR.module()
+    return module if module is not None and module.available() else None
+
+
 def main() -> int:
-    """`python -m metronome.model.native`: build (or find) both kernels; exit 0 either way
+    """`python -m metronome.model.native`: build (or find) every kernel; exit 0 either way
     (a machine without a compiler still runs, on the reference ops), but say which."""
     module = kernel()
     if module is None:
@@ -159,6 +169,12 @@ def main() -> int:
               "torch's SDPA", file=sys.stderr)
     else:
         print(f"metronome: prefill attention kernel ready ({PREFILL.build_dir()})")
+    if small_linear() is None:
+        why = SMALL_LINEAR.reason() or "this CPU has no AVX512-BF16"
+        print(f"metronome: few-row projection kernel unavailable ({why}); projections use "
+              "oneDNN", file=sys.stderr)
+    else:
+        print(f"metronome: few-row projection kernel ready ({SMALL_LINEAR.build_dir()})")
     return 0
 
 

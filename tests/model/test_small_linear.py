@@ -1,0 +1,100 @@
+"""The few-row projection kernel (`csrc/small_linear.cpp`) against float32 products of the
+same bf16 operands: row counts 1-8 (each micro-tile size) and past them (tiles of 8 and a
+rest), an odd number of outputs (the last weight row alone), K not a multiple of 32 (the
+masked tail), a bias; each row's result does not depend on the rows beside it; and
+`Projection` sends a packed bf16 product of at most `SMALL_ROWS_MAX` rows to it, more rows
+to oneDNN, and the reference to `F.linear`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metronome.model import linear
+from metronome.model.linear import SMALL_ROWS_MAX, Projection
+
+
+@pytest.fixture(scope="module")
+def small():
+    """The kernel; skipped on a CPU without AVX512-BF16, a failure if it does not build."""
+    from metronome.model import native
+
+    module = native.SMALL_LINEAR.module()
+    if module is None:
+        if os.environ.get(native.DISABLE_ENV) == "0":
+            pytest.skip(native.SMALL_LINEAR.reason())
+        pytest.fail(f"the few-row projection kernel did not build: {native.SMALL_LINEAR.reason()}")
+    if not module.available():
+        pytest.skip("this CPU has no AVX512-BF16: projections run on oneDNN")
+    return module
+
+
+def _operands(rows: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    return x, w, b
+
+
+def _exact(x, w, b=None):
+    """float32 products of the bf16 operands, rounded to bf16 once (what the kernel does,
+    up to the order of its float32 sums)."""
+    y = x.double() @ w.double().T
+    return (y if b is None else y + b.double()).bfloat16()
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 576), (33, 576), (96, 100), (7, 31), (1536, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
+def test_matches_exact_products(small, rows, n, k):
+    x, w, b = _operands(rows, n, k, seed=rows * 1000 + n + k)
+    for bias in (None, b):
+        got = small.small_linear(x, w, bias)
+        want = _exact(x, w, bias)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        # one bf16 rounding apart at most (float32 sums in another order)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it(small):
+    x, w, _ = _operands(13, 96, 576, seed=7)
+    alone = torch.cat([small.small_linear(x[i:i + 1].contiguous(), w) for i in range(13)])
+    assert torch.equal(small.small_linear(x, w), alone)
+
+
+def test_bad_operands_are_refused(small):
+    x, w, b = _operands(2, 8, 64, seed=1)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        small.small_linear(x.float(), w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        small.small_linear(torch.cat([x, x], 1)[:, ::2], w)
+    with pytest.raises(RuntimeError, match="bias"):
+        small.small_linear(x, w, b[:4].contiguous())
+    with pytest.raises(RuntimeError, match=r"\(M, K\)"):
+        small.small_linear(x, w[:, :32].contiguous())
+
+
+def test_projection_chooses_by_rows(small, monkeypatch):
+    x, w, b = _operands(SMALL_ROWS_MAX + 4, 96, 576, seed=3)
+    packed = Projection(w, b, packed=True)
+    assert packed.small is not None
+    calls = []
+
+    class Spy:
+        def small_linear(self, *args):
+            calls.append(args[0].shape[0])
+            return small.small_linear(*args)
+
+    monkeypatch.setattr(packed, "small", Spy())
+    for rows in (1, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1):
+        torch.testing.assert_close(packed(x[:rows]).float(), _exact(x[:rows], w, b).float(),
+                                   rtol=2**-7, atol=1e-2)
+    assert calls == [1, SMALL_ROWS_MAX]  # past SMALL_ROWS_MAX: oneDNN
+    assert Projection(w.float(), None, packed=True).small is None  # bf16 only
+    reference = Projection(w, b, packed=False)
+    assert reference.small is None
+    assert torch.equal(reference(x[:2]), F.linear(x[:2], w, b))
+    assert linear.SMALL_ROWS_MAX >= 1
