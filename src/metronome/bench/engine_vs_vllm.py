@@ -204,6 +204,10 @@ def prefill_table(cells: list[dict]) -> str:
     return md_table(["pair", "L", "sessions", "ours s", "vLLM s", "ours / vLLM time"], rows)
 
 
+def _gflops(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def gemm_table(cells: list[dict]) -> str:
     rows = []
     for c in cells:
@@ -212,13 +216,16 @@ def gemm_table(cells: list[dict]) -> str:
             continue
         s, p = g["profile"]["share_of_wall"], g["profile"]
         rows.append([c["pair"], g["rows"], f"{g['step_gemm_ms']:.1f}",
-                     f"{g['achieved_gflops']:.1f}", f"{g['peak_gflops']['f_linear']:.1f}",
-                     f"{g['peak_gflops']['onednn_prepacked']:.1f}", f"{g['share_of_peak']:.0%}",
+                     _gflops(g["achieved_gflops"]), f"{g['peak_gflops']['f_linear']:.1f}",
+                     f"{g['peak_gflops']['onednn_prepacked']:.1f}",
+                     _gflops(g["peak_gflops"].get("small_linear")),
+                     "-" if g["share_of_peak"] is None else f"{g['share_of_peak']:.0%}",
                      f"{s['matmul']:.0%}, {s['attention']:.0%}, {s['copy_gather']:.0%}, "
                      f"{s['other_aten']:.0%}, {p['outside_aten_share']:.0%}; "
                      f"{p['aten_calls_per_step']:.0f}"])
     return md_table(["pair", "N", "step GEMM ms (profiled)", "ours GFLOP/s",
-                     "torch peak: F.linear", "oneDNN prepacked", "ours / best peak",
+                     "torch peak: F.linear", "oneDNN prepacked", "few-row kernel",
+                     "ours / best peak",
                      "profiled step: GEMMs, attention, copies, other aten, outside aten; "
                      "aten calls"], rows)
 
@@ -268,7 +275,8 @@ def report(result: dict) -> str:
               "## GEMMs: our step vs torch's peak for the same shapes", "",
               "Both sides over the same weights: every layer's projections and lm_head. "
               "torch's peak: those shapes at N rows, all in a row (weights from memory), best "
-              "of 6, with F.linear and with oneDNN on prepacked weights. Ours: their FLOPs in "
+              "of 6, with F.linear, with oneDNN on prepacked weights, and (at most 8 rows "
+              "in bf16) with our few-row kernel, which the step uses there. Ours: their FLOPs in "
               "one profiled decode step over the profiled time of its GEMMs (attention's own "
               "matmuls are counted as attention, not here).", "", gemm_table(result["cells"]),
               ""]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from metronome.engine.batch_builder import paged_first
 from metronome.engine.engine import Engine
+from metronome.model.linear import SMALL_LINEAR_EVENT
 from metronome.model.llama import PAGED_ATTENTION_EVENT
 
 TOP_OPS = 6
@@ -23,14 +24,15 @@ ATTENTION_OPS = {"aten::scaled_dot_product_attention",
                  "aten::_scaled_dot_product_attention_math", PAGED_ATTENTION_EVENT}
 BATCHED_MATMUL_OPS = {"aten::bmm", "aten::baddbmm"}
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear",
-            "mkldnn::_linear_pointwise"}
+            "mkldnn::_linear_pointwise", SMALL_LINEAR_EVENT}  # (ours: a named span)
 COPY_OPS = {"aten::copy_", "aten::index_select", "aten::index_copy_", "aten::cat",
             "aten::clone", "aten::contiguous", "aten::_to_copy"}
 KINDS = ("matmul", "attention", "copy_gather", "other_aten")
 
 
 def _counted(event) -> bool:
-    return event.name.startswith(("aten::", "mkldnn::")) or event.name in ATTENTION_OPS
+    return (event.name.startswith(("aten::", "mkldnn::")) or event.name in ATTENTION_OPS
+            or event.name == SMALL_LINEAR_EVENT)
 
 
 def _in_attention(event) -> bool:
@@ -57,7 +59,8 @@ def profile_steps(step: Callable[[], object], num_steps: int) -> dict:
     """Steps under torch.profiler: op self CPU time by kind (see `KINDS`) vs. wall time,
     per step.
 
-    Ops are aten's and oneDNN's, plus the span around our paged-attention kernel; each op
+    Ops are aten's and oneDNN's, plus the spans around our paged-attention and few-row
+    projection kernels; each op
     is classified with its place in the call tree (an op inside SDPA is attention, whatever
     its name). `outside_aten_share` = 1 - (sum of op self time) / wall: Python, dispatch and
     glue. Profiler bookkeeping adds a few us per op, so this share is an upper bound.

@@ -109,20 +109,25 @@ def gemm_peak_gflops(model, rows: int, repeats: int = 5) -> dict:
     """torch's best throughput for the step's GEMM shapes at `rows` rows (every weight of
     `linear_weights`: the projections and lm_head), with F.linear on the plain weights and
     oneDNN on prepacked ones, all in a row (weights from memory, as in a step), best of
-    `repeats` after one warm-up."""
-    from metronome.model.linear import Projection
+    `repeats` after one warm-up; and our few-row kernel where it applies (`small_linear`:
+    bf16, at most `SMALL_ROWS_MAX` rows, an AVX512-BF16 CPU)."""
+    from metronome.model.linear import SMALL_ROWS_MAX, Projection
 
     weights = linear_weights(model)
     flops = 2 * rows * sum(w.numel() for w in weights)
+    plain = [Projection(w, None, False) for w in weights]
+    packed = [Projection(w, None, True) for w in weights]
+    ways = {"f_linear": plain, "onednn_prepacked": [p.onednn for p in packed]}
+    if rows <= SMALL_ROWS_MAX and all(p.small is not None for p in packed):
+        ways["small_linear"] = packed  # (Projection's own choice at these rows)
+    inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
     out = {}
-    for name, packed in (("f_linear", False), ("onednn_prepacked", True)):
-        projections = [Projection(w, None, packed) for w in weights]
-        inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
+    for name, products in ways.items():
         best = float("inf")
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            for p, x in zip(projections, inputs, strict=True):
-                p(x)
+            for product, x in zip(products, inputs, strict=True):
+                product(x)
             best = min(best, time.perf_counter() - t0)
         out[name] = flops / best / 1e9
     return out
