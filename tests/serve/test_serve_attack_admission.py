@@ -187,7 +187,9 @@ def test_clients_faster_than_real_time_do_not_steer_the_cap(smollm2):
     audio, text = attackers
     assert len(audio.late_frames) >= 10, audio.frames  # the attack landed: its frames late
     assert "input_audio_buffer_overflow" in audio.error_codes  # ... up to its buffer bound
-    assert len(text.frames) >= 5 and "too_many_pending_frames" in text.error_codes
+    # (how many of its huge items are answered in the window follows the host's speed: 5
+    # then 4 of 241 at the same commit on a busier host; the rest are refused)
+    assert len(text.frames) >= 3 and "too_many_pending_frames" in text.error_codes
     assert sum(s.self_paced for s in during) >= 10  # ... and was left out of the signal
     # if the streamers' frames do go late (a slow machine), health may say so, and then
     # names who overloads itself
