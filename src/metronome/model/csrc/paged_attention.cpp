@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fold16.h"
 #include "vec_exp.h"
 
 namespace {
@@ -137,24 +138,6 @@ void attend_task(const scalar_t* q, const scalar_t* q_sink, const scalar_t* k_ba
 // softmax on those vectors; the chunk's values widened to float32 once and accumulated for
 // every head. The generic task above computes each dot as a float32 loop with a horizontal
 // sum per key and head, and converted every key and value once per head: 3-4x slower here.
-
-// 16 vectors of partial sums -> one vector whose lane j is the sum of v[j]'s lanes.
-inline __m512 fold16(__m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 // bf16 row (16 values) -> float32
 inline __m512 widen(const at::BFloat16* x) {
