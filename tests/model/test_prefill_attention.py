@@ -8,8 +8,6 @@ long chunks) as on the reference path."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,23 +15,17 @@ import torch.nn.functional as F
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
+from tests.native_kernels import bf16_kernel
 
 KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64
 
 
 @pytest.fixture(scope="module")
 def prefill():
-    """The kernel; skipped on a CPU without AVX512-BF16, a failure if it does not build."""
     from metronome.model import native
 
-    module = native.PREFILL.module()
-    if module is None:
-        if os.environ.get(native.DISABLE_ENV) == "0":
-            pytest.skip(native.PREFILL.reason())
-        pytest.fail(f"the prefill kernel did not build: {native.PREFILL.reason()}")
-    if not module.available():
-        pytest.skip("this CPU has no AVX512-BF16: the dense path keeps torch's SDPA")
-    return module
+    return bf16_kernel(native.PREFILL, "prefill kernel",
+                       "the dense path keeps torch's SDPA")
 
 
 def visibility(chunks: list[int], past: list[int], sinks: int, window: int | None):

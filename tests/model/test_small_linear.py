@@ -7,29 +7,21 @@ to oneDNN, and the reference to `F.linear`."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from metronome.model import linear
 from metronome.model.linear import SMALL_ROWS_MAX, Projection
+from tests.native_kernels import bf16_kernel
 
 
 @pytest.fixture(scope="module")
 def small():
-    """The kernel; skipped on a CPU without AVX512-BF16, a failure if it does not build."""
     from metronome.model import native
 
-    module = native.SMALL_LINEAR.module()
-    if module is None:
-        if os.environ.get(native.DISABLE_ENV) == "0":
-            pytest.skip(native.SMALL_LINEAR.reason())
-        pytest.fail(f"the few-row projection kernel did not build: {native.SMALL_LINEAR.reason()}")
-    if not module.available():
-        pytest.skip("this CPU has no AVX512-BF16: projections run on oneDNN")
-    return module
+    return bf16_kernel(native.SMALL_LINEAR, "few-row projection kernel",
+                       "projections run on oneDNN")
 
 
 def _operands(rows: int, n: int, k: int, seed: int):
