@@ -78,13 +78,13 @@ def test_paged_kernel_matches_dense_path_in_bfloat16(paged_kernel):
         torch.testing.assert_close(got, want, atol=6e-2, rtol=5e-2)
 
 
-def _kernel_inputs(head_dim: int, block_size: int, dtype: torch.dtype):
+def _kernel_inputs(head_dim: int, block_size: int, dtype: torch.dtype, group: int = 3):
     """Two sessions over a shuffled pool: one unbounded (8 blocks), one with 4 sinks and a
     window (logical blocks 0, 6, 7, 8; its sink block scored with q_sink, as rolling
     positions do); queries at a block's end, mid-block, position 0 and past the resident
     blocks. The kernel's arguments, in order."""
     g = torch.Generator().manual_seed(head_dim * 100 + block_size)
-    kvh, group, pool_blocks = 2, 3, 24
+    kvh, pool_blocks = 2, 24
     k, v = (torch.randn(kvh, pool_blocks * block_size, head_dim, generator=g)
             for _ in range(2))
     perm = torch.randperm(pool_blocks, generator=g)
@@ -106,12 +106,14 @@ def _kernel_inputs(head_dim: int, block_size: int, dtype: torch.dtype):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [4, 16, 48])  # a chunk's tail, one chunk, three
-def test_bf16_kernel_matches_its_float32_task(paged_kernel, head_dim, block_size):
+@pytest.mark.parametrize("group", [1, 3, 4, 6])  # query heads per kv head (past 4: head by head)
+def test_bf16_kernel_matches_its_float32_task(paged_kernel, head_dim, block_size, group):
     """bf16 at head sizes 64 and 128 runs the AVX512-BF16 task where the CPU has it (16
-    keys at a time, `vdpbf16ps` dot products), float32 the generic task: on the same
-    (bf16-valued) inputs they agree to bf16's rounding of the output."""
+    keys at a time, `vdpbf16ps` dot products; the values of up to 4 query heads in one
+    pass), float32 the generic task: on the same (bf16-valued) inputs they agree to bf16's
+    rounding of the output."""
     kernel = paged_kernel()
-    args = _kernel_inputs(head_dim, block_size, torch.bfloat16)
+    args = _kernel_inputs(head_dim, block_size, torch.bfloat16, group)
     got = kernel.paged_attention(*args).float()
     exact = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
              for a in args]

@@ -218,12 +218,14 @@ class LlamaModel:
         q_sink = None
         if sink_rope is not None and paged.has_sink_blocks:
             q_sink = rope.apply(q[:n], sink_rope[0][:n], sink_rope[1][:n]).contiguous()
-        with record_function(PAGED_ATTENTION_EVENT):  # a named span for torch.profiler
-            return kernel.paged_attention(
-                q_rot[:n].contiguous(), q_sink, cache.k[layer_idx], cache.v[layer_idx],
+        args = (q_rot[:n].contiguous(), q_sink, cache.k[layer_idx], cache.v[layer_idx],
                 paged.token_session, paged.token_positions, paged.token_window_start,
                 paged.block_ids, paged.block_logical, paged.num_blocks, paged.sink_tokens,
                 paged.sink_blocks, cache.block_size, self.config.head_dim**-0.5)
+        if torch.autograd._profiler_enabled():  # a named span only when profiled: entering
+            with record_function(PAGED_ATTENTION_EVENT):  # one costs ~10 us, 30 per step
+                return kernel.paged_attention(*args)
+        return kernel.paged_attention(*args)
 
     def _dense_attention(self, layer_idx, q, q_rot, dense, cache, buffers, sink_rope, fused_mask,
                          probs):

@@ -150,6 +150,29 @@ inline const char* block_bytes(const at::BFloat16* base, int64_t block, int64_t 
   return reinterpret_cast<const char*>(base + block * block_size * kD);
 }
 
+// acc[h] += sum over the chunk's seen keys j of probs[h][j] * V[j], for G heads at once: each
+// value row widened once and folded into every head's accumulators (G x kD/16 independent
+// FMA chains; head by head, 4 chains per head left the FMA unit waiting on their latency).
+template <int kD, int G>
+inline void values_chunk(float (*acc)[kD], const float (*probs)[16], const at::BFloat16* vr,
+                         int n, __mmask16 seen) {
+  constexpr int kV = kD / 16;
+  __m512 a[G][kV];
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < kV; ++v) a[h][v] = _mm512_load_ps(acc[h] + v * 16);
+  for (int j = 0; j < n; ++j) {
+    if (!((seen >> j) & 1)) continue;
+    __m512 p[G];
+    for (int h = 0; h < G; ++h) p[h] = _mm512_set1_ps(probs[h][j]);
+    for (int v = 0; v < kV; ++v) {
+      const __m512 x = widen(vr + j * kD + v * 16);
+      for (int h = 0; h < G; ++h) a[h][v] = _mm512_fmadd_ps(p[h], x, a[h][v]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < kV; ++v) _mm512_store_ps(acc[h] + v * 16, a[h][v]);
+}
+
 template <int kD>
 void attend_task_bf16(const at::BFloat16* q, const at::BFloat16* q_sink,
                       const at::BFloat16* k_base, const at::BFloat16* v_base,
@@ -237,19 +260,27 @@ void attend_task_bf16(const at::BFloat16* q, const at::BFloat16* q_sink,
         run_sum[h] += _mm512_reduce_add_ps(p);
         _mm512_store_ps(probs[h], p);
       }
-      for (int j = 0; j < n; ++j)
-        for (int v = 0; v < kV; ++v)
-          _mm512_store_ps(vf[j] + v * 16, widen(vb + (j0 + j) * kD + v * 16));
-      for (int h = 0; h < group; ++h) {
-        __m512 a[kV];
-        for (int v = 0; v < kV; ++v) a[v] = _mm512_load_ps(acc[h] + v * 16);
-        for (int j = 0; j < n; ++j) {
-          if (!((seen >> j) & 1)) continue;
-          const __m512 pj = _mm512_set1_ps(probs[h][j]);
+      const at::BFloat16* vr = vb + j0 * kD;
+      switch (group) {  // the usual group sizes: every head's values in one pass
+        case 1: values_chunk<kD, 1>(acc, probs, vr, n, seen); break;
+        case 2: values_chunk<kD, 2>(acc, probs, vr, n, seen); break;
+        case 3: values_chunk<kD, 3>(acc, probs, vr, n, seen); break;
+        case 4: values_chunk<kD, 4>(acc, probs, vr, n, seen); break;
+        default:
+        for (int j = 0; j < n; ++j)
           for (int v = 0; v < kV; ++v)
-            a[v] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + v * 16), a[v]);
+            _mm512_store_ps(vf[j] + v * 16, widen(vb + (j0 + j) * kD + v * 16));
+        for (int h = 0; h < group; ++h) {
+          __m512 a[kV];
+          for (int v = 0; v < kV; ++v) a[v] = _mm512_load_ps(acc[h] + v * 16);
+          for (int j = 0; j < n; ++j) {
+            if (!((seen >> j) & 1)) continue;
+            const __m512 pj = _mm512_set1_ps(probs[h][j]);
+            for (int v = 0; v < kV; ++v)
+              a[v] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + v * 16), a[v]);
+          }
+          for (int v = 0; v < kV; ++v) _mm512_store_ps(acc[h] + v * 16, a[v]);
         }
-        for (int v = 0; v < kV; ++v) _mm512_store_ps(acc[h] + v * 16, a[v]);
       }
     }
   }
