@@ -1,5 +1,6 @@
 """engine-vs-vllm's pure parts: each system's step budget (its defaults unless both are
-given one) and the memory floor of a decode step (weights once + resident KV once)."""
+given one), the memory floor of a decode step (weights once + resident KV once), and the
+repeated prefills (alternating, on fresh sessions) with their table."""
 
 from __future__ import annotations
 
@@ -46,3 +47,61 @@ def test_the_floor_is_the_weights_and_the_resident_kv_read_once():
 
 def test_read_bandwidth_is_a_plausible_rate():
     assert 0.1 < read_bandwidth_gbs(repeats=1) < 10_000
+
+
+class _FakeEngine:
+    """What `prefill` and `_timed_prefills` use of an engine; logs opens, prefills, closes."""
+
+    def __init__(self, name: str, events: list) -> None:
+        self.name, self.events, self.next_id, self.pending = name, events, 100, []
+
+    def open_session(self, spec) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def close(self, sid: int) -> None:
+        self.events.append((self.name, "close", sid))
+
+    def prepare_input(self, ids, _audio):
+        return list(ids)
+
+    def submit_prepared(self, sid: int, prepared, _max_new: int) -> None:
+        self.pending.append((sid, len(prepared)))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> None:
+        self.events.append((self.name, "prefill", tuple(sid for sid, _ in self.pending)))
+        self.pending = []
+
+
+def test_prefill_repeats_alternate_on_fresh_sessions_and_end_on_the_kept_ones():
+    from metronome.bench.vllm.pair import _timed_prefills
+
+    events: list = []
+    engines = {"ours": _FakeEngine("ours", events), "vllm": _FakeEngine("vllm", events)}
+    kept = {"ours": [1, 2, 3], "vllm": [11, 12, 13]}
+    cfg = engine_vs_vllm.Config(prefill_sessions=2, prefill_repeats=3)
+    runs = _timed_prefills(cfg, engines, kept, {"ours": None, "vllm": None},
+                           {"ours": 1, "vllm": 1}, 64, list(range(200)), lambda _line: None)
+    assert {name: len(r) for name, r in runs.items()} == {"ours": 3, "vllm": 3}
+    prefills = [(name, sids) for name, kind, sids in events if kind == "prefill"]
+    assert [name for name, _ in prefills] == ["ours", "vllm", "vllm", "ours", "ours", "vllm"]
+    # the last repeat prefills the kept sessions (the first prefill_sessions of them) ...
+    assert prefills[-2:] == [("ours", (1, 2)), ("vllm", (11, 12))]
+    # ... the others fresh ones, each closed right after its prefill
+    fresh = [sids for _, sids in prefills[:4]]
+    assert all(sid > 100 for sids in fresh for sid in sids)
+    closed = [sid for _, kind, sid in events if kind == "close"]
+    assert sorted(closed) == sorted(sid for sids in fresh for sid in sids)
+
+
+def test_prefill_table_gives_the_medians_and_every_run():
+    cells = [{"system": OURS, "pair": STOCK, "sessions": 8, "context_tokens": 1024,
+              "prefill_s": 6.0, "prefill_runs_s": [6.0, 7.0, 5.0], "prefill_sessions": 8},
+             {"system": STOCK, "pair": STOCK, "sessions": 8, "context_tokens": 1024,
+              "prefill_s": 8.0, "prefill_runs_s": [8.0, 9.0, 7.5], "prefill_sessions": 8}]
+    table = engine_vs_vllm.prefill_table(cells)
+    assert "| 6.0 | 8.0 | 0.75x | 6.0 / 8.0, 7.0 / 9.0, 5.0 / 7.5 |" in table

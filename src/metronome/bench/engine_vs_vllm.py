@@ -6,8 +6,10 @@ tokens (the same resident KV). For each context length L, one engine of each sys
 pair is alive at once (`metronome.bench.vllm.pair`):
 
 * **prefill**: each prefills `prefill_sessions` sessions of L tokens of real text (Hamlet),
-  timed; vLLM then prefills the rest of the largest N (it has no other way to a long
-  context), ours lengthens them with `Engine.fast_forward` (same blocks, same step cost);
+  timed, `prefill_repeats` times in alternating order (fresh sessions each; a cell reports
+  the median, and every run); vLLM then prefills the rest of the largest N (it has no
+  other way to a long context), ours lengthens them with `Engine.fast_forward` (same
+  blocks, same step cost);
 * **decode**: `repeats` rounds; in each, at every N, both systems run `decode_steps` pure
   decode steps (every one of the first N sessions decoding one token), in alternating order
   (ours first in even rounds, vLLM first in odd), so load from elsewhere hits both alike.
@@ -49,6 +51,9 @@ class Config:
         "help": "cells with N x L over this are skipped"})
     prefill_sessions: int = field(default=8, metadata={
         "help": "sessions prefilled for real by both systems, timed"})
+    prefill_repeats: int = field(default=1, metadata={
+        "help": "timed prefills per system, alternating order, fresh sessions each (the "
+                "table gives their medians)"})
     decode_steps: int = field(default=6, metadata={"help": "decode steps per round and N"})
     repeats: int = field(default=3, metadata={"help": "alternating rounds of decode steps"})
     block_size: int = field(default=32, metadata={
@@ -198,10 +203,14 @@ def prefill_table(cells: list[dict]) -> str:
         seen.add((pair, length))
         theirs = next(c for k, c in by.items() if k[0] == pair and k[1] == pair
                       and k[3] == length)
+        ours_runs = cell.get("prefill_runs_s", [cell["prefill_s"]])
+        their_runs = theirs.get("prefill_runs_s", [theirs["prefill_s"]])
+        each = ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(ours_runs, their_runs, strict=True))
         rows.append([pair, f"{length:,}", cell["prefill_sessions"], f"{cell['prefill_s']:.1f}",
                      f"{theirs['prefill_s']:.1f}",
-                     f"{cell['prefill_s'] / theirs['prefill_s']:.2f}x"])
-    return md_table(["pair", "L", "sessions", "ours s", "vLLM s", "ours / vLLM time"], rows)
+                     f"{cell['prefill_s'] / theirs['prefill_s']:.2f}x", each])
+    return md_table(["pair", "L", "sessions", "ours s", "vLLM s", "ours / vLLM time (medians)",
+                     "each prefill s: ours / vLLM"], rows)
 
 
 def _gflops(value: float | None) -> str:
@@ -255,7 +264,10 @@ def report(result: dict) -> str:
         "**Workload** (the vLLM issue's decode grid): greedy, block size "
         f"{cfg['block_size']} for both. Per context length L, our engine and one vLLM engine "
         "(in-process, enforce-eager) are alive at once. Both prefill "
-        f"{cfg['prefill_sessions']} sessions of L tokens of Hamlet for real (timed); vLLM "
+        f"{cfg['prefill_sessions']} sessions of L tokens of Hamlet for real (timed"
+        + (f", {cfg['prefill_repeats']} times each in alternating order, fresh sessions "
+           "each time: the table gives the medians" if cfg.get("prefill_repeats", 1) > 1
+           else "") + "); vLLM "
         "prefills the rest of the largest N for real, ours lengthens its other sessions with "
         "`Engine.fast_forward` (same blocks, same step cost). Then "
         f"{cfg['repeats']} rounds: at each N both run {cfg['decode_steps']} pure decode steps "

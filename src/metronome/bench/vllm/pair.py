@@ -57,13 +57,9 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
              vllm_kind: SessionSpec(policy=ResidencyPolicy.unbounded(), stop_token_ids=())}
     sids = {name: [e.open_session(specs[name]) for _ in range(top)] for name, e in engines.items()}
     ids = text_ids(length * 2)
-    prefill_s = {}
     try:
-        for name in (OURS, vllm_kind):
-            set_threads(threads[name])
-            prefill_s[name] = prefill(engines[name], sids[name][:cfg.prefill_sessions], length,
-                                       ids)
-            log(f"  prefill {cfg.prefill_sessions} x {length:,}: {name} {prefill_s[name]:.1f} s")
+        prefill_runs_s = _timed_prefills(cfg, engines, sids, specs, threads, length, ids, log)
+        prefill_s = {name: statistics.median(runs) for name, runs in prefill_runs_s.items()}
         for sid in sids[OURS][cfg.prefill_sessions:]:
             assert ours.fast_forward(sid, length), "pool sized too small"
         rest = sids[vllm_kind][cfg.prefill_sessions:]
@@ -90,7 +86,8 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
                           "step_ms_median": median_ms, "step_ms_min": min(min(r) for r in rounds),
                           "round_medians_ms": medians,
                           "decode_tokens_per_s": n / median_ms * 1e3,
-                          "prefill_s": prefill_s[name], "prefill_sessions": cfg.prefill_sessions,
+                          "prefill_s": prefill_s[name], "prefill_runs_s": prefill_runs_s[name],
+                          "prefill_sessions": cfg.prefill_sessions,
                           "torch_threads": set_threads(threads[name]),
                           "vllm_start_s": vllm_start_s})
         if length == min(cfg.lengths):  # GEMMs do not depend on L: measure them once per N
@@ -103,6 +100,30 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
         vllm.shutdown()
         for sid in sids[OURS]:
             ours.close(sid)
+
+
+def _timed_prefills(cfg, engines: dict, sids: dict, specs: dict, threads: dict, length: int,
+                    ids: list[int], log: Callable[[str], None]) -> dict[str, list[float]]:
+    """`cfg.prefill_repeats` timed prefills of `cfg.prefill_sessions` sessions per system, in
+    alternating order (ours first in even repeats): every repeat but the last on fresh
+    sessions closed after it, the last on the first of `sids` (kept for decode). Seconds per
+    repeat, per system."""
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    for rep in range(cfg.prefill_repeats):
+        last = rep == cfg.prefill_repeats - 1
+        order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+        for name in order:
+            engine = engines[name]
+            targets = (sids[name][:cfg.prefill_sessions] if last else
+                       [engine.open_session(specs[name]) for _ in range(cfg.prefill_sessions)])
+            set_threads(threads[name])
+            runs[name].append(prefill(engine, targets, length, ids))
+            if not last:
+                for sid in targets:
+                    engine.close(sid)
+            log(f"  prefill {cfg.prefill_sessions} x {length:,} ({rep + 1}/"
+                f"{cfg.prefill_repeats}): {name} {runs[name][-1]:.1f} s")
+    return runs
 
 
 def gemm_peak_gflops(model, rows: int, repeats: int = 5) -> dict:
