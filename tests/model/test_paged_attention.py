@@ -121,6 +121,38 @@ def test_bf16_kernel_matches_its_float32_task(paged_kernel, head_dim, block_size
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_write_attend_is_rope_then_write_then_attention(paged_kernel, dtype):
+    """The decode path's one call per layer gives the bits of the calls it replaces: the fused
+    RoPE on q and k, k and v written to their slots, the kernel over the rotated q."""
+    from metronome.model import rope
+
+    kernel, fused = paged_kernel(), native.fused_ops()
+    if fused is None:
+        pytest.skip(native.FUSED.reason())
+    q, _, k_cache, v_cache, session, position, window, *tables = _kernel_inputs(64, 16, dtype)
+    t, heads, hd = q.shape
+    kvh = k_cache.shape[0]
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(t, (heads + 2 * kvh) * hd, generator=g).to(dtype)
+    cos, sin = rope.cos_sin(position, rope.inv_frequencies(hd, 10_000.0), dtype)
+    slots = torch.randperm(k_cache.shape[1], generator=g)[:t]
+    got_k, got_v = k_cache.clone(), v_cache.clone()
+    got = kernel.rope_write_attend(qkv, cos, sin, got_k, got_v, slots, heads, session,
+                                   position, window, *tables)
+    q_part, k_part, v_part = qkv.split((heads * hd, kvh * hd, kvh * hd), dim=-1)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.index_copy_(1, slots, fused.rope(k_part.view(t, kvh, hd), cos, sin).transpose(0, 1))
+    want_v.index_copy_(1, slots, v_part.reshape(t, kvh, hd).transpose(0, 1))
+    want = kernel.paged_attention(fused.rope(q_part.view(t, heads, hd), cos, sin), None, want_k,
+                                  want_v, session, position, window, *tables)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slot id out of range"):
+        kernel.rope_write_attend(qkv, cos, sin, got_k, got_v, slots + k_cache.shape[1], heads,
+                                 session, position, window, *tables)
+
+
 def test_bundled_model_decodes_the_same_tokens_on_both_paths(smollm2, paged_kernel):
     """Real text, a bound that slides during decode: greedy tokens equal, logits close."""
     from metronome.model.weights import load_tokenizer

@@ -191,6 +191,9 @@ class LlamaModel:
         cfg = self.config
         tokens = h.shape[0]
         qkv = proj.qkv(h)
+        if (kernel is not None and self.fused is not None and batch.dense is None
+                and sink_rope is None and w.q_norm is None):
+            return proj.o(self._paged_from_qkv(layer_idx, qkv, batch, cache, rope_cs, kernel))
         q, k, v = qkv.split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
         q = q.view(tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -226,6 +229,22 @@ class LlamaModel:
             with record_function(PAGED_ATTENTION_EVENT):  # one costs ~10 us, 30 per step
                 return kernel.paged_attention(*args)
         return kernel.paged_attention(*args)
+
+    def _paged_from_qkv(self, layer_idx, qkv, batch, cache, rope_cs, kernel):
+        """A step all on the paged path without rolling sinks, in one kernel call: RoPE, the
+        K/V write and the attention (`rope_write_attend`; the same bits as the fused `rope`,
+        `cache.write` and `paged_attention` it replaces)."""
+        paged = batch.paged
+        assert paged.num_tokens == qkv.shape[0]
+        args = (qkv, *rope_cs, cache.k[layer_idx], cache.v[layer_idx], batch.slot_ids,
+                self.config.num_heads, paged.token_session, paged.token_positions,
+                paged.token_window_start, paged.block_ids, paged.block_logical,
+                paged.num_blocks, paged.sink_tokens, paged.sink_blocks, cache.block_size,
+                self.config.head_dim**-0.5)
+        if torch.autograd._profiler_enabled():
+            with record_function(PAGED_ATTENTION_EVENT):
+                return kernel.rope_write_attend(*args)
+        return kernel.rope_write_attend(*args)
 
     def _dense_attention(self, layer_idx, q, q_rot, dense, cache, buffers, sink_rope, fused_mask,
                          probs):

@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "rope_row.h"
+
 namespace {
 
 template <typename T>
@@ -123,7 +125,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
               "x must be (T, heads, D) with unit stride in D, D even");
-  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2);
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D &&
               sin.numel() == T * D, "cos and sin must be contiguous (T, 1, D)");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
@@ -141,14 +143,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
         const scalar_t* s = sp + t * D;
         for (int64_t h = 0; h < NH; ++h) {
           const scalar_t* xr = xp + t * s0 + h * s1;
-          scalar_t* o = op + (t * NH + h) * D;
-          for (int64_t i = 0; i < D; ++i) {
-            // rotate_half: (-x[half:], x[:half]); the negation is exact in any dtype
-            const float rot = i < half ? -f(xr[i + half]) : f(xr[i - half]);
-            const float a = f(round_to<scalar_t>(f(xr[i]) * f(c[i])));
-            const float b = f(round_to<scalar_t>(rot * f(s[i])));
-            o[i] = round_to<scalar_t>(a + b);
-          }
+          rope_row(xr, c, s, op + (t * NH + h) * D, D);
         }
       }
     });

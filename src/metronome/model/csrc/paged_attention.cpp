@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "fold16.h"
+#include "rope_row.h"
 #include "vec_exp.h"
 
 namespace {
@@ -399,9 +400,70 @@ at::Tensor paged_attention(const at::Tensor& q, const c10::optional<at::Tensor>&
   return out;
 }
 
+// A paged step's attention from its fused q/k/v projection in one call (the decode path's
+// Python per layer was ~10 torch calls around the kernel): RoPE on q and k (`rope_row`, as
+// the fused `rope` rounds it), k and v written to their slots, then `paged_attention` over
+// the rotated q. qkv (T, (H + 2 KVH) D) with unit stride in its last dim (q heads, then k,
+// then v); cos/sin (T, 1, D) contiguous; slot_ids (T,) int64.
+at::Tensor rope_write_attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_ids,
+                             int64_t num_heads, const at::Tensor& token_session,
+                             const at::Tensor& token_position,
+                             const at::Tensor& token_window_start, const at::Tensor& block_ids,
+                             const at::Tensor& block_logical, const at::Tensor& num_blocks,
+                             const at::Tensor& sink_tokens, const at::Tensor& sink_blocks,
+                             int64_t block_size, double scale) {
+  check(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+            k_cache.sizes() == v_cache.sizes(),
+        "K/V must be contiguous (KVH, slots, D) of one shape");
+  const int64_t T = qkv.size(0), KVH = k_cache.size(0), slots = k_cache.size(1);
+  const int64_t D = k_cache.size(2), H = num_heads;
+  check(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (H + 2 * KVH) * D,
+        "qkv must be (T, (heads + 2 kv heads) head_dim) with unit stride in its last dim");
+  check(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+            sin.scalar_type() == qkv.scalar_type(),
+        "qkv, cos, sin and K/V must share a dtype");
+  check(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D &&
+            sin.numel() == T * D, "cos and sin must be contiguous (T, 1, head_dim)");
+  check(slot_ids.dim() == 1 && slot_ids.size(0) == T && slot_ids.scalar_type() == at::kLong &&
+            slot_ids.is_contiguous(), "slot_ids must be contiguous int64 (T,)");
+  check(D % 2 == 0, "head_dim must be even");
+  const int64_t* slot = slot_ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) check(slot[t] >= 0 && slot[t] < slots, "slot id out of range");
+  at::Tensor q_rot = at::empty({T, H, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write", [&] {
+    const scalar_t* x = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* qp = q_rot.data_ptr<scalar_t>();
+    scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const int64_t stride = qkv.stride(0);
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = x + t * stride;
+        const scalar_t* c = cp + t * D;
+        const scalar_t* s = sp + t * D;
+        for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, s, qp + (t * H + h) * D, D);
+        for (int64_t g = 0; g < KVH; ++g) {
+          const int64_t to = (g * slots + slot[t]) * D;
+          rope_row(row + (H + g) * D, c, s, kp + to, D);
+          std::copy(row + (H + KVH + g) * D, row + (H + KVH + g + 1) * D, vp + to);
+        }
+      }
+    });
+  });
+  return paged_attention(q_rot, c10::nullopt, k_cache, v_cache, token_session, token_position,
+                         token_window_start, block_ids, block_logical, num_blocks, sink_tokens,
+                         sink_blocks, block_size, scale);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Attention of each query token over its session's resident KV blocks, in place");
+  m.def("rope_write_attend", &rope_write_attend,
+        "RoPE on q and k, k and v into their slots, then paged_attention: a paged step's "
+        "attention from its fused qkv");
 }
