@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
+
+from metronome.model.spans import in_span
 
 # oneDNN picks its blocking for this many rows; any row count works (measured: 64 is best
 # from 1 to 256 rows for SmolLM2's shapes; a 1-row hint is 1.3x slower at 8-64 rows).
@@ -59,10 +60,7 @@ class Projection:
             return F.linear(x, self.weight, self.bias)
         if (self.small is not None and x.shape[0] <= SMALL_ROWS_MAX and x.is_contiguous()
                 and x.dtype == torch.bfloat16):
-            if torch.autograd._profiler_enabled():  # a named span only when profiled
-                with record_function(SMALL_LINEAR_EVENT):
-                    return self.small.small_linear(x, self.weight, self.bias)
-            return self.small.small_linear(x, self.weight, self.bias)
+            return in_span(SMALL_LINEAR_EVENT, self.small.small_linear, x, self.weight, self.bias)
         return self.onednn(x)
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 from metronome.kv.cache import KVCache
 from metronome.model import rope
 from metronome.model.batch import DenseAttention, ForwardBatch
 from metronome.model.config import ModelConfig
 from metronome.model.linear import Projection, packing_supported
+from metronome.model.spans import in_span
 
 
 @dataclass
@@ -221,14 +221,9 @@ class LlamaModel:
         q_sink = None
         if sink_rope is not None and paged.has_sink_blocks:
             q_sink = rope.apply(q[:n], sink_rope[0][:n], sink_rope[1][:n]).contiguous()
-        args = (q_rot[:n].contiguous(), q_sink, cache.k[layer_idx], cache.v[layer_idx],
-                paged.token_session, paged.token_positions, paged.token_window_start,
-                paged.block_ids, paged.block_logical, paged.num_blocks, paged.sink_tokens,
-                paged.sink_blocks, cache.block_size, self.config.head_dim**-0.5)
-        if torch.autograd._profiler_enabled():  # a named span only when profiled: entering
-            with record_function(PAGED_ATTENTION_EVENT):  # one costs ~10 us, 30 per step
-                return kernel.paged_attention(*args)
-        return kernel.paged_attention(*args)
+        return in_span(PAGED_ATTENTION_EVENT, kernel.paged_attention, q_rot[:n].contiguous(),
+                       q_sink, cache.k[layer_idx], cache.v[layer_idx],
+                       *self._paged_tail(paged, cache))
 
     def _paged_from_qkv(self, layer_idx, qkv, batch, cache, rope_cs, kernel):
         """A step all on the paged path without rolling sinks, in one kernel call: RoPE, the
@@ -236,15 +231,16 @@ class LlamaModel:
         `cache.write` and `paged_attention` it replaces)."""
         paged = batch.paged
         assert paged.num_tokens == qkv.shape[0]
-        args = (qkv, *rope_cs, cache.k[layer_idx], cache.v[layer_idx], batch.slot_ids,
-                self.config.num_heads, paged.token_session, paged.token_positions,
-                paged.token_window_start, paged.block_ids, paged.block_logical,
-                paged.num_blocks, paged.sink_tokens, paged.sink_blocks, cache.block_size,
-                self.config.head_dim**-0.5)
-        if torch.autograd._profiler_enabled():
-            with record_function(PAGED_ATTENTION_EVENT):
-                return kernel.rope_write_attend(*args)
-        return kernel.rope_write_attend(*args)
+        return in_span(PAGED_ATTENTION_EVENT, kernel.rope_write_attend, qkv, *rope_cs,
+                       cache.k[layer_idx], cache.v[layer_idx], batch.slot_ids,
+                       self.config.num_heads, *self._paged_tail(paged, cache))
+
+    def _paged_tail(self, paged, cache) -> tuple:
+        """The paged kernel's arguments after q and the layer's K/V: the step's tokens and
+        block tables, the block size and the softmax scale."""
+        return (paged.token_session, paged.token_positions, paged.token_window_start,
+                paged.block_ids, paged.block_logical, paged.num_blocks, paged.sink_tokens,
+                paged.sink_blocks, cache.block_size, self.config.head_dim**-0.5)
 
     def _dense_attention(self, layer_idx, q, q_rot, dense, cache, buffers, sink_rope, fused_mask,
                          probs):
