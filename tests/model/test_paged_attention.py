@@ -106,11 +106,11 @@ def _kernel_inputs(head_dim: int, block_size: int, dtype: torch.dtype, group: in
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [4, 16, 48])  # a chunk's tail, one chunk, three
-@pytest.mark.parametrize("group", [1, 3, 4, 6])  # query heads per kv head (past 4: head by head)
+@pytest.mark.parametrize("group", [1, 3, 4, 6])  # query heads per kv head (6: 4 + 2)
 def test_bf16_kernel_matches_its_float32_task(paged_kernel, head_dim, block_size, group):
     """bf16 at head sizes 64 and 128 runs the AVX512-BF16 task where the CPU has it (16
-    keys at a time, `vdpbf16ps` dot products; the values of up to 4 query heads in one
-    pass), float32 the generic task: on the same (bf16-valued) inputs they agree to bf16's
+    keys at a time, `vdpbf16ps` dot products; the values of up to 4 query heads a pass),
+    float32 the generic task: on the same (bf16-valued) inputs they agree to bf16's
     rounding of the output."""
     kernel = paged_kernel()
     args = _kernel_inputs(head_dim, block_size, torch.bfloat16, group)
