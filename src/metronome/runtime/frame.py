@@ -21,7 +21,8 @@ class FrameStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-def count_input_tokens(token_ids: list[int] | None, embeddings: torch.Tensor | None) -> int:
+def count_input_tokens(token_ids: list[int] | torch.Tensor | None,
+                       embeddings: torch.Tensor | None) -> int:
     """Input positions of token ids or (n, hidden) embeddings (one of them, or neither)."""
     if token_ids is not None:
         return len(token_ids)
@@ -33,7 +34,7 @@ class Frame:
     session_id: int
     index: int
     arrival_s: float  # when the frame was complete at the server
-    token_ids: list[int] | None = None
+    token_ids: list[int] | torch.Tensor | None = None  # (n,) int64 when a tensor
     embeddings: torch.Tensor | None = None  # (n, hidden) from the audio front end
     respond: bool = True  # ask for output (duplex: every frame; turn: the turn's end)
 

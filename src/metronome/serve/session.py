@@ -312,7 +312,7 @@ class RealtimeSession:
         if content_type is not None:
             self._add_item(se.ItemOut(id=item_id or p.new_id("item"), role=role,
                                       content=[se.ContentOut(type=content_type, text=text)]))
-        self._queue_frame("text", lambda: Input(token_ids=chat.item_ids(role, text)),
+        self._queue_frame("text", lambda: Input.of_tokens(chat.item_ids(role, text)),
                           max_tokens)
 
     def _create_response(self, params: p.ResponseParamsIn) -> None:
@@ -334,7 +334,7 @@ class RealtimeSession:
         check_input_room(self.record, len(token_ids), "response", ErrorCode.TOO_MANY_PENDING)
         response = self._new_response(params.metadata)
         self._client_response = response
-        self._queue_frame("response", lambda: Input(token_ids=token_ids), len(token_ids),
+        self._queue_frame("response", lambda: Input.of_tokens(token_ids), len(token_ids),
                           respond=True, response=response)
 
     def _cancel_response(self, response_id: str | None) -> None:

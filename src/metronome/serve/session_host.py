@@ -65,8 +65,15 @@ class SessionHost(VadHost, Protocol):
 class Input:
     """One frame's input, made on the encoder thread: token ids or embeddings."""
 
-    token_ids: list[int] | None = None
+    token_ids: list[int] | torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
+
+    @classmethod
+    def of_tokens(cls, token_ids: list[int]) -> Input:
+        """Token ids as an int64 tensor, made here on the encoder thread: the loop's check of
+        a frame (`check_token_ids`) is then a min and a max, not a conversion of each id
+        (~0.3-0.9 ms on the loop for a 4,000-character text's ~2,600 ids)."""
+        return cls(token_ids=torch.tensor(token_ids, dtype=torch.int64))
 
     @property
     def num_tokens(self) -> int:
