@@ -149,16 +149,20 @@ def step(work_by_session: dict[int, int]) -> StepReport:
     return StepReport(StepResult(outcomes), 0.0, 0.1, None, {})
 
 
-def interval_with_a_flood(flood_tokens: int, factor: float = 2.0) -> AdmissionController:
-    """Sessions 1-3 send 12-token frames that all miss; session 9 sends 600-token items
-    (self-paced by size) and its steps processed `flood_tokens` of them."""
-    controller = AdmissionController(AIMDLimit(initial_cap=8), lambda: 4,
+def interval_with_a_flood(flood_tokens: int, factor: float = 2.0, floods: int = 1,
+                          calm: int = 3, calm_tokens: int = 16) -> AdmissionController:
+    """`calm` sessions (1, 2, ...) send 12-token frames that all miss and process
+    `calm_tokens` each; `floods` sessions (9, 10, ...) send 600-token items (self-paced by
+    size) and their steps processed `flood_tokens` of them each."""
+    controller = AdmissionController(AIMDLimit(initial_cap=8), lambda: calm + floods,
                                      self_paced_tokens=64, steered_work_factor=factor)
-    controller.on_result(result(0.0, 1.5, tokens=600, session_id=9))
-    for sid in (1, 2, 3):
+    for sid in range(9, 9 + floods):
+        controller.on_result(result(0.0, 1.5, tokens=600, session_id=sid))
+    for sid in range(1, 1 + calm):
         controller.on_result(result(0.0, 1.2, session_id=sid))
-        controller.on_step(step({sid: 16}))
-    controller.on_step(step({9: flood_tokens}))
+        controller.on_step(step({sid: calm_tokens}))
+    for sid in range(9, 9 + floods):
+        controller.on_step(step({sid: flood_tokens}))
     controller.end_interval(2.0)
     return controller
 
@@ -173,6 +177,25 @@ def test_misses_from_one_sessions_disproportionate_work_hold_the_cap():
 def test_self_paced_work_in_proportion_is_no_excuse():
     fair = interval_with_a_flood(flood_tokens=16).history[-1]  # its share: 1 in 4
     assert (fair.cap, fair.steered, fair.self_paced_work_share) == (7, False, 0.25)
+
+
+def test_each_flood_is_weighed_against_each_other_session_not_against_an_average_of_its_own():
+    """Two floods beside four streamers: 0.63 of the work is 3.4x a streamer's work per flood,
+    steered; measured against their 2 in 6 of the sessions (an average holding their own
+    work) it was under the 2x bar, and the same attack held the cap in one run and not in
+    the next (tests/serve/test_serve_attack_admission.py)."""
+    held = interval_with_a_flood(flood_tokens=63, floods=2, calm=4, calm_tokens=18).history[-1]
+    assert held.self_paced_work_share == 126 / 198 and held.steered and held.cap == 8
+    # one flood beside 3 streamers: steered from 2/5 of the work on (2 x a streamer's)
+    assert interval_with_a_flood(flood_tokens=33, calm_tokens=16).history[-1].steered
+    assert not interval_with_a_flood(flood_tokens=32, calm_tokens=16).history[-1].steered
+
+
+def test_when_every_working_session_is_self_paced_no_one_steers():
+    """A chat server of long items: everyone's frames are self-paced and no one's work is out
+    of proportion (and late frames of self-paced sessions are no signal: the cap holds)."""
+    sample = interval_with_a_flood(flood_tokens=528, floods=3, calm=0).history[-1]
+    assert (sample.self_paced_work_share, sample.steered) == (1.0, False)
 
 
 def test_a_flood_of_long_items_stays_self_paced_between_its_answers():

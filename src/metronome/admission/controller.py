@@ -15,21 +15,20 @@ Three guards beside the limit:
   (`frame_period_s`), is late because of its own session, not because the server is
   loaded. Such frames are counted (`CapSample.self_paced`) but are no signal, so one client
   flooding its own session cannot cut the cap and close the server to everyone else.
-* work out of proportion (`steered_work_factor`): what a flood does to the others' frames
-  is the flooder's, not the session count's. Each engine step reports the input positions it
-  processed per session (`on_step`); when the sessions whose latest frame was self-paced did
-  more than `steered_work_factor` x their share of the interval's working sessions' work, the
-  interval says how far a few clients' input went, not how many sessions fit
-  (`IntervalSample.steered`): over target, the limit holds the cap instead of cutting it;
-  under target it grows as ever (the load it carried, floods and all, was fine). A real
-  server showed why: one client
-  appending audio at 6x real time and one flooding ~630-token text items beside 3 real-time
-  streamers did ~90 % of the engine's work; the streamers' frames went from ~0.2 s to
-  0.8-1.0 s of their 1 s deadline, and the cap fell 8 -> 4 in 4 intervals (1 s each) with
-  2-4 of 10 new users refused (tests/serve/test_serve_attack_admission.py). A cut cannot
-  undo that (admitted sessions are never evicted, and a new real-time session adds one fair
-  share); a workload whose sessions all send large input (a chat server of long items) is
-  no one's disproportion and is cut as usual.
+* work out of proportion (`steered_work_factor`): what a flood does to the others' frames is the
+  flooder's, not the session count's. Each engine step reports the input positions it processed
+  per session (`on_step`); when the sessions whose latest frame was self-paced did, each on
+  average, more than `steered_work_factor` x the average work of the interval's other working
+  sessions, the interval says how far a few clients' input went, not how many sessions fit
+  (`IntervalSample.steered`): over target, the limit holds the cap instead of cutting it; under
+  target it grows as ever (the load it carried, floods and all, was fine). A real server showed
+  why: one client appending audio at 6x real time and one flooding ~630-token text items beside 3
+  real-time streamers did ~90 % of the engine's work; the streamers' frames went from ~0.2 s to
+  0.8-1.0 s of their 1 s deadline, and the cap fell 8 -> 4 in 4 intervals (1 s each) with 2-4 of
+  10 new users refused (tests/serve/test_serve_attack_admission.py). A cut cannot undo that
+  (admitted sessions are never evicted, and a new real-time session adds one fair share); a
+  workload whose sessions all send large input (a chat server of long items) is no one's
+  disproportion and is cut as usual.
 """
 
 from __future__ import annotations
@@ -76,8 +75,8 @@ class AdmissionController:
     memory_ceiling: int | None = None  # sessions the KV pool holds at their peak; None: any
     self_paced_tokens: int | None = None  # None: a frame's size is never held against it
     frame_period_s: float | None = None  # None: its session's pace is never held against it
-    # self-paced sessions' work over this multiple of their share of the working sessions
-    # holds the cap (2: one flooder among 3 streamers holds it from half of the work on)
+    # self-paced sessions' work per session over this multiple of the other working sessions'
+    # holds the cap (2: one flooder among 3 streamers holds it from 2/5 of the work on)
     steered_work_factor: float = 2.0
     history: list[CapSample] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)  # admitted / refused:<reason>
@@ -141,14 +140,23 @@ class AdmissionController:
     def _steered(self) -> tuple[float | None, bool]:
         """The interval's engine work done for self-paced sessions (those whose latest frame
         was judged self-paced: a flood of long items answers a frame only every few
-        intervals; None: none worked), and whether it was more than `steered_work_factor`
-        x their share of the working sessions."""
+        intervals; None: none worked), and whether each did more than `steered_work_factor`
+        x the work of each other working session (means per session)."""
         working = [sid for sid, tokens in self._work_tokens.items() if tokens]
         self_paced = [sid for sid in working if self.pacing.latest(sid)]
         if not self_paced:
             return None, False
-        share = sum(self._work_tokens[sid] for sid in self_paced) / self._work_tokens.total()
-        return share, share > self.steered_work_factor * len(self_paced) / len(working)
+        paced_tokens = sum(self._work_tokens[sid] for sid in self_paced)
+        share = paced_tokens / self._work_tokens.total()
+        others = len(working) - len(self_paced)
+        if not others:  # every working session sends large input: no one's disproportion
+            return share, False
+        # per session, against the others' (not against an average that holds their own work:
+        # that bound reaches 1 at half the sessions, and 2 floods of 6 read 0.63-0.77 of the
+        # work against a 0.67 bar, steered in one run and not in the next)
+        paced_per_session = paced_tokens / len(self_paced)
+        other_per_session = (self._work_tokens.total() - paced_tokens) / others
+        return share, paced_per_session > self.steered_work_factor * other_per_session
 
     def end_interval(self, now_s: float) -> int:
         frames = len(self._fractions)
