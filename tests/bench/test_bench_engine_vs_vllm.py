@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from metronome.bench import engine_vs_vllm
+from metronome.bench.engine import floor as engine_vs_vllm_floor
 from metronome.bench.engine.floor import decode_floor_ms, read_bandwidth_gbs, weight_bytes
 from metronome.bench.vllm.names import OURS, SLIDING, STOCK
 from metronome.model.config import TINY_LLAMA
@@ -43,6 +44,37 @@ def test_the_floor_is_the_weights_and_the_resident_kv_read_once():
     assert unbounded["floor_ms"] == pytest.approx(decode_floor_ms(model, 8, 100, 2.0))
     assert bounded["floor_multiple"] == pytest.approx(10.0 / bounded["floor_ms"])
     assert "floor_ms" not in theirs
+
+
+def test_a_step_is_compared_with_the_floor_of_its_own_rounds_bandwidth():
+    """Bandwidth measured next to each round: each round's step over its own floor, and the
+    median of those (a neighbour that halves the box's speed for one round moves both)."""
+    model = random_model(TINY_LLAMA, torch.bfloat16, seed=1)
+    cfg = engine_vs_vllm.Config(sink_tokens=4, window_tokens=60)
+    cell = {"system": OURS, "pair": SLIDING, "sessions": 8, "context_tokens": 1000,
+            "step_ms_median": 20.0, "round_medians_ms": [10.0, 20.0, 40.0],
+            "round_bandwidth_gbs": [4.0, 2.0, 1.0]}
+    engine_vs_vllm._add_floor([cell], model, cfg, 100.0)  # the run's own: not used here
+    floors = [decode_floor_ms(model, 8, 64, gbs) for gbs in (4.0, 2.0, 1.0)]
+    assert cell["round_floor_multiples"] == pytest.approx(
+        [10.0 / floors[0], 20.0 / floors[1], 40.0 / floors[2]])
+    assert cell["floor_multiple"] == pytest.approx(10.0 / floors[0])  # all equal: 4x apart
+    assert cell["floor_ms"] == pytest.approx(floors[1])  # at the median bandwidth
+    assert "rounds" in engine_vs_vllm.decode_lines([{
+        "pair": SLIDING, "sessions": 8, "context_tokens": 1000, "speed_ratio": 1.5,
+        "min_ratio": 1.4, "ours": cell | {"decode_tokens_per_s": 400.0},
+        "vllm": {"step_ms_median": 30.0, "decode_tokens_per_s": 266.0,
+                 "round_medians_ms": [30.0]}}])[2]
+
+
+def test_a_probe_measures_again_on_its_one_buffer():
+    probe = engine_vs_vllm_floor.BandwidthProbe()
+    first = probe.gbs(repeats=1)
+    buffer = probe._data
+    assert 0.1 < first < 10_000 and 0.1 < probe.gbs(repeats=1) < 10_000
+    assert probe._data is buffer  # allocated once per probe
+    probe.close()
+    assert probe._data is None
 
 
 def test_read_bandwidth_is_a_plausible_rate():

@@ -22,6 +22,7 @@ GEMMs (a profiled step's GEMM time). Needs vLLM (`make vllm-install`; run from .
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from metronome.bench.vllm.names import OURS, SLIDING, STOCK
@@ -122,7 +123,10 @@ def run(ctx: RunContext, cfg: Config) -> dict:
 
 def _add_floor(cells: list[dict], model, cfg: Config, bandwidth_gbs: float) -> None:
     """Each of our decode cells' memory floor (weights once + resident KV once) and its step
-    as a multiple of it."""
+    as a multiple of it. A cell with the bandwidth measured next to each of its rounds
+    (`round_bandwidth_gbs`) is compared round by round: the multiple is the median of each
+    round's median step over the floor at that round's bandwidth, and `floor_ms` the floor at
+    their median bandwidth; else `bandwidth_gbs` (the run's, measured once) for all."""
     from metronome.bench.engine.floor import decode_floor_ms
 
     for cell in cells:
@@ -131,8 +135,24 @@ def _add_floor(cells: list[dict], model, cfg: Config, bandwidth_gbs: float) -> N
         bounded = cell["pair"] == SLIDING
         resident = (min(cell["context_tokens"], cfg.sink_tokens + cfg.window_tokens)
                     if bounded else cell["context_tokens"])
-        cell["floor_ms"] = decode_floor_ms(model, cell["sessions"], resident, bandwidth_gbs)
-        cell["floor_multiple"] = cell["step_ms_median"] / cell["floor_ms"]
+
+        def floor_ms(gbs: float, cell=cell, resident=resident) -> float:
+            return decode_floor_ms(model, cell["sessions"], resident, gbs)
+
+        rounds_gbs = cell.get("round_bandwidth_gbs")
+        if not rounds_gbs:
+            cell["floor_ms"] = floor_ms(bandwidth_gbs)
+            cell["floor_multiple"] = cell["step_ms_median"] / cell["floor_ms"]
+            continue
+        multiples = [step / floor_ms(gbs) for step, gbs
+                     in zip(cell["round_medians_ms"], rounds_gbs, strict=True)]
+        cell["round_floor_multiples"] = multiples
+        cell["floor_ms"] = floor_ms(statistics.median(rounds_gbs))
+        cell["floor_multiple"] = statistics.median(multiples)
+
+
+def _has_round_bandwidth(result: dict) -> bool:
+    return any(c.get("round_bandwidth_gbs") for c in result["cells"])
 
 
 def _by(cells: list[dict]) -> dict:
@@ -182,6 +202,8 @@ def decode_lines(rows: list[dict]) -> list[str]:
                       + ", ".join(f"{x:.0f}" for x in v["round_medians_ms"]))
             floor = (f"{o['floor_ms']:.1f} ({o['floor_multiple']:.1f}x)" if "floor_ms" in o
                      else "-")
+            if o.get("round_floor_multiples"):
+                floor += " rounds " + ", ".join(f"{x:.2f}x" for x in o["round_floor_multiples"])
             table.append([r["sessions"], f"{r['context_tokens']:,}",
                           f"{o['step_ms_median']:.1f} ({o['decode_tokens_per_s']:.0f})",
                           f"{v['step_ms_median']:.1f} ({v['decode_tokens_per_s']:.0f})",
@@ -275,8 +297,13 @@ def report(result: dict) -> str:
         "the median of the rounds' median steps. Cells with N x L over "
         f"{cfg['max_prefill_tokens']:,} tokens are skipped. " + _budget_sentence(result)
         + (f"Memory floor of a decode step: the weights read once plus the resident KV read "
-           f"once at the measured read bandwidth ({result['read_bandwidth_gbs']:.1f} GB/s, a "
-           "1 GiB sum on torch's threads)." if "read_bandwidth_gbs" in result else ""), "",
+           "once at the measured read bandwidth (a 1 GiB sum on torch's threads: "
+           f"{result['read_bandwidth_gbs']:.1f} GB/s at the run's start; " + (
+               "measured again just before and just after each of our rounds, the better of "
+               "the two taken: each round's median step is divided by the floor of its own "
+               "time, and the multiple is the median over the rounds)."
+               if _has_round_bandwidth(result) else "once for the run).")
+           if "read_bandwidth_gbs" in result else ""), "",
         "## Decode", "", *decode_lines(rows),
     ]
     if worst:

@@ -14,17 +14,35 @@ from metronome.model.llama import LlamaModel
 BANDWIDTH_BUFFER_BYTES = 1 << 30  # far beyond any cache
 
 
-def read_bandwidth_gbs(repeats: int = 5) -> float:
-    """Best-of-`repeats` read bandwidth in GB/s (1e9 bytes/s): a 1 GiB float32 tensor summed
-    on torch's threads (the same threads a step uses), after one untimed pass."""
-    data = torch.ones(BANDWIDTH_BUFFER_BYTES // 4, dtype=torch.float32)
-    data.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
+class BandwidthProbe:
+    """The box's read bandwidth, measured again whenever asked (a shared machine's neighbours
+    move it from one minute to the next: a step is compared with the floor of its own time).
+    Holds its 1 GiB buffer from the first measurement until `close`."""
+
+    def __init__(self) -> None:
+        self._data: torch.Tensor | None = None
+
+    def gbs(self, repeats: int = 5) -> float:
+        """Best-of-`repeats` read bandwidth in GB/s (1e9 bytes/s): the buffer, float32,
+        summed on torch's threads (the same threads a step uses), after one untimed pass."""
+        if self._data is None:
+            self._data = torch.ones(BANDWIDTH_BUFFER_BYTES // 4, dtype=torch.float32)
+        data = self._data
         data.sum()
-        best = min(best, time.perf_counter() - started)
-    return BANDWIDTH_BUFFER_BYTES / best / 1e9
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - started)
+        return BANDWIDTH_BUFFER_BYTES / best / 1e9
+
+    def close(self) -> None:
+        self._data = None
+
+
+def read_bandwidth_gbs(repeats: int = 5) -> float:
+    """Best-of-`repeats` read bandwidth in GB/s, measured once (`BandwidthProbe.gbs`)."""
+    return BandwidthProbe().gbs(repeats)
 
 
 def weight_bytes(model: LlamaModel) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from metronome.bench.engine.floor import BandwidthProbe
 from metronome.bench.engine.flops import linear_weights
 from metronome.bench.engine.profiling import profile_steps
 from metronome.bench.vllm.engines import native_engine, text_ids, vllm_engine
@@ -57,6 +58,7 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
              vllm_kind: SessionSpec(policy=ResidencyPolicy.unbounded(), stop_token_ids=())}
     sids = {name: [e.open_session(specs[name]) for _ in range(top)] for name, e in engines.items()}
     ids = text_ids(length * 2)
+    probe = BandwidthProbe()
     try:
         prefill_runs_s = _timed_prefills(cfg, engines, sids, specs, threads, length, ids, log)
         prefill_s = {name: statistics.median(runs) for name, runs in prefill_runs_s.items()}
@@ -67,12 +69,18 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
             log(f"  vLLM prefills the other {len(rest)} sessions (untimed)...")
             prefill(vllm, rest, length, ids)
         steps = {(name, n): [] for name in engines for n in sessions}
+        bandwidth = {n: [] for n in sessions}  # GB/s next to each of our rounds
         for rnd in range(cfg.repeats):
             order = (OURS, vllm_kind) if rnd % 2 == 0 else (vllm_kind, OURS)
             for n in sessions:
                 for name in order:
+                    if name == OURS:
+                        before = _bandwidth_gbs(probe, threads[OURS])
                     steps[(name, n)].append(decode_steps(engines[name], sids[name][:n],
                                                           cfg.decode_steps, threads[name]))
+                    if name == OURS:  # the better of just before and just after: the floor
+                        # it gives is the lower, the multiple the higher (never flattering)
+                        bandwidth[n].append(max(before, _bandwidth_gbs(probe, threads[OURS])))
                 line = "  ".join(f"{name} {statistics.median(steps[(name, n)][-1]):7.1f}"
                                  for name in (OURS, vllm_kind))
                 log(f"  round {rnd + 1}/{cfg.repeats} N={n:3d}: ms/step {line}")
@@ -89,7 +97,8 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
                           "prefill_s": prefill_s[name], "prefill_runs_s": prefill_runs_s[name],
                           "prefill_sessions": cfg.prefill_sessions,
                           "torch_threads": set_threads(threads[name]),
-                          "vllm_start_s": vllm_start_s})
+                          "vllm_start_s": vllm_start_s}
+                         | ({"round_bandwidth_gbs": bandwidth[n]} if name == OURS else {}))
         if length == min(cfg.lengths):  # GEMMs do not depend on L: measure them once per N
             for cell in cells:
                 if cell["system"] == OURS:
@@ -97,9 +106,15 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
                                                    model, threads[OURS])
         return cells
     finally:
+        probe.close()
         vllm.shutdown()
         for sid in sids[OURS]:
             ours.close(sid)
+
+
+def _bandwidth_gbs(probe: BandwidthProbe, threads: int) -> float:
+    set_threads(threads)
+    return probe.gbs(repeats=3)
 
 
 def _timed_prefills(cfg, engines: dict, sids: dict, specs: dict, threads: dict, length: int,
