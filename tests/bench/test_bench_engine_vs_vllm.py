@@ -77,6 +77,18 @@ def test_a_probe_measures_again_on_its_one_buffer():
     assert probe._data is None
 
 
+def test_a_probe_of_given_tensors_reads_their_bytes_as_words():
+    bf16 = torch.ones(1000, 1000, dtype=torch.bfloat16)
+    odd = torch.ones(3, dtype=torch.bfloat16)  # 6 bytes: not a whole number of words
+    probe = engine_vs_vllm_floor.BandwidthProbe([bf16, odd])
+    words, kept = probe._tensors
+    assert words.dtype == torch.float32 and words.numel() == 500_000
+    assert words.data_ptr() == bf16.data_ptr()  # a view: the same pages, not a copy
+    assert kept is odd
+    assert 0.1 < probe.gbs(repeats=1) < 10_000
+    assert probe._data is None  # no buffer of its own
+
+
 def test_read_bandwidth_is_a_plausible_rate():
     assert 0.1 < read_bandwidth_gbs(repeats=1) < 10_000
 

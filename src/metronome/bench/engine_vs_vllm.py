@@ -299,8 +299,10 @@ def report(result: dict) -> str:
         + (f"Memory floor of a decode step: the weights read once plus the resident KV read "
            "once at the measured read bandwidth (a 1 GiB sum on torch's threads: "
            f"{result['read_bandwidth_gbs']:.1f} GB/s at the run's start; " + (
-               "measured again just before and just after each of our rounds, the better of "
-               "the two taken: each round's median step is divided by the floor of its own "
+               "then, for the floor, measured again just before and just after each of our "
+               "rounds by reading the step's own weights, every projection and lm_head, as "
+               "float32 words: a pure read of the very pages the step reads, the better of "
+               "the two taken; each round's median step is divided by the floor of its own "
                "time, and the multiple is the median over the rounds)."
                if _has_round_bandwidth(result) else "once for the run).")
            if "read_bandwidth_gbs" in result else ""), "",

@@ -58,7 +58,7 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
              vllm_kind: SessionSpec(policy=ResidencyPolicy.unbounded(), stop_token_ids=())}
     sids = {name: [e.open_session(specs[name]) for _ in range(top)] for name, e in engines.items()}
     ids = text_ids(length * 2)
-    probe = BandwidthProbe()
+    probe = BandwidthProbe(linear_weights(model))  # the step's own weights
     try:
         prefill_runs_s = _timed_prefills(cfg, engines, sids, specs, threads, length, ids, log)
         prefill_s = {name: statistics.median(runs) for name, runs in prefill_runs_s.items()}
