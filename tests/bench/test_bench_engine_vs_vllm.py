@@ -60,6 +60,8 @@ def test_a_step_is_compared_with_the_floor_of_its_own_rounds_bandwidth():
         [10.0 / floors[0], 20.0 / floors[1], 40.0 / floors[2]])
     assert cell["floor_multiple"] == pytest.approx(10.0 / floors[0])  # all equal: 4x apart
     assert cell["floor_ms"] == pytest.approx(floors[1])  # at the median bandwidth
+    assert cell["run_floor_multiple"] == pytest.approx(
+        20.0 / decode_floor_ms(model, 8, 64, 100.0))  # shown beside: the run's one reading
     assert "rounds" in engine_vs_vllm.decode_lines([{
         "pair": SLIDING, "sessions": 8, "context_tokens": 1000, "speed_ratio": 1.5,
         "min_ratio": 1.4, "ours": cell | {"decode_tokens_per_s": 400.0},
