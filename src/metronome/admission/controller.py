@@ -147,7 +147,8 @@ class AdmissionController:
         if not self_paced:
             return None, False
         paced_tokens = sum(self._work_tokens[sid] for sid in self_paced)
-        share = paced_tokens / self._work_tokens.total()
+        total_tokens = self._work_tokens.total()
+        share = paced_tokens / total_tokens
         others = len(working) - len(self_paced)
         if not others:  # every working session sends large input: no one's disproportion
             return share, False
@@ -155,7 +156,7 @@ class AdmissionController:
         # that bound reaches 1 at half the sessions, and 2 floods of 6 read 0.63-0.77 of the
         # work against a 0.67 bar, steered in one run and not in the next)
         paced_per_session = paced_tokens / len(self_paced)
-        other_per_session = (self._work_tokens.total() - paced_tokens) / others
+        other_per_session = (total_tokens - paced_tokens) / others
         return share, paced_per_session > self.steered_work_factor * other_per_session
 
     def end_interval(self, now_s: float) -> int:

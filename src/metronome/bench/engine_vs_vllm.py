@@ -141,9 +141,10 @@ def _add_floor(cells: list[dict], model, cfg: Config, bandwidth_gbs: float) -> N
 
         rounds_gbs = cell.get("round_bandwidth_gbs")
         # at the run's one bandwidth (a 1 GiB buffer read at the start): shown beside
-        cell["run_floor_multiple"] = cell["step_ms_median"] / floor_ms(bandwidth_gbs)
+        run_floor_ms = floor_ms(bandwidth_gbs)
+        cell["run_floor_multiple"] = cell["step_ms_median"] / run_floor_ms
         if not rounds_gbs:
-            cell["floor_ms"] = floor_ms(bandwidth_gbs)
+            cell["floor_ms"] = run_floor_ms
             cell["floor_multiple"] = cell["run_floor_multiple"]
             continue
         multiples = [step / floor_ms(gbs) for step, gbs

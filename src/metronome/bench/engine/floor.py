@@ -15,40 +15,28 @@ BANDWIDTH_BUFFER_BYTES = 1 << 30  # far beyond any cache
 
 
 class BandwidthProbe:
-    """The box's read bandwidth, measured again whenever asked (a shared machine's neighbours
-    move it from one minute to the next: a step is compared with the floor of its own time).
+    """The read bandwidth of `tensors`, measured again whenever asked (a shared machine's
+    neighbours move it from one minute to the next: a step is compared with the floor of its
+    own time). Given a step's own weights it reads the very pages the step reads: on this
+    project's VMs a fresh 1 GiB buffer read anywhere from 30 to 63 GB/s in one minute, by
+    where its pages landed, while the weights read at 27-31. Each tensor is summed as float32
+    words where its bytes allow (a pure read: a bf16 sum converts every element)."""
 
-    Reads `tensors` (a step's own weights: the same pages the step reads; on this project's
-    VMs a fresh 1 GiB buffer read anywhere from 30 to 63 GB/s in one minute, by where its
-    pages landed, while the weights read at 27-31), or else a 1 GiB float32 buffer held from
-    the first measurement until `close`. Each tensor is summed as float32 words where its
-    bytes allow (a pure read: a bf16 sum converts every element)."""
-
-    def __init__(self, tensors: list[torch.Tensor] | None = None) -> None:
-        self._tensors = None if tensors is None else [_as_words(t) for t in tensors]
-        self._data: torch.Tensor | None = None
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = [_as_words(t) for t in tensors]
 
     def gbs(self, repeats: int = 5) -> float:
         """Best-of-`repeats` read bandwidth in GB/s (1e9 bytes/s), summed on torch's threads
         (the same threads a step uses), after one untimed pass."""
-        tensors = self._tensors
-        if tensors is None:
-            if self._data is None:
-                self._data = torch.ones(BANDWIDTH_BUFFER_BYTES // 4, dtype=torch.float32)
-            tensors = [self._data]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in self._tensors)
         best = float("inf")
         for attempt in range(repeats + 1):
             started = time.perf_counter()
-            for t in tensors:
+            for t in self._tensors:
                 t.sum()
             if attempt:  # the first pass is untimed
                 best = min(best, time.perf_counter() - started)
         return nbytes / best / 1e9
-
-    def close(self) -> None:
-        self._data = None
-        self._tensors = None
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
@@ -61,8 +49,9 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
 
 
 def read_bandwidth_gbs(repeats: int = 5) -> float:
-    """Best-of-`repeats` read bandwidth in GB/s, measured once (`BandwidthProbe.gbs`)."""
-    return BandwidthProbe().gbs(repeats)
+    """Best-of-`repeats` read bandwidth in GB/s of a fresh 1 GiB float32 buffer (the box's,
+    measured once: `BandwidthProbe.gbs`)."""
+    return BandwidthProbe([torch.ones(BANDWIDTH_BUFFER_BYTES // 4)]).gbs(repeats)
 
 
 def weight_bytes(model: LlamaModel) -> int:

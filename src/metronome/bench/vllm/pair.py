@@ -106,7 +106,6 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
                                                    model, threads[OURS])
         return cells
     finally:
-        probe.close()
         vllm.shutdown()
         for sid in sids[OURS]:
             ours.close(sid)
