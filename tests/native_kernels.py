@@ -1,4 +1,5 @@
-"""The AVX512-BF16 kernels' test modules load them through one helper."""
+"""The native kernels' test modules load the ones that need particular instructions through
+these helpers (AVX512-BF16 for bf16, AVX2 with FMA for the float32 few-row kernel)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import os
 import pytest
 
 
-def bf16_kernel(extension, what: str, without_bf16: str):
-    """`extension`'s module; the test is skipped when native kernels are disabled or the CPU
-    has no AVX512-BF16 (`without_bf16` says what runs instead), and fails when the kernel
-    does not build."""
+def _kernel(extension, what: str, available: str, isa: str, without: str):
+    """`extension`'s module; the test is skipped when native kernels are disabled or the
+    module's `available` check says the CPU lacks `isa` (`without` says what runs instead),
+    and fails when the kernel does not build."""
     from metronome.model import native
 
     module = extension.module()
@@ -18,6 +19,16 @@ def bf16_kernel(extension, what: str, without_bf16: str):
         if os.environ.get(native.DISABLE_ENV) == "0":
             pytest.skip(extension.reason())
         pytest.fail(f"the {what} did not build: {extension.reason()}")
-    if not module.available():
-        pytest.skip(f"this CPU has no AVX512-BF16: {without_bf16}")
+    if not getattr(module, available)():
+        pytest.skip(f"this CPU has no {isa}: {without}")
     return module
+
+
+def bf16_kernel(extension, what: str, without_bf16: str):
+    """`extension`'s bf16 kernel (its `available()`), on AVX512-BF16 CPUs."""
+    return _kernel(extension, what, "available", "AVX512-BF16", without_bf16)
+
+
+def float32_kernel(extension, what: str, without: str):
+    """`extension`'s float32 kernel (its `float32_available()`), on AVX2 CPUs with FMA."""
+    return _kernel(extension, what, "float32_available", "AVX2 with FMA", without)

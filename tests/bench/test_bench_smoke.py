@@ -9,6 +9,7 @@ before torch loads), so it runs in this process like any bench.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -78,3 +79,23 @@ def test_bench_engine_paths_smoke(tmp_path):
     assert [r["step_ms_median"] for r in saved] == [r["step_ms_median"] for r in res["rows"]]
     assert "## Step time" in md.read_text()
     assert res["provenance"]["dtype"] in {"float32", "bfloat16"}
+
+
+def test_bench_engine_paths_compares_the_few_row_kernel_alone(tmp_path):
+    """`--paths fast-onednn --paths fast`: the same fast path with and without the few-row
+    projection kernel, the first the baseline; unknown or single paths are refused."""
+    from metronome.model import native
+    from metronome.model.dtypes import resolve_dtype
+
+    md, js = tmp_path / "few.md", tmp_path / "few.json"
+    cfg = replace(engine_paths.Config.smoke(), policies=("sinks_window:4:32",),
+                  paths=("fast-onednn", "fast"))
+    res = execute(engine_paths, RunContext(engine_paths.NAME, js), cfg)
+    assert [r["path"] for r in res["rows"]] == ["fast-onednn", "fast"]
+    described = res["provenance"]["engine_path"].split(" vs ")
+    kernel = native.small_linear(resolve_dtype("auto")) is not None
+    assert [("few-row kernel" in d) for d in described] == [False, kernel]
+    assert "speed-up of fast over fast-onednn" in md.read_text()
+    for bad in (("fast",), ("fast", "fast"), ("fast", "turbo")):
+        with pytest.raises(ValueError, match="paths"):
+            replace(cfg, paths=bad)

@@ -1,9 +1,9 @@
-"""The few-row projection kernel (`csrc/small_linear.cpp`) against float32 products of the
-same bf16 operands: row counts 1-8 (each micro-tile size) and past them (tiles of 8 and a
-rest), an odd number of outputs (the last weight row alone), K not a multiple of 32 (the
-masked tail), a bias; each row's result does not depend on the rows beside it; and
-`Projection` sends a packed bf16 product of at most `SMALL_ROWS_MAX` rows to it, more rows
-to oneDNN, and the reference to `F.linear`."""
+"""The few-row projection kernel (`csrc/small_linear.cpp`) against exact products of the same
+operands, in bf16 (AVX512-BF16) and float32 (AVX2 with FMA): row counts 1-8 (each micro-tile
+size) and past them (whole tiles and a rest), an odd number of outputs (the last weight row
+alone), K not a multiple of the vector width (the masked tail), a bias; each row's result
+does not depend on the rows beside it; and `Projection` sends a packed product of at most
+`SMALL_ROWS_MAX` rows to it, more rows to oneDNN, and the reference to `F.linear`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from metronome.model import linear
 from metronome.model.linear import SMALL_ROWS_MAX, Projection
-from tests.native_kernels import bf16_kernel
+from tests.native_kernels import bf16_kernel, float32_kernel
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,65 @@ def test_projection_chooses_by_rows(small, monkeypatch):
         torch.testing.assert_close(packed(x[:rows]).float(), _exact(x[:rows], w, b).float(),
                                    rtol=2**-7, atol=1e-2)
     assert calls == [1, SMALL_ROWS_MAX]  # past SMALL_ROWS_MAX: oneDNN
-    assert Projection(w.float(), None, packed=True).small is None  # bf16 only
     reference = Projection(w, b, packed=False)
     assert reference.small is None
     assert torch.equal(reference(x[:2]), F.linear(x[:2], w, b))
     assert linear.SMALL_ROWS_MAX >= 1
+
+
+@pytest.fixture(scope="module")
+def small_f32():
+    from metronome.model import native
+
+    return float32_kernel(native.SMALL_LINEAR, "few-row projection kernel",
+                          "float32 projections run on oneDNN")
+
+
+def _operands_f32(rows: int, n: int, k: int, seed: int):
+    return tuple(t.float() for t in _operands(rows, n, k, seed))
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 576), (33, 576), (96, 100), (7, 5), (1536, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+def test_float32_matches_exact_products(small_f32, rows, n, k):
+    x, w, b = _operands_f32(rows, n, k, seed=rows * 1000 + n + k)
+    for bias in (None, b):
+        got = small_f32.small_linear(x, w, bias)
+        want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        # float32 sums in another order than the exact one: a few ulp of the terms' size
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_float32_row_does_not_depend_on_the_rows_beside_it(small_f32):
+    x, w, _ = _operands_f32(13, 96, 576, seed=8)
+    alone = torch.cat([small_f32.small_linear(x[i:i + 1].contiguous(), w) for i in range(13)])
+    assert torch.equal(small_f32.small_linear(x, w), alone)
+
+
+def test_mixed_dtypes_are_refused(small_f32):
+    x, w, b = _operands_f32(2, 8, 64, seed=1)
+    with pytest.raises(RuntimeError, match="both be bfloat16 or both float32"):
+        small_f32.small_linear(x, w.bfloat16())
+    with pytest.raises(RuntimeError, match="bias"):
+        small_f32.small_linear(x, w, b.bfloat16())
+
+
+def test_float32_projection_chooses_by_rows(small_f32, monkeypatch):
+    x, w, b = _operands_f32(SMALL_ROWS_MAX + 4, 96, 576, seed=3)
+    packed = Projection(w, b, packed=True)
+    assert packed.small is not None
+    calls = []
+
+    class Spy:
+        def small_linear(self, *args):
+            calls.append(args[0].shape[0])
+            return small_f32.small_linear(*args)
+
+    monkeypatch.setattr(packed, "small", Spy())
+    for rows in (1, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1):
+        torch.testing.assert_close(packed(x[:rows]), F.linear(x[:rows], w, b), rtol=1e-5,
+                                   atol=1e-5)
+    assert calls == [1, SMALL_ROWS_MAX]  # past SMALL_ROWS_MAX: oneDNN
+    assert packed(x[:2].bfloat16().float()).dtype == torch.float32
+    assert Projection(w, b, packed=False).small is None

@@ -1,10 +1,14 @@
 """`metronome bench engine-paths`: the engine's fast path against its reference path, side
 by side: before and after the paged kernel and the prepacked projections.
 
-Fast = the defaults (paged-attention kernel for decode, oneDNN on prepacked weights);
-reference = dense attention (gather + padded, masked SDPA) and `F.linear`, the engine as it
-was before. For each N x L and each policy (unbounded, sinks 4 + window 512) both run the
-same decode step (N sessions of L tokens of synthetic history, `metronome bench engine`'s
+Fast = the defaults (paged-attention kernel for decode, oneDNN on prepacked weights, the
+few-row projection kernel for steps of at most 8 rows where it applies); reference = dense
+attention (gather + padded, masked SDPA) and `F.linear`, the engine as it was before;
+fast-onednn = fast without the few-row kernel (`--paths fast-onednn --paths fast` measures
+that kernel alone). The first path given is the baseline of the speed-ups.
+
+For each N x L and each policy (unbounded, sinks 4 + window 512) every path runs the same
+decode step (N sessions of L tokens of synthetic history, `metronome bench engine`'s
 workload) interleaved round-robin; then one profiled step each (aten calls per step, share of
 time in GEMMs, attention, copies, other aten, outside aten). Model: the bundled SmolLM2,
 dtype auto (recorded as resolved).
@@ -19,7 +23,7 @@ from metronome.results.provenance import describe
 from metronome.results.tables import md_table, ratio
 
 NAME = "engine-paths"
-PATHS = ("reference", "fast")
+PATHS = ("reference", "fast", "fast-onednn")  # the paths this bench can run
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,14 @@ class Config:
         "help": "cells with N x L over this are skipped (memory, time)"})
     repeats: int = field(default=6, metadata={"help": "timed steps per path and cell"})
     warmup_steps: int = field(default=2, metadata={"help": "untimed steps before timing"})
+    paths: tuple[str, ...] = field(default=("reference", "fast"), metadata={
+        "help": f"engine paths to compare, the first the baseline (of {', '.join(PATHS)})"})
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.paths if p not in PATHS]
+        if unknown or len(set(self.paths)) < 2 or len(set(self.paths)) != len(self.paths):
+            raise ValueError(f"paths: two or more distinct of {', '.join(PATHS)}, got "
+                             f"{', '.join(self.paths) or 'none'}")
 
     @classmethod
     def smoke(cls) -> Config:
@@ -43,7 +55,6 @@ class Config:
 
 def run(ctx: RunContext, cfg: Config) -> dict:
     from metronome.bench.engine.facts import BUNDLED_MODEL, dtype_name, engine_path
-    from metronome.bench.engine.ours import OursRun
     from metronome.bench.engine.plan import Config as EngineConfig
     from metronome.bench.engine.timing import time_interleaved
     from metronome.kv.residency import ResidencyPolicy
@@ -51,9 +62,12 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     from metronome.model.weights import load_model
 
     dtype = resolve_dtype("auto")
-    models = {path: load_model("bundled", dtype) for path in PATHS}
+    paths = cfg.paths
+    models = {path: load_model("bundled", dtype) for path in paths}
+    for path in paths:  # what each path runs with, set up as OursRun will
+        models[path].use_packed_linear(path != "reference", few_rows=path == "fast")
     ctx.record(model=BUNDLED_MODEL, dtype=dtype_name(dtype),
-               engine_path=" vs ".join(engine_path(p, models[p]) for p in PATHS))
+               engine_path=" vs ".join(engine_path(p, models[p]) for p in paths))
     # the engine bench's workload (OursRun) at this bench's repeats
     plan = replace(EngineConfig(), repeats=cfg.repeats, warmup_steps=cfg.warmup_steps)
     cells = [(length, n, spec) for length in cfg.lengths for n in cfg.sessions
@@ -62,8 +76,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     with ctx.progress("cells", len(cells)) as advance:
         for length, n, spec in cells:
             policy = ResidencyPolicy.parse(spec)
-            runs = {path: OursRun(models[path], policy, n, length, plan, engine_path=path)
-                    for path in PATHS}
+            runs = {path: _run(models[path], policy, n, length, plan, path) for path in paths}
             try:
                 timed = time_interleaved({p: r.step for p, r in runs.items()},
                                          plan.warmup_steps, cfg.repeats)
@@ -71,7 +84,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             finally:
                 for r in runs.values():
                     r.close()
-            for path in PATHS:
+            for path in paths:
                 rows.append({"path": path, "policy": spec, "sessions": n,
                              "context_tokens": length,
                              "step_ms_median": timed[path]["step_ms_median"],
@@ -79,11 +92,25 @@ def run(ctx: RunContext, cfg: Config) -> dict:
                              "tokens_per_s": n / timed[path]["step_ms_median"] * 1e3,
                              "profile": profiles[path]})
             ctx.keep("rows", rows)
-            ref, fast = (timed[p]["step_ms_median"] for p in PATHS)
-            ctx.log(f"{spec} N={n} L={length}: reference {ref:.1f} ms, fast {fast:.1f} ms "
-                    f"({ref / fast:.2f}x)")
+            base = timed[paths[0]]["step_ms_median"]
+            ctx.log(f"{spec} N={n} L={length}: " + ", ".join(
+                f"{p} {timed[p]['step_ms_median']:.1f} ms"
+                + ("" if p == paths[0] else f" ({base / timed[p]['step_ms_median']:.2f}x)")
+                for p in paths))
             advance()
     return {"config": asdict(cfg), "rows": rows}
+
+
+def _run(model, policy, n: int, length: int, plan, path: str):
+    """The engine bench's workload on `path`: "fast-onednn" is the fast path with the few-row
+    projection kernel turned off after OursRun has set the fast path up."""
+    from metronome.bench.engine.ours import OursRun
+
+    run = OursRun(model, policy, n, length, plan,
+                  engine_path="fast" if path == "fast-onednn" else path)
+    if path == "fast-onednn":
+        model.use_packed_linear(True, few_rows=False)
+    return run
 
 
 def _pct(share: float) -> str:
@@ -92,18 +119,19 @@ def _pct(share: float) -> str:
 
 def report(result: dict) -> str:
     cfg, rows = result["config"], result["rows"]
+    paths = cfg.get("paths", ("reference", "fast"))
     by = {(r["path"], r["policy"], r["sessions"], r["context_tokens"]): r for r in rows}
     keys = sorted({k[1:] for k in by}, key=lambda k: (k[0], k[2], k[1]))
     step_rows = []
     for policy, n, length in keys:
-        ref, fast = by[("reference", policy, n, length)], by[("fast", policy, n, length)]
-        step_rows.append([policy, n, f"{length:,}",
-                          f"{ref['step_ms_median']:.1f} / {ref['step_ms_min']:.1f}",
-                          f"{fast['step_ms_median']:.1f} / {fast['step_ms_min']:.1f}",
-                          f"**{ratio(ref['step_ms_median'], fast['step_ms_median'])}**"])
+        cell = [by[(path, policy, n, length)] for path in paths]
+        step_rows.append([policy, n, f"{length:,}"]
+                         + [f"{c['step_ms_median']:.1f} / {c['step_ms_min']:.1f}" for c in cell]
+                         + [f"**{ratio(cell[0]['step_ms_median'], c['step_ms_median'])}**"
+                            for c in cell[1:]])
     profile_rows = []
     for policy, n, length in keys:
-        for path in PATHS:
+        for path in paths:
             p = by[(path, policy, n, length)]["profile"]
             s = p["share_of_wall"]
             profile_rows.append([policy, n, f"{length:,}", path, f"{p['wall_ms']:.0f}",
@@ -111,19 +139,20 @@ def report(result: dict) -> str:
                                  _pct(s["attention"]), _pct(s["copy_gather"]),
                                  _pct(s["other_aten"]), _pct(p["outside_aten_share"])])
     lines = [
-        f"# The engine's fast path vs its reference path (`{result['command']}`)", "",
+        f"# The engine's paths side by side: {' vs '.join(paths)} (`{result['command']}`)", "",
         f"Written by the command in {result['elapsed_s'] / 60:.0f} min; do not edit by hand.",
         "", describe(result["provenance"]), "",
         "**Workload**: one decode step of N sessions of L tokens each (synthetic history, "
         "random K/V: `metronome bench engine`'s workload), block size 16. Reference = dense "
         "attention (gather every session's blocks into a scratch, pad, masked SDPA) and "
-        "`F.linear`, the engine before its fast path; fast = the paged-attention kernel and "
-        f"oneDNN on prepacked weights. Both interleaved round-robin, {cfg['repeats']} timed "
-        f"steps each after {cfg['warmup_steps']} warm-up steps; then one profiled step pair "
-        "each.", "",
+        "`F.linear`, the engine before its fast path; fast = the paged-attention kernel, "
+        "oneDNN on prepacked weights and the few-row projection kernel for steps of at most 8 "
+        "rows where it applies; fast-onednn = fast without the few-row kernel. All "
+        f"interleaved round-robin, {cfg['repeats']} timed steps each after "
+        f"{cfg['warmup_steps']} warm-up steps; then one profiled step each.", "",
         "## Step time", "",
-        md_table(["policy", "N", "L", "reference ms (median / min)", "fast ms (median / min)",
-                  "speed-up"], step_rows), "",
+        md_table(["policy", "N", "L"] + [f"{p} ms (median / min)" for p in paths]
+                 + [f"speed-up of {p} over {paths[0]}" for p in paths[1:]], step_rows), "",
         "## Where a step goes (one profiled step)", "",
         md_table(["policy", "N", "L", "path", "profiled ms", "aten calls/step", "matmul",
                   "attention", "copies/gathers", "other aten", "outside aten"], profile_rows),

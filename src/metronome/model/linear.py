@@ -4,9 +4,10 @@ torch's `F.linear` hands the weight to BLAS as it lies, and BLAS re-blocks it on
 for the few-row products of a decode step that re-blocking is a large share of the time.
 oneDNN's linear with a weight reordered once into its own blocked layout skips it: 1.3-2x
 faster per projection on this project's CPU machines, for the same products within float
-rounding. With at most `SMALL_ROWS_MAX` rows in bf16 on an AVX512-BF16 CPU the product runs
-on the plain weight in `native.small_linear` instead (a decode step of a few sessions is a
-pass over the weights: 1.2-1.5x faster than oneDNN's there, no faster from 16 rows).
+rounding. With at most `SMALL_ROWS_MAX` rows the product runs on the plain weight in
+`native.small_linear` instead, in bf16 on an AVX512-BF16 CPU and in float32 on an AVX2 one
+with FMA (a decode step of a few sessions is a pass over the weights: 1.2-1.5x faster than
+oneDNN's there in bf16, 1.1-1.25x in float32 on an AVX2 Zen 3; no faster from 16 rows).
 `Projection` is the one place that choice is made; `F.linear` on the plain weight
 (`packed=False`) stays as the reference.
 """
@@ -21,7 +22,7 @@ from metronome.model.spans import in_span
 # oneDNN picks its blocking for this many rows; any row count works (measured: 64 is best
 # from 1 to 256 rows for SmolLM2's shapes; a 1-row hint is 1.3x slower at 8-64 rows).
 PACK_ROWS_HINT = 64
-SMALL_ROWS_MAX = 8  # rows up to which a packed bf16 projection runs `native.small_linear`
+SMALL_ROWS_MAX = 8  # rows up to which a packed projection runs `native.small_linear`
 SMALL_LINEAR_EVENT = "metronome::small_linear"  # its span under torch.profiler (not an aten op)
 
 
@@ -42,24 +43,27 @@ def packing_supported(dtype: torch.dtype) -> bool:
 class Projection:
     """y = x @ weight.T (+ bias) for 2-D x: prepacked oneDNN, or `F.linear` as reference."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool,
+                 few_rows: bool = True) -> None:
+        """`packed`: oneDNN on prepacked weights (else `F.linear`, the reference); with it,
+        `few_rows`: the few-row kernel where it applies (False: oneDNN at every row count)."""
         self.weight, self.bias = weight, bias
         self.packed = None
         self.small = None  # the few-row kernel module, where it applies
         if packed:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
                                                                    PACK_ROWS_HINT)
-            if weight.dtype == torch.bfloat16 and weight.is_contiguous() and (
-                    bias is None or bias.dtype == torch.bfloat16 and bias.is_contiguous()):
+            if few_rows and weight.is_contiguous() and (
+                    bias is None or bias.dtype == weight.dtype and bias.is_contiguous()):
                 from metronome.model import native
 
-                self.small = native.small_linear()
+                self.small = native.small_linear(weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
         if (self.small is not None and x.shape[0] <= SMALL_ROWS_MAX and x.is_contiguous()
-                and x.dtype == torch.bfloat16):
+                and x.dtype == self.weight.dtype):
             return in_span(SMALL_LINEAR_EVENT, self.small.small_linear, x, self.weight, self.bias)
         return self.onednn(x)
 

@@ -78,18 +78,18 @@ class LlamaModel:
         self.use_fused_ops(True)
         self.use_prefill_kernel(True)
 
-    def use_packed_linear(self, enabled: bool) -> None:
-        """Run the projections as prepacked oneDNN products (`model.linear`), or as plain
+    def use_packed_linear(self, enabled: bool, few_rows: bool = True) -> None:
+        """Run the projections as prepacked oneDNN products (`model.linear`), with the few-row
+        kernel for decode steps where it applies unless `few_rows` is False, or as plain
         `F.linear` on the weights (the reference); the weights themselves stay as loaded."""
         self.packed_linear = enabled
         self.projections = [
-            _LayerProjections(Projection(w.qkv, w.qkv_bias, enabled),
-                              Projection(w.o, None, enabled),
-                              Projection(w.gate_up, None, enabled),
-                              Projection(w.down, None, enabled))
+            _LayerProjections(*(Projection(weight, bias, enabled, few_rows) for weight, bias in
+                                ((w.qkv, w.qkv_bias), (w.o, None), (w.gate_up, None),
+                                 (w.down, None))))
             for w in self.layers
         ]
-        self.lm_head_projection = Projection(self.lm_head, None, enabled)
+        self.lm_head_projection = Projection(self.lm_head, None, enabled, few_rows)
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Run RMSNorm (with the residual add), SiLU-and-multiply and RoPE as the fused kernels

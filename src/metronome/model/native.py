@@ -1,8 +1,8 @@
 """The compiled kernels: paged attention (`csrc/paged_attention.cpp`), the fused elementwise
 ops of the forward pass (`csrc/fused_ops.cpp`), the attention probabilities of long dense
-chunks (`csrc/prefill_attention.cpp`) and the few-row projections of decode steps
-(`csrc/small_linear.cpp`), the last two on AVX512-BF16 CPUs. Each is built on first use
-and cached.
+chunks (`csrc/prefill_attention.cpp`, on AVX512-BF16 CPUs) and the few-row projections of
+decode steps (`csrc/small_linear.cpp`: bf16 on AVX512-BF16, float32 on AVX2 with FMA). Each
+is built on first use and cached.
 
 `kernel()` returns the loaded extension, or None when it cannot be built here (no C++
 compiler, no ninja): then `unavailable_reason()` says why and the engine runs the dense
@@ -142,11 +142,18 @@ def prefill_attention():
     return module if module is not None and module.available() else None
 
 
-def small_linear():
-    """The few-row bf16 projection module (`small_linear`), or None where it cannot be built
-    or this CPU has no AVX512-BF16 (projections then run on oneDNN at every row count)."""
+def small_linear(dtype=None):
+    """The few-row projection module (`small_linear`) for `dtype` (bf16: on AVX512-BF16
+    CPUs; float32: on AVX2 with FMA; None: either), or None where it cannot be built or
+    this CPU lacks the instructions (projections then run on oneDNN at every row count)."""
+    import torch
+
     module = SMALL_LINEAR.module()
-    return module if module is not None and module.available() else None
+    if module is None:
+        return None
+    bf16, f32 = module.available(), module.float32_available()
+    usable = {torch.bfloat16: bf16, torch.float32: f32, None: bf16 or f32}.get(dtype, False)
+    return module if usable else None
 
 
 def main() -> int:
@@ -170,7 +177,7 @@ def main() -> int:
     else:
         print(f"metronome: prefill attention kernel ready ({PREFILL.build_dir()})")
     if small_linear() is None:
-        why = SMALL_LINEAR.reason() or "this CPU has no AVX512-BF16"
+        why = SMALL_LINEAR.reason() or "this CPU has neither AVX512-BF16 nor AVX2 with FMA"
         print(f"metronome: few-row projection kernel unavailable ({why}); projections use "
               "oneDNN", file=sys.stderr)
     else:

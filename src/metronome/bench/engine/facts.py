@@ -18,7 +18,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def engine_path(path: str, model: LlamaModel) -> str:
-    """`path` ("fast" or "reference") and what it ran with on this machine and `model`."""
+    """`path` ("fast", "reference", or a bench's own name for a variant of the fast one) and
+    what it ran with on this machine and `model`."""
     from metronome.model import native
 
     if path == "reference":
@@ -26,6 +27,8 @@ def engine_path(path: str, model: LlamaModel) -> str:
     attention = ("paged kernel" if native.kernel() is not None
                  else f"dense attention: {native.unavailable_reason()}")
     linear = "prepacked oneDNN projections" if model.packed_linear else "F.linear"
+    if model.packed_linear and model.lm_head_projection.small is not None:
+        linear += " (few-row kernel up to 8 rows)"
     elementwise = ("fused elementwise kernels" if model.fused is not None
                    else f"torch's elementwise ops ({native.FUSED.reason() or 'turned off'})")
-    return f"fast ({attention}, {linear}, {elementwise})"
+    return f"{path} ({attention}, {linear}, {elementwise})"

@@ -145,7 +145,7 @@ def gemm_peak_gflops(model, rows: int, repeats: int = 5) -> dict:
     `linear_weights`: the projections and lm_head), with F.linear on the plain weights and
     oneDNN on prepacked ones, all in a row (weights from memory, as in a step), best of
     `repeats` after one warm-up; and our few-row kernel where it applies (`small_linear`:
-    bf16, at most `SMALL_ROWS_MAX` rows, an AVX512-BF16 CPU)."""
+    at most `SMALL_ROWS_MAX` rows; bf16 on an AVX512-BF16 CPU, float32 on AVX2 with FMA)."""
     from metronome.model.linear import SMALL_ROWS_MAX, Projection
 
     weights = linear_weights(model)

@@ -1,14 +1,22 @@
-// y = x @ w.T (+ bias) in bfloat16 for the few rows of a decode step, on AVX512-BF16.
+// y = x @ w.T (+ bias) for the few rows of a decode step: bfloat16 on AVX512-BF16, float32 on
+// AVX2 with FMA.
 //
 // With a handful of rows a projection is a pass over its weight: 269 MB for the bundled
-// model's step. oneDNN's prepacked product (`model.linear`) reads it at ~19 GB/s at 8 rows
-// here; this kernel reads the plain row-major weight (which `Projection` keeps anyway) as a
-// stream, two weight rows at a time, and prefetches it 4 KiB ahead into L2: 1.2-1.5x faster
-// at 1-8 rows on this project's machines, no faster from 16 (measured by
-// `metronome bench engine`'s GEMM table). Each output is one float32 sum of exact bf16
-// products (`vdpbf16ps`) in the order of k, whatever the row count, rounded to bf16 once.
+// model's step in bf16, 538 MB in float32. oneDNN's prepacked product (`model.linear`) reads
+// it at ~19 GB/s at 8 rows in bf16 on an AVX512-BF16 host; this kernel reads the plain
+// row-major weight (which `Projection` keeps anyway) as a stream, a few weight rows at a time
+// (2 in bf16, 3 in float32), and prefetches it into L2. bf16: 1.2-1.5x faster than oneDNN at
+// 1-8 rows, no faster from 16 (measured by `metronome bench engine`'s GEMM table). float32 on
+// an AVX2 Zen 3: decode steps of 1-8 bounded sessions 1.05-1.2x faster, the projections alone
+// from memory 1.05-1.25x, slower than oneDNN at 16 rows.
 //
-// Layout: x (M, K) and w (N, K) contiguous bf16; bias (N,) bf16 or none; returns (M, N).
+// bf16: each output is one float32 sum of exact bf16 products (`vdpbf16ps`) in the order of k,
+// rounded to bf16 once. float32: eight float32 partial sums per output (lane l: k = l mod 8,
+// in the order of k), added at the end. Either way a row's result does not depend on the
+// rows beside it or on their number.
+//
+// Layout: x (M, K) and w (N, K) contiguous, both bf16 or both float32; bias (N,) of their
+// dtype or none; returns (M, N).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -23,7 +31,12 @@
 namespace {
 
 constexpr int kRowTile = 8;  // rows of x per micro-tile: 2 x 8 accumulators
-constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the weight rows in use
+// How far ahead of the weight rows in use each group prefetches into L2. bf16 (AVX512-BF16
+// hosts): 4 KiB. float32 (measured on an AVX2 Zen 3, the model's projections from memory at 1
+// and 8 rows): the group's own rows, all their lines asked for at once before the loads,
+// 1.03-1.15x faster than 2-14 KiB ahead and ~1.15x faster than no prefetch.
+constexpr int64_t kPrefetchBytesBf16 = 4096;
+constexpr int64_t kPrefetchBytesF32 = 0;
 
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
@@ -66,58 +79,158 @@ constexpr TileFn kTiles[kRowTile + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, ti
 constexpr bool kAvailable = false;
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kFloat32Available = true;
+// rows of x per float32 micro-tile, against 3 weight rows: 12 accumulators, 3 weight vectors
+// and one row of x fill AVX2's 16 registers, and 12 independent FMA chains cover Zen 3's two
+// FMA pipes' latency (4 x 2 accumulators, 8 chains, ran the in-cache product at half the FMA
+// peak: 1.2x slower at 8 rows)
+constexpr int kRowTileF32 = 4;
+
+// 8 vectors -> one whose lane i is the sum of v[i]'s lanes
+inline __m256 fold8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// 4 vectors -> one whose lane i is the sum of v[i]'s lanes
+inline __m128 fold4(const __m256* v) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// Rows [0, MT) of x against weight rows w[0..2]: out[3m + j] = x[m] . w_j (float32).
+template <int MT>
+__attribute__((noinline)) void tile_f32(const float* x, const float* const* w, int64_t K,
+                                        float* out) {
+  __m256 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_setzero_ps();
+  const float *w0 = w[0], *w1 = w[1], *w2 = w[2];
+  const int64_t whole = K / 8 * 8;
+  for (int64_t k = 0; k < whole; k += 8) {
+    const __m256 a = _mm256_loadu_ps(w0 + k);
+    const __m256 b = _mm256_loadu_ps(w1 + k);
+    const __m256 c = _mm256_loadu_ps(w2 + k);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xm = _mm256_loadu_ps(x + m * K + k);
+      acc[3 * m] = _mm256_fmadd_ps(xm, a, acc[3 * m]);
+      acc[3 * m + 1] = _mm256_fmadd_ps(xm, b, acc[3 * m + 1]);
+      acc[3 * m + 2] = _mm256_fmadd_ps(xm, c, acc[3 * m + 2]);
+    }
+  }
+  if (whole < K) {  // the last K % 8 (zeros past the end add nothing)
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(K - whole)), lanes);
+    const __m256 a = _mm256_maskload_ps(w0 + whole, mask);
+    const __m256 b = _mm256_maskload_ps(w1 + whole, mask);
+    const __m256 c = _mm256_maskload_ps(w2 + whole, mask);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xm = _mm256_maskload_ps(x + m * K + whole, mask);
+      acc[3 * m] = _mm256_fmadd_ps(xm, a, acc[3 * m]);
+      acc[3 * m + 1] = _mm256_fmadd_ps(xm, b, acc[3 * m + 1]);
+      acc[3 * m + 2] = _mm256_fmadd_ps(xm, c, acc[3 * m + 2]);
+    }
+  }
+  _mm256_storeu_ps(out, fold8(acc));
+  _mm_storeu_ps(out + 8, fold4(acc + 8));
+}
+
+using TileF32Fn = void (*)(const float*, const float* const*, int64_t, float*);
+constexpr TileF32Fn kTilesF32[kRowTileF32 + 1] = {nullptr, tile_f32<1>, tile_f32<2>,
+                                                  tile_f32<3>, tile_f32<4>};
+#else
+constexpr bool kFloat32Available = false;
+#endif
+
+// The weight's rows `kGroup` at a time over the threads, each group prefetched
+// `prefetch_bytes` ahead and run through `tile(x_rows, group_rows, rows, sums)` for every
+// tile of rows of x (sums[kGroup * m + j]: row m of the tile against the group's row j). A
+// last group short of rows repeats its first row in their place, and their sums are dropped.
+template <typename T, int kTile, int kGroup, typename Tile>
+void over_weight_groups(const T* xp, const T* wp, const T* bp, T* yp, int64_t M, int64_t K,
+                        int64_t N, int64_t prefetch_bytes, Tile tile) {
+  const int64_t groups = (N + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kGroup * kTile];
+    const T* rows_of[kGroup];
+    float bias_of[kGroup];
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t n0 = kGroup * group;
+      const int real = static_cast<int>(std::min<int64_t>(kGroup, N - n0));
+      for (int j = 0; j < kGroup; ++j) {
+        rows_of[j] = wp + (n0 + (j < real ? j : 0)) * K;
+        bias_of[j] = bp != nullptr && j < real ? static_cast<float>(bp[n0 + j]) : 0.f;
+      }
+      const char* ahead = reinterpret_cast<const char*>(rows_of[0]) + prefetch_bytes;
+      for (int64_t off = 0; off < kGroup * K * static_cast<int64_t>(sizeof(T)); off += 64)
+        __builtin_prefetch(ahead + off, 0, 1);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+        tile(xp + m0 * K, rows_of, rows, sums);
+        for (int m = 0; m < rows; ++m)
+          for (int j = 0; j < real; ++j)
+            yp[(m0 + m) * N + n0 + j] = static_cast<T>(sums[kGroup * m + j] + bias_of[j]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool available() { return kAvailable; }
 
+bool float32_available() { return kFloat32Available; }
+
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
                            const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(kAvailable, "this build has no AVX512-BF16 (projections use oneDNN)");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "small_linear: x (M, K) and w (N, K) expected");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "small_linear: x and w must be bfloat16");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(w.scalar_type() == dtype && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "small_linear: x and w must both be bfloat16 or both float32");
+  TORCH_CHECK(dtype == at::kFloat || kAvailable,
+              "this build has no AVX512-BF16 (bfloat16 projections use oneDNN)");
+  TORCH_CHECK(dtype == at::kBFloat16 || kFloat32Available,
+              "this build has no AVX2 with FMA (float32 projections use oneDNN)");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "small_linear: x and w must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kBFloat16,
-                "small_linear: bias must be contiguous bfloat16 (N,)");
+                    bias->scalar_type() == dtype,
+                "small_linear: bias must be contiguous (N,) of x's dtype");
   }
   torch::Tensor y = torch::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-  const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t pairs = (N + 1) / 2;  // weight rows two at a time (an odd N: the last alone)
-  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[16];
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t n0 = 2 * pair;
-      const bool both = n0 + 1 < N;
-      const at::BFloat16* w0 = wp + n0 * K;
-      const at::BFloat16* w1 = both ? w0 + K : w0;
-      const char* ahead = reinterpret_cast<const char*>(w0) + kPrefetchBytes;
-      for (int64_t off = 0; off < 2 * K * 2; off += 64) __builtin_prefetch(ahead + off, 0, 1);
-      const float b0 = bp != nullptr ? static_cast<float>(bp[n0]) : 0.f;
-      const float b1 = bp != nullptr && both ? static_cast<float>(bp[n0 + 1]) : 0.f;
-      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - m0));
-        kTiles[rows](xp + m0 * K, w0, w1, K, sums);
-        for (int m = 0; m < rows; ++m) {
-          yp[(m0 + m) * N + n0] = static_cast<at::BFloat16>(sums[2 * m] + b0);
-          if (both) yp[(m0 + m) * N + n0 + 1] = static_cast<at::BFloat16>(sums[2 * m + 1] + b1);
-        }
-      }
-    }
-  });
+  if (dtype == at::kBFloat16) {
+    using T = at::BFloat16;
+    over_weight_groups<T, kRowTile, 2>(
+        x.data_ptr<T>(), w.data_ptr<T>(), bias.has_value() ? bias->data_ptr<T>() : nullptr,
+        y.data_ptr<T>(), M, K, N, kPrefetchBytesBf16,
+        [K](const T* xs, const T* const* ws, int rows, float* sums) {
+          kTiles[rows](xs, ws[0], ws[1], K, sums);
+        });
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dtype == at::kFloat) {
+    over_weight_groups<float, kRowTileF32, 3>(
+        x.data_ptr<float>(), w.data_ptr<float>(),
+        bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N,
+        kPrefetchBytesF32, [K](const float* xs, const float* const* ws, int rows, float* sums) {
+          kTilesF32[rows](xs, ws, K, sums);
+        });
+  }
 #endif
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX512-BF16 kernel");
-  m.def("small_linear", &small_linear, "y = x @ w.T (+ bias) in bf16 for a few rows of x",
+  m.def("float32_available", &float32_available,
+        "whether this build has the float32 kernel (AVX2 with FMA)");
+  m.def("small_linear", &small_linear, "y = x @ w.T (+ bias) in bf16 or float32 for a few rows of x",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 }
