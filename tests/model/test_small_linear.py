@@ -147,3 +147,33 @@ def test_float32_projection_chooses_by_rows(small_f32, monkeypatch):
     assert calls == [1, SMALL_ROWS_MAX]  # past SMALL_ROWS_MAX: oneDNN
     assert packed(x[:2].bfloat16().float()).dtype == torch.float32
     assert Projection(w, b, packed=False).small is None
+
+
+def test_the_kernel_runs_without_the_gil(small_f32):
+    """A projection on the engine's thread must not stop the server's event loop: while one
+    long call runs in another thread, this thread keeps running Python (with the GIL held it
+    would stand still for the whole call)."""
+    import threading
+    import time
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(8, 4096, generator=g), torch.randn(16384, 4096, generator=g)
+    small_f32.small_linear(x, w)  # warm: pages touched, threads up
+    started = time.perf_counter()
+    small_f32.small_linear(x, w)
+    call_s = time.perf_counter() - started
+    go = threading.Event()
+
+    def project():
+        go.wait()
+        small_f32.small_linear(x, w)
+
+    worker = threading.Thread(target=project)
+    worker.start()
+    ticks = [time.perf_counter()]
+    go.set()  # from here this thread ticks, before, during and after the call
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
+    assert gaps and max(gaps) < call_s / 2, (max(gaps, default=None), call_s)

@@ -448,9 +448,13 @@ at::Tensor rope_write_attend(const at::Tensor& qkv, const at::Tensor& cos, const
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // both without the GIL, as torch's own ops run: the server's event loop must not wait for
+  // a layer's attention on the engine's thread
   m.def("paged_attention", &paged_attention,
-        "Attention of each query token over its session's resident KV blocks, in place");
+        "Attention of each query token over its session's resident KV blocks, in place",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rope_write_attend", &rope_write_attend,
         "RoPE on q and k, k and v into their slots, then paged_attention: a paged step's "
-        "attention from its fused qkv");
+        "attention from its fused qkv",
+        py::call_guard<py::gil_scoped_release>());
 }

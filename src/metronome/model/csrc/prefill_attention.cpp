@@ -229,6 +229,7 @@ void attention_probs(torch::Tensor q, torch::Tensor k, torch::Tensor attend, dou
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX512-BF16 kernel");
-  m.def("attention_probs", &attention_probs,
-        "probs = softmax(scale q k^T | attend) per (kv head, session): float32 scores, bf16 probs");
+  m.def("attention_probs", &attention_probs,  // without the GIL, as torch's own ops run
+        "probs = softmax(scale q k^T | attend) per (kv head, session): float32 scores, bf16 probs",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -231,6 +231,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX512-BF16 kernel");
   m.def("float32_available", &float32_available,
         "whether this build has the float32 kernel (AVX2 with FMA)");
-  m.def("small_linear", &small_linear, "y = x @ w.T (+ bias) in bf16 or float32 for a few rows of x",
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  // without the GIL, as torch's own ops run: a projection is up to ~6 ms of the engine's
+  // thread (lm_head in float32), and the server's event loop must not wait for it
+  m.def("small_linear", &small_linear,
+        "y = x @ w.T (+ bias) in bf16 or float32 for a few rows of x",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
+        py::arg("bias") = py::none());
 }
