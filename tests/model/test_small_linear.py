@@ -69,8 +69,9 @@ def test_bad_operands_are_refused(small):
         small.small_linear(x, w[:, :32].contiguous())
 
 
-def test_projection_chooses_by_rows(small, monkeypatch):
-    x, w, b = _operands(SMALL_ROWS_MAX + 4, 96, 576, seed=3)
+def _spied_projection(w, b, module, monkeypatch):
+    """A packed Projection whose few-row kernel calls go through `module`, and the row
+    counts of those calls."""
     packed = Projection(w, b, packed=True)
     assert packed.small is not None
     calls = []
@@ -78,9 +79,15 @@ def test_projection_chooses_by_rows(small, monkeypatch):
     class Spy:
         def small_linear(self, *args):
             calls.append(args[0].shape[0])
-            return small.small_linear(*args)
+            return module.small_linear(*args)
 
     monkeypatch.setattr(packed, "small", Spy())
+    return packed, calls
+
+
+def test_projection_chooses_by_rows(small, monkeypatch):
+    x, w, b = _operands(SMALL_ROWS_MAX + 4, 96, 576, seed=3)
+    packed, calls = _spied_projection(w, b, small, monkeypatch)
     for rows in (1, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1):
         torch.testing.assert_close(packed(x[:rows]).float(), _exact(x[:rows], w, b).float(),
                                    rtol=2**-7, atol=1e-2)
@@ -131,16 +138,7 @@ def test_mixed_dtypes_are_refused(small_f32):
 
 def test_float32_projection_chooses_by_rows(small_f32, monkeypatch):
     x, w, b = _operands_f32(SMALL_ROWS_MAX + 4, 96, 576, seed=3)
-    packed = Projection(w, b, packed=True)
-    assert packed.small is not None
-    calls = []
-
-    class Spy:
-        def small_linear(self, *args):
-            calls.append(args[0].shape[0])
-            return small_f32.small_linear(*args)
-
-    monkeypatch.setattr(packed, "small", Spy())
+    packed, calls = _spied_projection(w, b, small_f32, monkeypatch)
     for rows in (1, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1):
         torch.testing.assert_close(packed(x[:rows]), F.linear(x[:rows], w, b), rtol=1e-5,
                                    atol=1e-5)
