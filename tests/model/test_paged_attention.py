@@ -121,6 +121,22 @@ def test_bf16_kernel_matches_its_float32_task(paged_kernel, head_dim, block_size
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [4, 8, 20, 48])  # a chunk's tail, one chunk, 2.5, six
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7])  # query heads per kv head (7: 3 + 3 + 1)
+def test_float32_kernel_matches_its_float64_task(paged_kernel, head_dim, block_size, group):
+    """float32 at head sizes 64 and 128 runs the AVX2 task where the CPU has it (8 keys at a
+    time, the values of up to 3 query heads a pass), float64 the generic task: on the same
+    (float32-valued) inputs they agree to float32's rounding."""
+    kernel = paged_kernel()
+    args = _kernel_inputs(head_dim, block_size, torch.float32, group)
+    got = kernel.paged_attention(*args)
+    exact = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+             for a in args]
+    want = kernel.paged_attention(*exact)
+    torch.testing.assert_close(got, want.float(), atol=2e-6, rtol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_write_attend_is_rope_then_write_then_attention(paged_kernel, dtype):
     """The decode path's one call per layer gives the bits of the calls it replaces: the fused

@@ -26,7 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "fold16.h"
+#include "fold.h"
 
 namespace {
 
@@ -86,20 +86,6 @@ constexpr bool kFloat32Available = true;
 // FMA pipes' latency (4 x 2 accumulators, 8 chains, ran the in-cache product at half the FMA
 // peak: 1.2x slower at 8 rows)
 constexpr int kRowTileF32 = 4;
-
-// 8 vectors -> one whose lane i is the sum of v[i]'s lanes
-inline __m256 fold8(const __m256* v) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                       _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// 4 vectors -> one whose lane i is the sum of v[i]'s lanes
-inline __m128 fold4(const __m256* v) {
-  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
-}
 
 // Rows [0, MT) of x against weight rows w[0..2]: out[3m + j] = x[m] . w_j (float32).
 template <int MT>

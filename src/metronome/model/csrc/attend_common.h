@@ -1,0 +1,19 @@
+// What the paged kernel's attention tasks share (csrc/paged_attention.cpp and the vectorised
+// tasks it dispatches to, attend_bf16.h and attend_f32.h).
+#pragma once
+
+#include <cstdint>
+
+namespace metronome_attend {
+
+constexpr float kMasked = -1.0e30f;  // finite: the build uses -ffast-math (no infinities)
+constexpr int kMaxGroup = 16;
+constexpr int kMaxBlock = 256;
+
+// the first byte of a block's rows of K or V (kD values each)
+template <int kD, typename T>
+inline const char* block_bytes(const T* base, int64_t block, int64_t block_size) {
+  return reinterpret_cast<const char*>(base + block * block_size * kD);
+}
+
+}  // namespace metronome_attend
