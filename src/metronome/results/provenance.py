@@ -11,14 +11,21 @@ from pathlib import Path
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 
 
+# what a run writes, not what it runs: a bench regenerating its committed results (the JSON it
+# writes as it goes) must not mark its own commit dirty
+RESULTS_DIR = "docs/results"
+
+
 def git_commit(root: Path = SOURCE_ROOT) -> str | None:
-    """HEAD's commit hash, with "-dirty" when tracked files differ from it; None outside git."""
+    """HEAD's commit hash, with "-dirty" when tracked files other than the results in
+    `RESULTS_DIR` differ from it; None outside git."""
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
                               capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                "--untracked-files=no"], check=True, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+                                "--untracked-files=no", "--", ".", f":(exclude){RESULTS_DIR}"],
+                               check=True, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("-dirty" if dirty else "")
