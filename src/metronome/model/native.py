@@ -1,4 +1,5 @@
-"""The compiled kernels: paged attention (`csrc/paged_attention.cpp`), the fused elementwise
+"""The compiled kernels: paged attention (`csrc/paged_attention.cpp`, with vectorised tasks for
+bf16 on AVX512-BF16 and float32 on AVX2 with FMA in `attend_*.h`), the fused elementwise
 ops of the forward pass (`csrc/fused_ops.cpp`), the attention probabilities of long dense
 chunks (`csrc/prefill_attention.cpp`, on AVX512-BF16 CPUs) and the few-row projections of
 decode steps (`csrc/small_linear.cpp`: bf16 on AVX512-BF16, float32 on AVX2 with FMA). Each
