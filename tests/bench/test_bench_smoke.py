@@ -99,3 +99,27 @@ def test_bench_engine_paths_compares_the_few_row_kernel_alone(tmp_path):
     for bad in (("fast",), ("fast", "fast"), ("fast", "turbo")):
         with pytest.raises(ValueError, match="paths"):
             replace(cfg, paths=bad)
+
+
+def test_bench_engine_paths_compares_the_vector_attention_tasks_alone(tmp_path, monkeypatch,
+                                                                    paged_kernel):
+    """`--paths fast-generic-attention --paths fast`: the same fast path with the paged
+    kernel's generic task and with its vectorised ones, interleaved: the kernel's switch is
+    off for the generic path's steps only (timed and profiled) and on for the others'."""
+    kernel = paged_kernel()
+    switch_at_calls: list[bool] = []
+    real = kernel.rope_write_attend
+
+    def spied(*args):
+        switch_at_calls.append(kernel.vector_tasks())
+        return real(*args)
+
+    monkeypatch.setattr(kernel, "rope_write_attend", spied)
+    cfg = replace(engine_paths.Config.smoke(), policies=("sinks_window:4:32",),
+                  paths=("fast-generic-attention", "fast"))
+    res = execute(engine_paths, RunContext(engine_paths.NAME, tmp_path / "g.json"), cfg)
+    assert [r["path"] for r in res["rows"]] == ["fast-generic-attention", "fast"]
+    assert res["provenance"]["engine_path"].split(" vs ")[0].endswith(
+        "with the paged kernel's generic task")
+    assert False in switch_at_calls and True in switch_at_calls
+    assert kernel.vector_tasks(), "the switch is back on after the run"

@@ -110,8 +110,8 @@ def _kernel_inputs(head_dim: int, block_size: int, dtype: torch.dtype, group: in
 def test_bf16_kernel_matches_its_float32_task(paged_kernel, head_dim, block_size, group):
     """bf16 at head sizes 64 and 128 runs the AVX512-BF16 task where the CPU has it (16
     keys at a time, `vdpbf16ps` dot products; the values of up to 4 query heads a pass),
-    float32 the generic task: on the same (bf16-valued) inputs they agree to bf16's
-    rounding of the output."""
+    float32 its own task (held to the float64 generic task below): on the same
+    (bf16-valued) inputs they agree to bf16's rounding of the output."""
     kernel = paged_kernel()
     args = _kernel_inputs(head_dim, block_size, torch.bfloat16, group)
     got = kernel.paged_attention(*args).float()
@@ -135,6 +135,28 @@ def test_float32_kernel_matches_its_float64_task(paged_kernel, head_dim, block_s
              for a in args]
     want = kernel.paged_attention(*exact)
     torch.testing.assert_close(got, want.float(), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vector_tasks_switch_runs_the_generic_task(paged_kernel, dtype):
+    """`set_vector_tasks(False)` (for benches comparing the two in one process) runs the
+    generic task: where the CPU has a vector task for the dtype the bits change (another
+    summation order), the results agree to the dtype's rounding, and the switch goes back."""
+    kernel = paged_kernel()
+    args = _kernel_inputs(64, 20, dtype, 3)
+    assert kernel.vector_tasks(), "the vector tasks are the default"
+    vector = kernel.paged_attention(*args)
+    kernel.set_vector_tasks(False)
+    try:
+        assert not kernel.vector_tasks()
+        generic = kernel.paged_attention(*args)
+    finally:
+        kernel.set_vector_tasks(True)
+    assert kernel.vector_tasks()
+    has_task = str(dtype).removeprefix("torch.") in kernel.vector_task_dtypes()
+    assert torch.equal(vector, generic) is not has_task
+    tol = {"atol": 2e-6, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(vector.float(), generic.float(), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -5,7 +5,10 @@ Fast = the defaults (paged-attention kernel for decode, oneDNN on prepacked weig
 few-row projection kernel for steps of at most 8 rows where it applies); reference = dense
 attention (gather + padded, masked SDPA) and `F.linear`, the engine as it was before;
 fast-onednn = fast without the few-row kernel (`--paths fast-onednn --paths fast` measures
-that kernel alone). The first path given is the baseline of the speed-ups.
+that kernel alone); fast-generic-attention = fast with the paged kernel's generic task where
+a vectorised one would run (bf16 on AVX512-BF16, float32 on AVX2 with FMA: `--paths
+fast-generic-attention --paths fast` measures those tasks alone). The first path given is
+the baseline of the speed-ups.
 
 For each N x L and each policy (unbounded, sinks 4 + window 512) every path runs the same
 decode step (N sessions of L tokens of synthetic history, `metronome bench engine`'s
@@ -23,7 +26,8 @@ from metronome.results.provenance import describe
 from metronome.results.tables import md_table, ratio
 
 NAME = "engine-paths"
-PATHS = ("reference", "fast", "fast-onednn")  # the paths this bench can run
+PATHS = ("reference", "fast", "fast-onednn", "fast-generic-attention")  # what it can run
+FAST_VARIANTS = ("fast-onednn", "fast-generic-attention")  # the fast path, one part swapped
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class Config:
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
-    from metronome.bench.engine.facts import BUNDLED_MODEL, dtype_name, engine_path
+    from metronome.bench.engine.facts import BUNDLED_MODEL, dtype_name
     from metronome.bench.engine.plan import Config as EngineConfig
     from metronome.bench.engine.timing import time_interleaved
     from metronome.kv.residency import ResidencyPolicy
@@ -65,9 +69,9 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     paths = cfg.paths
     models = {path: load_model("bundled", dtype) for path in paths}
     for path in paths:  # what each path runs with, set up as OursRun will
-        models[path].use_packed_linear(path != "reference", few_rows=path == "fast")
+        models[path].use_packed_linear(path != "reference", few_rows=path != "fast-onednn")
     ctx.record(model=BUNDLED_MODEL, dtype=dtype_name(dtype),
-               engine_path=" vs ".join(engine_path(p, models[p]) for p in paths))
+               engine_path=" vs ".join(_described(p, models[p]) for p in paths))
     # the engine bench's workload (OursRun) at this bench's repeats
     plan = replace(EngineConfig(), repeats=cfg.repeats, warmup_steps=cfg.warmup_steps)
     cells = [(length, n, spec) for length in cfg.lengths for n in cfg.sessions
@@ -101,16 +105,58 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     return {"config": asdict(cfg), "rows": rows}
 
 
+def _described(path: str, model) -> str:
+    from metronome.bench.engine.facts import engine_path
+
+    described = engine_path(path, model)
+    if path == "fast-generic-attention":
+        described += " with the paged kernel's generic task"
+    return described
+
+
 def _run(model, policy, n: int, length: int, plan, path: str):
     """The engine bench's workload on `path`: "fast-onednn" is the fast path with the few-row
-    projection kernel turned off after OursRun has set the fast path up."""
+    projection kernel turned off after OursRun has set the fast path up;
+    "fast-generic-attention" the fast path whose steps run the paged kernel's generic task."""
     from metronome.bench.engine.ours import OursRun
 
     run = OursRun(model, policy, n, length, plan,
-                  engine_path="fast" if path == "fast-onednn" else path)
+                  engine_path="fast" if path in FAST_VARIANTS else path)
     if path == "fast-onednn":
         model.use_packed_linear(True, few_rows=False)
+    if path == "fast-generic-attention":
+        return _GenericAttention(run)
     return run
+
+
+class _GenericAttention:
+    """An OursRun whose steps, timed and profiled, run the paged kernel's generic task (the
+    kernel's switch is process-wide: it is turned off for this run's steps only, so the
+    paths interleaved with it keep their vectorised tasks)."""
+
+    def __init__(self, run) -> None:
+        from metronome.model import native
+
+        self._run, self._kernel = run, native.kernel()
+        if self._kernel is None:
+            raise RuntimeError("fast-generic-attention needs the paged kernel: "
+                               f"{native.unavailable_reason()}")
+
+    def _generic(self, fn):
+        self._kernel.set_vector_tasks(False)
+        try:
+            return fn()
+        finally:
+            self._kernel.set_vector_tasks(True)
+
+    def step(self) -> None:
+        self._generic(self._run.step)
+
+    def detail(self) -> dict:
+        return self._generic(self._run.detail)
+
+    def close(self) -> None:
+        self._run.close()
 
 
 def _pct(share: float) -> str:
@@ -147,7 +193,9 @@ def report(result: dict) -> str:
         "attention (gather every session's blocks into a scratch, pad, masked SDPA) and "
         "`F.linear`, the engine before its fast path; fast = the paged-attention kernel, "
         "oneDNN on prepacked weights and the few-row projection kernel for steps of at most 8 "
-        "rows where it applies; fast-onednn = fast without the few-row kernel. All "
+        "rows where it applies; fast-onednn = fast without the few-row kernel; "
+        "fast-generic-attention = fast with the paged kernel's generic task where a "
+        "vectorised one would run. All "
         f"interleaved round-robin, {cfg['repeats']} timed steps each after "
         f"{cfg['warmup_steps']} warm-up steps; then one profiled step each.", "",
         "## Step time", "",

@@ -20,8 +20,9 @@ namespace metronome_attend {
 // time: each key's dot products with the group's queries as `vdpbf16ps` partials (exact bf16
 // products, float32 sums) folded 16 keys into one vector (`fold16`: lane j = key j); the
 // softmax on those vectors; the chunk's values widened to float32 once and accumulated for
-// every head. The generic task above computes each dot as a float32 loop with a horizontal
-// sum per key and head, and converted every key and value once per head: 3-4x slower here.
+// every head. The generic task (`attend_task` in paged_attention.cpp) computes each dot as a
+// float32 loop with a horizontal sum per key and head, and converted every key and value
+// once per head: 3-4x slower here.
 
 // bf16 row (16 values) -> float32
 inline __m512 widen(const at::BFloat16* x) {

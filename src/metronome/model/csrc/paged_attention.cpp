@@ -24,8 +24,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -37,6 +39,11 @@
 namespace {
 
 using namespace metronome_attend;
+
+// Whether head sizes 64 and 128 run the vectorised tasks where the CPU has them (the
+// default) or the generic task everywhere: a switch for benches and tests that compare the
+// two in one process (`set_vector_tasks`), never flipped by the engine.
+std::atomic<bool> g_vector_tasks{true};
 
 template <typename T>
 inline float as_float(T x) { return static_cast<float>(x); }
@@ -159,6 +166,7 @@ void paged_attention_typed(const at::Tensor& q, const c10::optional<at::Tensor>&
   const int64_t* sb = sink_blocks.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
+  const bool vector_tasks = g_vector_tasks.load(std::memory_order_relaxed) && (D == 64 || D == 128);
   at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / KVH, g = task % KVH;
@@ -166,7 +174,7 @@ void paged_attention_typed(const at::Tensor& q, const c10::optional<at::Tensor>&
       const int64_t q_off = (t * H + g * group) * D;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        if (D == 64 || D == 128) {
+        if (vector_tasks) {
           auto fast = D == 64 ? attend_task_bf16<64> : attend_task_bf16<128>;
           fast(qp + q_off, qsp != nullptr && sb[b] > 0 ? qsp + q_off : nullptr,
                kp + g * slots * D, vp + g * slots * D, bid + b * MB, blg + b * MB, nb[b],
@@ -177,7 +185,7 @@ void paged_attention_typed(const at::Tensor& q, const c10::optional<at::Tensor>&
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (std::is_same_v<scalar_t, float>) {
-        if (D == 64 || D == 128) {
+        if (vector_tasks) {
           auto fast = D == 64 ? attend_task_f32<64> : attend_task_f32<128>;
           fast(qp + q_off, qsp != nullptr && sb[b] > 0 ? qsp + q_off : nullptr,
                kp + g * slots * D, vp + g * slots * D, bid + b * MB, blg + b * MB, nb[b],
@@ -322,4 +330,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RoPE on q and k, k and v into their slots, then paged_attention: a paged step's "
         "attention from its fused qkv",
         py::call_guard<py::gil_scoped_release>());
+  m.def("set_vector_tasks", [](bool enabled) { g_vector_tasks.store(enabled); },
+        "Run the vectorised attention tasks where they apply (True, the default) or the "
+        "generic task everywhere (False): for benches and tests comparing the two");
+  m.def("vector_tasks", [] { return g_vector_tasks.load(); },
+        "Whether the vectorised attention tasks run where they apply");
+  m.def("vector_task_dtypes", [] {
+    std::vector<std::string> dtypes;
+#if defined(__AVX512BF16__)
+    dtypes.push_back("bfloat16");
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    dtypes.push_back("float32");
+#endif
+    return dtypes;
+  }, "The K/V dtypes with a vectorised task on this CPU (head sizes 64 and 128)");
 }
