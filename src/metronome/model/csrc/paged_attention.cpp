@@ -140,6 +140,28 @@ void attend_task(const scalar_t* q, const scalar_t* q_sink, const scalar_t* k_ba
 }
 
 
+template <typename T>
+using VectorTask = void (*)(const T*, const T*, const T*, const T*, const int64_t*,
+                            const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            int, float, T*);
+
+// The vectorised task for scalar_t at head size D on this CPU, or nullptr (the generic one).
+template <typename scalar_t>
+VectorTask<scalar_t> vector_task(int64_t D) {
+  if (D != 64 && D != 128) return nullptr;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    return D == 64 ? attend_task_bf16<64> : attend_task_bf16<128>;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return D == 64 ? attend_task_f32<64> : attend_task_f32<128>;
+  }
+#endif
+  return nullptr;
+}
+
 template <typename scalar_t>
 void paged_attention_typed(const at::Tensor& q, const c10::optional<at::Tensor>& q_sink,
                            const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -166,34 +188,19 @@ void paged_attention_typed(const at::Tensor& q, const c10::optional<at::Tensor>&
   const int64_t* sb = sink_blocks.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
-  const bool vector_tasks = g_vector_tasks.load(std::memory_order_relaxed) && (D == 64 || D == 128);
+  const VectorTask<scalar_t> fast =
+      g_vector_tasks.load(std::memory_order_relaxed) ? vector_task<scalar_t>(D) : nullptr;
   at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / KVH, g = task % KVH;
       const int64_t b = ts[t];
       const int64_t q_off = (t * H + g * group) * D;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        if (vector_tasks) {
-          auto fast = D == 64 ? attend_task_bf16<64> : attend_task_bf16<128>;
-          fast(qp + q_off, qsp != nullptr && sb[b] > 0 ? qsp + q_off : nullptr,
-               kp + g * slots * D, vp + g * slots * D, bid + b * MB, blg + b * MB, nb[b],
-               block_size, tp[t], tw[t], st[b], sb[b], group, fscale, op + q_off);
-          continue;
-        }
+      if (fast != nullptr) {
+        fast(qp + q_off, qsp != nullptr && sb[b] > 0 ? qsp + q_off : nullptr,
+             kp + g * slots * D, vp + g * slots * D, bid + b * MB, blg + b * MB, nb[b],
+             block_size, tp[t], tw[t], st[b], sb[b], group, fscale, op + q_off);
+        continue;
       }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (vector_tasks) {
-          auto fast = D == 64 ? attend_task_f32<64> : attend_task_f32<128>;
-          fast(qp + q_off, qsp != nullptr && sb[b] > 0 ? qsp + q_off : nullptr,
-               kp + g * slots * D, vp + g * slots * D, bid + b * MB, blg + b * MB, nb[b],
-               block_size, tp[t], tw[t], st[b], sb[b], group, fscale, op + q_off);
-          continue;
-        }
-      }
-#endif
       auto run = [&](auto d_tag) {
         constexpr int kD = decltype(d_tag)::value;
         attend_task<scalar_t, kD>(
