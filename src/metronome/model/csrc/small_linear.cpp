@@ -5,10 +5,11 @@
 // model's step in bf16, 538 MB in float32. oneDNN's prepacked product (`model.linear`) reads
 // it at ~19 GB/s at 8 rows in bf16 on an AVX512-BF16 host; this kernel reads the plain
 // row-major weight (which `Projection` keeps anyway) as a stream, a few weight rows at a time
-// (2 in bf16, 3 in float32), and prefetches it into L2. bf16: 1.2-1.5x faster than oneDNN at
-// 1-8 rows, no faster from 16 (measured by `metronome bench engine`'s GEMM table). float32 on
-// an AVX2 Zen 3: decode steps of 1-8 bounded sessions 1.05-1.2x faster, the projections alone
-// from memory 1.05-1.25x, slower than oneDNN at 16 rows.
+// (2 in bf16, 3 in float32), and prefetches it. bf16: 1.2-1.5x faster than oneDNN at 1-8
+// rows, no faster from 16 (measured by `metronome bench engine`'s GEMM table). float32 on an
+// AVX2 Zen 3, the model's projections from memory side by side: 1.1-1.5x faster than oneDNN
+// at 1-16 rows (1.3x at 8) since each group prefetches the next while it computes (before:
+// 1.05-1.25x at 1-8, slower at 16).
 //
 // bf16: each output is one float32 sum of exact bf16 products (`vdpbf16ps`) in the order of k,
 // rounded to bf16 once. float32: eight float32 partial sums per output (lane l: k = l mod 8,
@@ -31,12 +32,9 @@
 namespace {
 
 constexpr int kRowTile = 8;  // rows of x per micro-tile: 2 x 8 accumulators
-// How far ahead of the weight rows in use each group prefetches into L2. bf16 (AVX512-BF16
-// hosts): 4 KiB. float32 (measured on an AVX2 Zen 3, the model's projections from memory at 1
-// and 8 rows): the group's own rows, all their lines asked for at once before the loads,
-// 1.03-1.15x faster than 2-14 KiB ahead and ~1.15x faster than no prefetch.
+// bf16 (AVX512-BF16 hosts): each group asks for its weight lines 4 KiB ahead of its rows, all
+// at once before its loads. float32 does not prefetch in bursts (see tile_f32).
 constexpr int64_t kPrefetchBytesBf16 = 4096;
-constexpr int64_t kPrefetchBytesF32 = 0;
 
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
@@ -88,9 +86,16 @@ constexpr bool kFloat32Available = true;
 constexpr int kRowTileF32 = 4;
 
 // Rows [0, MT) of x against weight rows w[0..2]: out[3m + j] = x[m] . w_j (float32).
+//
+// While it reads its rows it asks for the next group's (the 3 x K floats from `ahead`), 3
+// lines per line of each row it reads, so the memory streams the next rows while the FMAs
+// run on these: a burst of prefetches per group left the core waiting on the memory and the
+// memory idle while the core computed (the model's projections from memory, AVX2 Zen 3, side
+// by side: 1.2-1.3x faster at 4-8 rows than asking for the group's own rows before its loads,
+// the same at 1; prefetching 2/3 or 2 groups ahead measured the same as 1).
 template <int MT>
 __attribute__((noinline)) void tile_f32(const float* x, const float* const* w, int64_t K,
-                                        float* out) {
+                                        const float* ahead, float* out) {
   __m256 acc[12];
   for (int i = 0; i < 12; ++i) acc[i] = _mm256_setzero_ps();
   const float *w0 = w[0], *w1 = w[1], *w2 = w[2];
@@ -99,6 +104,11 @@ __attribute__((noinline)) void tile_f32(const float* x, const float* const* w, i
     const __m256 a = _mm256_loadu_ps(w0 + k);
     const __m256 b = _mm256_loadu_ps(w1 + k);
     const __m256 c = _mm256_loadu_ps(w2 + k);
+    if (ahead != nullptr && (k & 15) == 0) {  // a line of each row begins at k
+      __builtin_prefetch(ahead + 3 * k, 0, 1);
+      __builtin_prefetch(ahead + 3 * k + 16, 0, 1);
+      __builtin_prefetch(ahead + 3 * k + 32, 0, 1);
+    }
     for (int m = 0; m < MT; ++m) {
       const __m256 xm = _mm256_loadu_ps(x + m * K + k);
       acc[3 * m] = _mm256_fmadd_ps(xm, a, acc[3 * m]);
@@ -124,17 +134,19 @@ __attribute__((noinline)) void tile_f32(const float* x, const float* const* w, i
   _mm_storeu_ps(out + 8, fold4(acc + 8));
 }
 
-using TileF32Fn = void (*)(const float*, const float* const*, int64_t, float*);
+using TileF32Fn = void (*)(const float*, const float* const*, int64_t, const float*, float*);
 constexpr TileF32Fn kTilesF32[kRowTileF32 + 1] = {nullptr, tile_f32<1>, tile_f32<2>,
                                                   tile_f32<3>, tile_f32<4>};
 #else
 constexpr bool kFloat32Available = false;
 #endif
 
-// The weight's rows `kGroup` at a time over the threads, each group prefetched
-// `prefetch_bytes` ahead and run through `tile(x_rows, group_rows, rows, sums)` for every
-// tile of rows of x (sums[kGroup * m + j]: row m of the tile against the group's row j). A
+// The weight's rows `kGroup` at a time over the threads, run through
+// `tile(x_rows, group_rows, rows, first, sums)` for every tile of rows of x (`first`: the
+// group's first tile; sums[kGroup * m + j]: row m of the tile against the group's row j). A
 // last group short of rows repeats its first row in their place, and their sums are dropped.
+// With `prefetch_bytes` >= 0 each group first asks for its rows' lines that far ahead, all at
+// once; with -1 the tile prefetches, if it does.
 template <typename T, int kTile, int kGroup, typename Tile>
 void over_weight_groups(const T* xp, const T* wp, const T* bp, T* yp, int64_t M, int64_t K,
                         int64_t N, int64_t prefetch_bytes, Tile tile) {
@@ -150,12 +162,14 @@ void over_weight_groups(const T* xp, const T* wp, const T* bp, T* yp, int64_t M,
         rows_of[j] = wp + (n0 + (j < real ? j : 0)) * K;
         bias_of[j] = bp != nullptr && j < real ? static_cast<float>(bp[n0 + j]) : 0.f;
       }
-      const char* ahead = reinterpret_cast<const char*>(rows_of[0]) + prefetch_bytes;
-      for (int64_t off = 0; off < kGroup * K * static_cast<int64_t>(sizeof(T)); off += 64)
-        __builtin_prefetch(ahead + off, 0, 1);
+      if (prefetch_bytes >= 0) {
+        const char* ahead = reinterpret_cast<const char*>(rows_of[0]) + prefetch_bytes;
+        for (int64_t off = 0; off < kGroup * K * static_cast<int64_t>(sizeof(T)); off += 64)
+          __builtin_prefetch(ahead + off, 0, 1);
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-        tile(xp + m0 * K, rows_of, rows, sums);
+        tile(xp + m0 * K, rows_of, rows, m0 == 0, sums);
         for (int m = 0; m < rows; ++m)
           for (int j = 0; j < real; ++j)
             yp[(m0 + m) * N + n0 + j] = static_cast<T>(sums[kGroup * m + j] + bias_of[j]);
@@ -195,7 +209,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
     over_weight_groups<T, kRowTile, 2>(
         x.data_ptr<T>(), w.data_ptr<T>(), bias.has_value() ? bias->data_ptr<T>() : nullptr,
         y.data_ptr<T>(), M, K, N, kPrefetchBytesBf16,
-        [K](const T* xs, const T* const* ws, int rows, float* sums) {
+        [K](const T* xs, const T* const* ws, int rows, bool, float* sums) {
           kTiles[rows](xs, ws[0], ws[1], K, sums);
         });
   }
@@ -205,8 +219,11 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
     over_weight_groups<float, kRowTileF32, 3>(
         x.data_ptr<float>(), w.data_ptr<float>(),
         bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N,
-        kPrefetchBytesF32, [K](const float* xs, const float* const* ws, int rows, float* sums) {
-          kTilesF32[rows](xs, ws, K, sums);
+        -1, [K](const float* xs, const float* const* ws, int rows, bool first, float* sums) {
+          // the next group's 3 rows follow this group's (past the weight's end, the prefetches
+          // of a last group ask for nothing it needs; a prefetch never faults), asked for by
+          // the group's first tile of rows of x only
+          kTilesF32[rows](xs, ws, K, first ? ws[0] + 3 * K : nullptr, sums);
         });
   }
 #endif
