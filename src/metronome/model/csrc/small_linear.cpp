@@ -7,9 +7,9 @@
 // row-major weight (which `Projection` keeps anyway) as a stream, a few weight rows at a time
 // (2 in bf16, 3 in float32), and prefetches it. bf16: 1.2-1.5x faster than oneDNN at 1-8
 // rows, no faster from 16 (measured by `metronome bench engine`'s GEMM table). float32 on an
-// AVX2 Zen 3, the model's projections from memory side by side: 1.1-1.5x faster than oneDNN
-// at 1-16 rows (1.3x at 8) since each group prefetches the next while it computes (before:
-// 1.05-1.25x at 1-8, slower at 16).
+// AVX2 Zen 3, the model's projections from memory side by side: 1.2-1.4x faster than oneDNN
+// at 1-16 rows since each group prefetches the next while it computes and x's vectors stay in
+// registers (before: 1.05-1.25x at 1-8, slower at 16).
 //
 // bf16: each output is one float32 sum of exact bf16 products (`vdpbf16ps`) in the order of k,
 // rounded to bf16 once. float32: eight float32 partial sums per output (lane l: k = l mod 8,
@@ -104,13 +104,17 @@ __attribute__((noinline)) void tile_f32(const float* x, const float* const* w, i
     const __m256 a = _mm256_loadu_ps(w0 + k);
     const __m256 b = _mm256_loadu_ps(w1 + k);
     const __m256 c = _mm256_loadu_ps(w2 + k);
-    if (ahead != nullptr && (k & 15) == 0) {  // a line of each row begins at k
+    if ((k & 15) == 0) {  // a line of each row begins at k
       __builtin_prefetch(ahead + 3 * k, 0, 1);
       __builtin_prefetch(ahead + 3 * k + 16, 0, 1);
       __builtin_prefetch(ahead + 3 * k + 32, 0, 1);
     }
     for (int m = 0; m < MT; ++m) {
-      const __m256 xm = _mm256_loadu_ps(x + m * K + k);
+      // x's vector once into a register for its 3 FMAs: left alone, GCC folds it into each
+      // FMA as a memory operand, 15 loads per 12 FMAs where 7 do, and Zen 3's two 256-bit
+      // loads a cycle then bound the product (in L3 at 8 rows: 90 GFLOP/s against 69)
+      __m256 xm = _mm256_loadu_ps(x + m * K + k);
+      asm("" : "+x"(xm));
       acc[3 * m] = _mm256_fmadd_ps(xm, a, acc[3 * m]);
       acc[3 * m + 1] = _mm256_fmadd_ps(xm, b, acc[3 * m + 1]);
       acc[3 * m + 2] = _mm256_fmadd_ps(xm, c, acc[3 * m + 2]);
@@ -142,9 +146,9 @@ constexpr bool kFloat32Available = false;
 #endif
 
 // The weight's rows `kGroup` at a time over the threads, run through
-// `tile(x_rows, group_rows, rows, first, sums)` for every tile of rows of x (`first`: the
-// group's first tile; sums[kGroup * m + j]: row m of the tile against the group's row j). A
-// last group short of rows repeats its first row in their place, and their sums are dropped.
+// `tile(x_rows, group_rows, rows, sums)` for every tile of rows of x (sums[kGroup * m + j]:
+// row m of the tile against the group's row j). A last group short of rows repeats its first
+// row in their place, and their sums are dropped.
 // With `prefetch_bytes` >= 0 each group first asks for its rows' lines that far ahead, all at
 // once; with -1 the tile prefetches, if it does.
 template <typename T, int kTile, int kGroup, typename Tile>
@@ -169,7 +173,7 @@ void over_weight_groups(const T* xp, const T* wp, const T* bp, T* yp, int64_t M,
       }
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-        tile(xp + m0 * K, rows_of, rows, m0 == 0, sums);
+        tile(xp + m0 * K, rows_of, rows, sums);
         for (int m = 0; m < rows; ++m)
           for (int j = 0; j < real; ++j)
             yp[(m0 + m) * N + n0 + j] = static_cast<T>(sums[kGroup * m + j] + bias_of[j]);
@@ -209,7 +213,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
     over_weight_groups<T, kRowTile, 2>(
         x.data_ptr<T>(), w.data_ptr<T>(), bias.has_value() ? bias->data_ptr<T>() : nullptr,
         y.data_ptr<T>(), M, K, N, kPrefetchBytesBf16,
-        [K](const T* xs, const T* const* ws, int rows, bool, float* sums) {
+        [K](const T* xs, const T* const* ws, int rows, float* sums) {
           kTiles[rows](xs, ws[0], ws[1], K, sums);
         });
   }
@@ -219,11 +223,12 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
     over_weight_groups<float, kRowTileF32, 3>(
         x.data_ptr<float>(), w.data_ptr<float>(),
         bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N,
-        -1, [K](const float* xs, const float* const* ws, int rows, bool first, float* sums) {
+        -1, [K](const float* xs, const float* const* ws, int rows, float* sums) {
           // the next group's 3 rows follow this group's (past the weight's end, the prefetches
-          // of a last group ask for nothing it needs; a prefetch never faults), asked for by
-          // the group's first tile of rows of x only
-          kTilesF32[rows](xs, ws, K, first ? ws[0] + 3 * K : nullptr, sums);
+          // of a last group ask for nothing it needs; a prefetch never faults); a group's
+          // later tiles of rows of x ask again for lines mostly there (the same speed as
+          // asking in its first tile only, and simpler)
+          kTilesF32[rows](xs, ws, K, ws[0] + 3 * K, sums);
         });
   }
 #endif
