@@ -3,7 +3,7 @@ operands, in bf16 (AVX512-BF16) and float32 (AVX2 with FMA): row counts 1-8 (eac
 size) and past them (whole tiles and a rest), an odd number of outputs (the last weight row
 alone), K not a multiple of the vector width (the masked tail), a bias; each row's result
 does not depend on the rows beside it; and `Projection` sends a packed product of at most
-`SMALL_ROWS_MAX` rows to it, more rows to oneDNN, and the reference to `F.linear`."""
+`small_rows_max(dtype)` rows to it, more rows to oneDNN, and the reference to `F.linear`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metronome.model import linear
-from metronome.model.linear import SMALL_ROWS_MAX, Projection
+from metronome.model.linear import Projection, small_rows_max
 from tests.native_kernels import bf16_kernel, float32_kernel
 
 
@@ -86,16 +85,17 @@ def _spied_projection(w, b, module, monkeypatch):
 
 
 def test_projection_chooses_by_rows(small, monkeypatch):
-    x, w, b = _operands(SMALL_ROWS_MAX + 4, 96, 576, seed=3)
+    most = small_rows_max(torch.bfloat16)
+    x, w, b = _operands(most + 4, 96, 576, seed=3)
     packed, calls = _spied_projection(w, b, small, monkeypatch)
-    for rows in (1, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1):
+    for rows in (1, most, most + 1):
         torch.testing.assert_close(packed(x[:rows]).float(), _exact(x[:rows], w, b).float(),
                                    rtol=2**-7, atol=1e-2)
-    assert calls == [1, SMALL_ROWS_MAX]  # past SMALL_ROWS_MAX: oneDNN
+    assert calls == [1, most]  # past small_rows_max: oneDNN
     reference = Projection(w, b, packed=False)
     assert reference.small is None
     assert torch.equal(reference(x[:2]), F.linear(x[:2], w, b))
-    assert linear.SMALL_ROWS_MAX >= 1
+    assert most >= 1
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +137,13 @@ def test_mixed_dtypes_are_refused(small_f32):
 
 
 def test_float32_projection_chooses_by_rows(small_f32, monkeypatch):
-    x, w, b = _operands_f32(SMALL_ROWS_MAX + 4, 96, 576, seed=3)
+    most = small_rows_max(torch.float32)
+    x, w, b = _operands_f32(most + 4, 96, 576, seed=3)
     packed, calls = _spied_projection(w, b, small_f32, monkeypatch)
-    for rows in (1, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1):
+    for rows in (1, most, most + 1):
         torch.testing.assert_close(packed(x[:rows]), F.linear(x[:rows], w, b), rtol=1e-5,
                                    atol=1e-5)
-    assert calls == [1, SMALL_ROWS_MAX]  # past SMALL_ROWS_MAX: oneDNN
+    assert calls == [1, most]  # past small_rows_max: oneDNN
     assert packed(x[:2].bfloat16().float()).dtype == torch.float32
     assert Projection(w, b, packed=False).small is None
 

@@ -4,10 +4,11 @@ torch's `F.linear` hands the weight to BLAS as it lies, and BLAS re-blocks it on
 for the few-row products of a decode step that re-blocking is a large share of the time.
 oneDNN's linear with a weight reordered once into its own blocked layout skips it: 1.3-2x
 faster per projection on this project's CPU machines, for the same products within float
-rounding. With at most `SMALL_ROWS_MAX` rows the product runs on the plain weight in
+rounding. With at most `small_rows_max(dtype)` rows the product runs on the plain weight in
 `native.small_linear` instead, in bf16 on an AVX512-BF16 CPU and in float32 on an AVX2 one
 with FMA (a decode step of a few sessions is a pass over the weights: 1.2-1.5x faster than
-oneDNN's there in bf16, 1.1-1.25x in float32 on an AVX2 Zen 3; no faster from 16 rows).
+oneDNN's there in bf16 at 1-8 rows, no faster from 16; in float32 on an AVX2 Zen 3 1.2-1.4x
+at 1-16 rows, 1.17x at 24, the same at 32).
 `Projection` is the one place that choice is made; `F.linear` on the plain weight
 (`packed=False`) stays as the reference.
 """
@@ -22,8 +23,15 @@ from metronome.model.spans import in_span
 # oneDNN picks its blocking for this many rows; any row count works (measured: 64 is best
 # from 1 to 256 rows for SmolLM2's shapes; a 1-row hint is 1.3x slower at 8-64 rows).
 PACK_ROWS_HINT = 64
-SMALL_ROWS_MAX = 8  # rows up to which a packed projection runs `native.small_linear`
+# rows up to which a packed projection runs `native.small_linear`, per dtype (where the
+# kernel measured faster than oneDNN, the model's projections from memory side by side)
+SMALL_ROWS_MAX = {torch.bfloat16: 8, torch.float32: 24}
 SMALL_LINEAR_EVENT = "metronome::small_linear"  # its span under torch.profiler (not an aten op)
+
+
+def small_rows_max(dtype: torch.dtype) -> int:
+    """Rows up to which a packed projection of this dtype runs the few-row kernel (0: none)."""
+    return SMALL_ROWS_MAX.get(dtype, 0)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -53,6 +61,7 @@ class Projection:
         if packed:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
                                                                    PACK_ROWS_HINT)
+            self.small_rows_max = small_rows_max(weight.dtype)
             if few_rows and weight.is_contiguous() and (
                     bias is None or bias.dtype == weight.dtype and bias.is_contiguous()):
                 from metronome.model import native
@@ -62,7 +71,7 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
-        if (self.small is not None and x.shape[0] <= SMALL_ROWS_MAX and x.is_contiguous()
+        if (self.small is not None and x.shape[0] <= self.small_rows_max and x.is_contiguous()
                 and x.dtype == self.weight.dtype):
             return in_span(SMALL_LINEAR_EVENT, self.small.small_linear, x, self.weight, self.bias)
         return self.onednn(x)

@@ -28,7 +28,9 @@ def engine_path(path: str, model: LlamaModel) -> str:
                  else f"dense attention: {native.unavailable_reason()}")
     linear = "prepacked oneDNN projections" if model.packed_linear else "F.linear"
     if model.packed_linear and model.lm_head_projection.small is not None:
-        linear += " (few-row kernel up to 8 rows)"
+        from metronome.model.linear import small_rows_max
+
+        linear += f" (few-row kernel up to {small_rows_max(model.dtype)} rows)"
     elementwise = ("fused elementwise kernels" if model.fused is not None
                    else f"torch's elementwise ops ({native.FUSED.reason() or 'turned off'})")
     return f"{path} ({attention}, {linear}, {elementwise})"

@@ -145,15 +145,15 @@ def gemm_peak_gflops(model, rows: int, repeats: int = 5) -> dict:
     `linear_weights`: the projections and lm_head), with F.linear on the plain weights and
     oneDNN on prepacked ones, all in a row (weights from memory, as in a step), best of
     `repeats` after one warm-up; and our few-row kernel where it applies (`small_linear`:
-    at most `SMALL_ROWS_MAX` rows; bf16 on an AVX512-BF16 CPU, float32 on AVX2 with FMA)."""
-    from metronome.model.linear import SMALL_ROWS_MAX, Projection
+    at most `small_rows_max(dtype)` rows; bf16 on an AVX512-BF16 CPU, float32 on AVX2 with FMA)."""
+    from metronome.model.linear import Projection, small_rows_max
 
     weights = linear_weights(model)
     flops = 2 * rows * sum(w.numel() for w in weights)
     plain = [Projection(w, None, False) for w in weights]
     packed = [Projection(w, None, True) for w in weights]
     ways = {"f_linear": plain, "onednn_prepacked": [p.onednn for p in packed]}
-    if rows <= SMALL_ROWS_MAX and all(p.small is not None for p in packed):
+    if rows <= small_rows_max(model.dtype) and all(p.small is not None for p in packed):
         ways["small_linear"] = packed  # (Projection's own choice at these rows)
     inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
     out = {}
