@@ -2,7 +2,8 @@
 by side: before and after the paged kernel and the prepacked projections.
 
 Fast = the defaults (paged-attention kernel for decode, oneDNN on prepacked weights, the
-few-row projection kernel for steps of at most 8 rows where it applies); reference = dense
+few-row projection kernel for steps of at most 8 rows in bf16, 24 in float32, where it
+applies); reference = dense
 attention (gather + padded, masked SDPA) and `F.linear`, the engine as it was before;
 fast-onednn = fast without the few-row kernel (`--paths fast-onednn --paths fast` measures
 that kernel alone); fast-generic-attention = fast with the paged kernel's generic task where
@@ -192,8 +193,8 @@ def report(result: dict) -> str:
         "random K/V: `metronome bench engine`'s workload), block size 16. Reference = dense "
         "attention (gather every session's blocks into a scratch, pad, masked SDPA) and "
         "`F.linear`, the engine before its fast path; fast = the paged-attention kernel, "
-        "oneDNN on prepacked weights and the few-row projection kernel for steps of at most 8 "
-        "rows where it applies; fast-onednn = fast without the few-row kernel; "
+        "oneDNN on prepacked weights and the few-row projection kernel for steps of at most "
+        "8 rows in bf16, 24 in float32, where it applies; fast-onednn = fast without the few-row kernel; "
         "fast-generic-attention = fast with the paged kernel's generic task where a "
         "vectorised one would run. All "
         f"interleaved round-robin, {cfg['repeats']} timed steps each after "

@@ -320,8 +320,8 @@ def report(result: dict) -> str:
               "## GEMMs: our step vs torch's peak for the same shapes", "",
               "Both sides over the same weights: every layer's projections and lm_head. "
               "torch's peak: those shapes at N rows, all in a row (weights from memory), best "
-              "of 6, with F.linear, with oneDNN on prepacked weights, and (at most 8 rows; "
-              "bf16 on AVX512-BF16, float32 on AVX2) with our few-row kernel, which the step "
+              "of 6, with F.linear, with oneDNN on prepacked weights, and (at most 8 rows in "
+              "bf16 on AVX512-BF16, 24 in float32 on AVX2) with our few-row kernel, which the step "
               "uses there. Ours: their FLOPs in "
               "one profiled decode step over the profiled time of its GEMMs (attention's own "
               "matmuls are counted as attention, not here).", "", gemm_table(result["cells"]),
