@@ -140,3 +140,23 @@ def test_prefill_table_gives_the_medians_and_every_run():
               "prefill_s": 8.0, "prefill_runs_s": [8.0, 9.0, 7.5], "prefill_sessions": 8}]
     table = engine_vs_vllm.prefill_table(cells)
     assert "| 6.0 | 8.0 | 0.75x | 6.0 / 8.0, 7.0 / 9.0, 5.0 / 7.5 |" in table
+
+
+def test_a_grid_whose_kv_pools_do_not_fit_the_memory_is_named_before_it_runs():
+    from metronome.bench.vllm.pair import PROCESS_HEADROOM_BYTES, pairs_needing_too_much
+
+    model = random_model(TINY_LLAMA, torch.float32, seed=1)
+    per_token = model.config.kv_bytes_per_token(torch.float32)
+    cfg = engine_vs_vllm.Config(sessions=(8, 64), lengths=(1024,), window_tokens=512)
+    bounded_pool = 64 * (4 + 512 + 4096 + 64)  # window + vLLM's in-flight reserve each
+    bounded_pool = -(-bounded_pool // 32) * 32
+    plenty = 4 * bounded_pool * per_token + PROCESS_HEADROOM_BYTES + (1 << 30)
+    assert pairs_needing_too_much(cfg, model, plenty) == []
+    weights = 2 * weight_bytes(model)  # both engines' copies
+    tight = 2 * bounded_pool * per_token + weights + PROCESS_HEADROOM_BYTES - 1  # 1 short
+    lines = pairs_needing_too_much(cfg, model, tight)
+    assert len(lines) == 1 and "sinks_window" in lines[0] and "N=64" in lines[0]
+    assert len(pairs_needing_too_much(cfg, model, 1 << 20)) == 2  # both pairs named
+    assert pairs_needing_too_much(cfg, model, tight + 1) == []
+    small = engine_vs_vllm.Config(sessions=(8,), lengths=(1024,), window_tokens=512)
+    assert pairs_needing_too_much(small, model, tight) == []

@@ -95,14 +95,19 @@ class Config:
 def run(ctx: RunContext, cfg: Config) -> dict:
     import os
 
+    import psutil
     import torch
 
     from metronome.bench.engine.floor import read_bandwidth_gbs
     from metronome.bench.vllm.engines import facts, load_native_model
-    from metronome.bench.vllm.pair import measure_pair
+    from metronome.bench.vllm.pair import measure_pair, pairs_needing_too_much
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = load_native_model()
+    too_big = pairs_needing_too_much(cfg, model, psutil.virtual_memory().available)
+    if too_big:
+        raise ValueError("this grid does not fit this machine's memory (lower --sessions or "
+                         "--max-prefill-tokens):\n  " + "\n  ".join(too_big))
     ctx.record(**facts(model))
     bandwidth_gbs = read_bandwidth_gbs()
     ctx.log(f"memory read bandwidth: {bandwidth_gbs:.1f} GB/s")

@@ -33,6 +33,33 @@ def _pool_tokens(cfg, length: int, policy: ResidencyPolicy, top: int, sessions: 
     return -(-top * per_session // cfg.block_size) * cfg.block_size
 
 
+# what the two engines need beside their KV pools: torch, vLLM and their working buffers
+PROCESS_HEADROOM_BYTES = 2 << 30
+
+
+def pairs_needing_too_much(cfg, model, available_bytes: int) -> list[str]:
+    """The pairs of the grid whose memory (both engines' KV pools, the same size each, in the
+    model's dtype; both copies of the weights; `PROCESS_HEADROOM_BYTES`) is over
+    `available_bytes`, as lines saying so: vLLM allocates its whole pool when it starts, and
+    a pair that does not fit ends the run in the kernel's OOM killer, without a word."""
+    weights = 2 * sum(p.numel() * p.element_size() for p in linear_weights(model))
+    per_token = model.config.kv_bytes_per_token(model.dtype)
+    lines = []
+    for length in cfg.lengths:
+        sessions = cfg.sessions_at(length)
+        if not sessions:
+            continue
+        for policy in (ResidencyPolicy.unbounded(), cfg.bound):
+            pool = _pool_tokens(cfg, length, policy, max(sessions), len(sessions))
+            need = 2 * pool * per_token + weights + PROCESS_HEADROOM_BYTES
+            if need > available_bytes:
+                lines.append(f"L={length:,} {policy} at N={max(sessions)}: two KV pools of "
+                             f"{pool:,} tokens in {str(model.dtype).removeprefix('torch.')} "
+                             f"and the weights need {need / 2**30:.1f} GiB, "
+                             f"{available_bytes / 2**30:.1f} GiB is available")
+    return lines
+
+
 def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kind: str,
                  log: Callable[[str], None]) -> list[dict]:
     """Both systems at one L: prefill (timed), then `cfg.repeats` alternating rounds of
