@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from metronome.results.context import RunContext, execute
+from metronome.results.context import RunContext, RunRefused, execute
 
 
 def _bench(run):
@@ -29,6 +29,17 @@ def test_a_run_that_raises_writes_what_it_kept_and_the_error_propagates(tmp_path
     assert partial["name"] == "demo" and partial["command"] == "metronome bench demo"
     assert "machine" in partial["provenance"]
     assert not (tmp_path / "out" / "demo.json").exists()  # no result pretends to be whole
+
+
+def test_a_refused_run_writes_nothing_and_says_why(tmp_path):
+    def run(ctx, cfg):
+        raise RunRefused("this grid does not fit this machine's memory")
+
+    ctx = RunContext("demo", tmp_path / "out" / "demo.json", command="metronome bench demo")
+    with pytest.raises(RunRefused, match="does not fit"):
+        execute(_bench(run), ctx, cfg=None)
+    assert not (tmp_path / "out" / "demo.partial.json").exists()
+    assert not (tmp_path / "out" / "demo.json").exists()
 
 
 def test_a_finished_run_writes_its_json_and_report(tmp_path):

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from metronome.bench.vllm.names import OURS, SLIDING, STOCK
 from metronome.kv.residency import ResidencyPolicy
-from metronome.results.context import RunContext
+from metronome.results.context import RunContext, RunRefused
 from metronome.results.provenance import describe
 from metronome.results.tables import md_table
 
@@ -106,7 +106,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     model = load_native_model()
     too_big = pairs_needing_too_much(cfg, model, psutil.virtual_memory().available)
     if too_big:
-        raise ValueError("this grid does not fit this machine's memory (lower --sessions or "
+        raise RunRefused("this grid does not fit this machine's memory (lower --sessions or "
                          "--max-prefill-tokens):\n  " + "\n  ".join(too_big))
     ctx.record(**facts(model))
     bandwidth_gbs = read_bandwidth_gbs()

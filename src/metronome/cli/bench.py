@@ -76,7 +76,7 @@ def build_command(name: str) -> click.Command:
     """The bench's command: its module imported, its `Config` turned into options."""
     module_name, needs_vllm = BENCHES[name]
     module = importlib.import_module(f"metronome.bench.{module_name}")
-    from metronome.results.context import RunContext, Scale, execute
+    from metronome.results.context import RunContext, RunRefused, Scale, execute
 
     def command(ctx: typer.Context, smoke: bool, out: Path, **values) -> None:
         if needs_vllm:
@@ -86,8 +86,12 @@ def build_command(name: str) -> click.Command:
             cfg = replace(base, **given_fields(ctx, module.Config, values))
         except (TypeError, ValueError) as err:
             raise typer.BadParameter(str(err)) from None
-        execute(module, RunContext(module.NAME, out_json=out,
-                                   scale=Scale.SMOKE if smoke else Scale.FULL), cfg)
+        try:
+            execute(module, RunContext(module.NAME, out_json=out,
+                                       scale=Scale.SMOKE if smoke else Scale.FULL), cfg)
+        except RunRefused as err:
+            typer.secho(f"bench {name}: {err}", fg="red", err=True)
+            raise typer.Exit(2) from None
 
     common = [
         _param("ctx", typer.Context, None),

@@ -139,11 +139,18 @@ class RunContext:
         return path
 
 
+class RunRefused(Exception):
+    """A run refused before it did any work (what it asks for cannot run on this machine):
+    the command says why and exits, no partial result is written."""
+
+
 def execute(module, ctx: RunContext, cfg) -> dict:
     """`module.run(ctx, cfg)` then `ctx.finish(result, module.report)`; on an interrupt or an
     error the pieces kept so far go to the partial JSON and the error propagates."""
     try:
         result = module.run(ctx, cfg)
+    except RunRefused:
+        raise
     except BaseException as err:  # Ctrl-C included: that is when the partial matters most
         ctx.write_partial(type(err).__name__ + (f": {err}" if str(err) else ""))
         raise
