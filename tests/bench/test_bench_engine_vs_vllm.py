@@ -148,7 +148,7 @@ def test_a_grid_whose_kv_pools_do_not_fit_the_memory_is_named_before_it_runs():
     model = random_model(TINY_LLAMA, torch.float32, seed=1)
     per_token = model.config.kv_bytes_per_token(torch.float32)
     cfg = engine_vs_vllm.Config(sessions=(8, 64), lengths=(1024,), window_tokens=512)
-    bounded_pool = 64 * (4 + 512 + 4096 + 64)  # window + vLLM's in-flight reserve each
+    bounded_pool = 64 * (4 + 512 + 1024 + 64)  # window + vLLM's in-flight reserve each
     bounded_pool = -(-bounded_pool // 32) * 32
     plenty = 4 * bounded_pool * per_token + PROCESS_HEADROOM_BYTES + (1 << 30)
     assert pairs_needing_too_much(cfg, model, plenty) == []
@@ -160,3 +160,14 @@ def test_a_grid_whose_kv_pools_do_not_fit_the_memory_is_named_before_it_runs():
     assert pairs_needing_too_much(cfg, model, tight + 1) == []
     small = engine_vs_vllm.Config(sessions=(8,), lengths=(1024,), window_tokens=512)
     assert pairs_needing_too_much(small, model, tight) == []
+    # the in-flight reserve is the step budget where the context is longer
+    long = engine_vs_vllm.Config(sessions=(8,), lengths=(8192,), window_tokens=512,
+                                 max_prefill_tokens=65536)
+    pool = -(-8 * (4 + 512 + 4096 + 64) // 32) * 32
+    fits = 2 * pool * per_token + weights + PROCESS_HEADROOM_BYTES
+
+    def bounded(available):
+        return [line for line in pairs_needing_too_much(long, model, available)
+                if "sinks_window" in line]
+
+    assert bounded(fits) == [] and len(bounded(fits - 1)) == 1

@@ -24,10 +24,13 @@ from metronome.kv.residency import ResidencyPolicy
 
 def _pool_tokens(cfg, length: int, policy: ResidencyPolicy, top: int, sessions: int) -> int:
     decode_tokens = cfg.decode_steps * sessions * cfg.repeats * 2 + 64
-    if policy.bounded:  # the window plus vLLM's in-flight reserve (its step budget: a
-        # smaller pool makes vLLM preempt and recompute its long prefills over and over)
-        per_session = cfg.sink_tokens + cfg.window_tokens + cfg.budgets()["vllm"][
-            "max_step_tokens"] + 64
+    if policy.bounded:  # the window plus vLLM's in-flight reserve: what one step may prefill
+        # of the session, its step budget or its whole context if shorter (a smaller pool
+        # makes vLLM preempt and recompute its long prefills over and over; a larger one
+        # only takes memory: at N = 64 x 1k in float32 two pools sized by the step budget
+        # alone were 26 GiB)
+        per_session = cfg.sink_tokens + cfg.window_tokens + min(
+            length, cfg.budgets()["vllm"]["max_step_tokens"]) + 64
     else:
         per_session = length + decode_tokens
     return -(-top * per_session // cfg.block_size) * cfg.block_size
