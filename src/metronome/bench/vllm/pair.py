@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from metronome.bench.engine.floor import BandwidthProbe
+from metronome.bench.engine.floor import BandwidthProbe, weight_bytes
 from metronome.bench.engine.flops import linear_weights
 from metronome.bench.engine.profiling import profile_steps
 from metronome.bench.vllm.engines import native_engine, text_ids, vllm_engine
@@ -45,7 +45,7 @@ def pairs_needing_too_much(cfg, model, available_bytes: int) -> list[str]:
     model's dtype; both copies of the weights; `PROCESS_HEADROOM_BYTES`) is over
     `available_bytes`, as lines saying so: vLLM allocates its whole pool when it starts, and
     a pair that does not fit ends the run in the kernel's OOM killer, without a word."""
-    weights = 2 * sum(p.numel() * p.element_size() for p in linear_weights(model))
+    weights = 2 * weight_bytes(model)  # ours and vLLM's copy
     per_token = model.config.kv_bytes_per_token(model.dtype)
     lines = []
     for length in cfg.lengths:
