@@ -12,10 +12,16 @@ pytestmark = pytest.mark.wall_clock
 # 1 vs 8 vs 48: with the paged kernel a decode step of 4 sessions costs what one of 1 does
 # (the weights' reads dominate), so 1 vs 4 left p50 within noise (488 vs 483 ms measured)
 SESSIONS = (1, 8, 48)
+ORDER = [(1, 0), (8, 0), (48, 0), (1, 1), (8, 1)]  # (sessions, repeat), as runs' keys
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Each load's run, in the order 1, 8, 48, then 1 and 8 again: the keys are (sessions,
+    repeat). A shared host can be several times slower for a while (one CI run measured p50
+    729 ms for 1 session and 1,183 ms for 8 while it was, then 400 ms for 48 once it was not),
+    so the light loads are measured on both sides of the heavy one and compared by their
+    better run."""
     out = {}
     # Sessions spread wide enough that the latency steps stand out of the noise. The frame
     # period is sized to the machine: one session's latency at 1 s frames is measured first,
@@ -23,35 +29,39 @@ def runs(tmp_path_factory):
     # 2-core AMD EPYC in fp32 answers one session in ~0.25 s; CI machines have been 4x
     # slower than that). The frames' deadline is the period.
     period_s = 1.0
-    for sessions in SESSIONS:
+    for sessions, repeat in ORDER:
         config = RunConfig(sessions=sessions, duration_s=8.0 * period_s, ramp_s=period_s,
                            frame_period_s=period_s, tokens_per_frame=12, output_tokens=4,
                            policy="sinks_window:4:64", clock="wall",
-                           out=str(tmp_path_factory.mktemp(f"n{sessions}")))
-        out[sessions] = run_local(config)
-        if sessions == 1:
-            period_s = max(1.0, round(6 * out[1]["latency_ms"]["p50"] / 1e3, 1))
-            print(f"one session: p50 {out[1]['latency_ms']['p50']:.0f} ms -> period {period_s} s")
+                           out=str(tmp_path_factory.mktemp(f"n{sessions}r{repeat}")))
+        out[sessions, repeat] = run_local(config)
+        if (sessions, repeat) == (1, 0):
+            one_ms = out[1, 0]["latency_ms"]["p50"]
+            period_s = max(1.0, round(6 * one_ms / 1e3, 1))
+            print(f"one session: p50 {one_ms:.0f} ms -> period {period_s} s")
     return out
 
 
 def test_small_load_meets_every_deadline(runs):
     for sessions in SESSIONS[:2]:
-        summary = runs[sessions]
-        assert summary["frames"] == sessions * 8  # 8 periods each, whatever the period
-        assert summary["deadline_met_fraction"] == 1.0, summary["frames_by_status"]
-        assert summary["goodput"] == 1.0
+        light = [runs[key] for key in runs if key[0] == sessions]
+        assert all(summary["frames"] == sessions * 8 for summary in light)  # 8 periods each
+        # one of its two runs, as above: a slow spell of the host is not the engine's miss
+        best = max(light, key=lambda summary: summary["deadline_met_fraction"])
+        assert best["deadline_met_fraction"] == 1.0, [s["frames_by_status"] for s in light]
+        assert best["goodput"] == 1.0
 
 
 def test_latency_rises_with_sessions(runs):
-    p50 = {n: runs[n]["latency_ms"]["p50"] for n in runs}
-    print("wall clock p50 latency ms by sessions:", p50)
+    by_run = {key: round(runs[key]["latency_ms"]["p50"]) for key in runs}
+    print("wall clock p50 latency ms by (sessions, repeat):", by_run)
+    p50 = {n: min(v for (s, _), v in by_run.items() if s == n) for n in SESSIONS}
     low, mid, high = SESSIONS
     # 1 vs 8 is not asserted: a decode step of 8 rows costs about what one of 1 does, and 8
     # frames of one session are few (CI measured 100 ms for 1 and 83 ms for 8). 48 sessions
     # collide in steps and queue: measured 1.93x the larger of the two (24 sessions were
     # 1.38-1.77x until the engine thread took the GIL back every 0.5 ms, then 1.11x).
-    assert p50[high] > 1.15 * max(p50[low], p50[mid]), p50
+    assert p50[high] > 1.15 * max(p50[low], p50[mid]), by_run
 
 
 def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_model):
