@@ -140,8 +140,10 @@ def test_float32_kernel_matches_its_float64_task(paged_kernel, head_dim, block_s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_vector_tasks_switch_runs_the_generic_task(paged_kernel, dtype):
     """`set_vector_tasks(False)` (for benches comparing the two in one process) runs the
-    generic task: where the CPU has a vector task for the dtype the bits change (another
-    summation order), the results agree to the dtype's rounding, and the switch goes back."""
+    generic task: the results agree to the dtype's rounding, the switch goes back, and in
+    float32, where the CPU has its vector task, the bits change (another summation order).
+    bf16 outputs are not compared bit for bit: both tasks accumulate in float32 and round to
+    bf16, which on an AVX512-BF16 host absorbed every difference of this input (CI)."""
     kernel = paged_kernel()
     args = _kernel_inputs(64, 20, dtype, 3)
     assert kernel.vector_tasks(), "the vector tasks are the default"
@@ -154,7 +156,8 @@ def test_the_vector_tasks_switch_runs_the_generic_task(paged_kernel, dtype):
         kernel.set_vector_tasks(True)
     assert kernel.vector_tasks()
     has_task = str(dtype).removeprefix("torch.") in kernel.vector_task_dtypes()
-    assert torch.equal(vector, generic) is not has_task
+    if dtype == torch.float32:
+        assert torch.equal(vector, generic) is not has_task
     tol = {"atol": 2e-6, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(vector.float(), generic.float(), **tol)
 
