@@ -6,7 +6,10 @@
 // it at ~19 GB/s at 8 rows in bf16 on an AVX512-BF16 host; this kernel reads the plain
 // row-major weight (which `Projection` keeps anyway) as a stream, a few weight rows at a time
 // (2 in bf16, 3 in float32), and prefetches it. bf16: 1.2-1.5x faster than oneDNN at 1-8
-// rows, no faster from 16 (measured by `metronome bench engine`'s GEMM table). float32 on an
+// rows, no faster from 16 (measured by `metronome bench engine`'s GEMM table); from 2 rows
+// each group prefetches the group 4 ahead while it computes, as float32 does (the bundled
+// model's 121 projections from memory, AVX512-BF16 Zen 4: 1.1x faster at 8 rows than a burst
+// per group, 1.05x at 2-4; at 1 row the burst stays, 1.05x faster there). float32 on an
 // AVX2 Zen 3, the model's projections from memory side by side: 1.2-1.4x faster than oneDNN
 // at 1-16 rows since each group prefetches the next while it computes and x's vectors stay in
 // registers (before: 1.05-1.25x at 1-8, slower at 16).
@@ -32,24 +35,36 @@
 namespace {
 
 constexpr int kRowTile = 8;  // rows of x per micro-tile: 2 x 8 accumulators
-// bf16 (AVX512-BF16 hosts): each group asks for its weight lines 4 KiB ahead of its rows, all
-// at once before its loads. float32 does not prefetch in bursts (see tile_f32).
+// bf16 (AVX512-BF16 hosts) at 1 row: each group asks for its weight lines 4 KiB ahead of its
+// rows, all at once before its loads (a loop of 2 products per line has no room for more
+// instructions). From 2 rows the tile prefetches instead (see tile), this many groups ahead
+// (2 groups ahead measured 1.1x slower at 2 rows than 3 or 4; 4 and 8 the same at 8 rows).
+// float32 does not prefetch in bursts (see tile_f32).
 constexpr int64_t kPrefetchBytesBf16 = 4096;
+constexpr int64_t kPrefetchGroupsBf16 = 4;
 
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
 
 // Rows [0, MT) of x against weight rows w0 and w1: out[2m + j] = x[m] . w_j. A function of
 // its own, compiled per row count, so that its 16 accumulators stay in registers.
+// With `ahead` (2 x K values: a later group's rows, contiguous) it asks for one line of
+// `ahead` per line of each row it reads, so the memory streams that group while these
+// products run; the prefetches change no result.
 template <int MT>
 __attribute__((noinline)) void tile(const at::BFloat16* x, const at::BFloat16* w0,
-                                    const at::BFloat16* w1, int64_t K, float* out) {
+                                    const at::BFloat16* w1, int64_t K,
+                                    const at::BFloat16* ahead, float* out) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t whole = K / 32 * 32;
   for (int64_t k = 0; k < whole; k += 32) {
     const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + k);
     const __m512bh b = (__m512bh)_mm512_loadu_si512(w1 + k);
+    if (ahead != nullptr) {
+      __builtin_prefetch(ahead + 2 * k, 0, 1);
+      __builtin_prefetch(ahead + 2 * k + 32, 0, 1);
+    }
     for (int m = 0; m < MT; ++m) {
       const __m512bh xm = (__m512bh)_mm512_loadu_si512(x + m * K + k);
       acc[2 * m] = _mm512_dpbf16_ps(acc[2 * m], xm, a);
@@ -70,7 +85,7 @@ __attribute__((noinline)) void tile(const at::BFloat16* x, const at::BFloat16* w
 }
 
 using TileFn = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t,
-                        float*);
+                        const at::BFloat16*, float*);
 constexpr TileFn kTiles[kRowTile + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, tile<4>,
                                          tile<5>,  tile<6>, tile<7>, tile<8>};
 #else
@@ -210,11 +225,18 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) {
     using T = at::BFloat16;
+    const bool burst = M == 1;
+    const T* xp = x.data_ptr<T>();
     over_weight_groups<T, kRowTile, 2>(
-        x.data_ptr<T>(), w.data_ptr<T>(), bias.has_value() ? bias->data_ptr<T>() : nullptr,
-        y.data_ptr<T>(), M, K, N, kPrefetchBytesBf16,
-        [K](const T* xs, const T* const* ws, int rows, float* sums) {
-          kTiles[rows](xs, ws[0], ws[1], K, sums);
+        xp, w.data_ptr<T>(), bias.has_value() ? bias->data_ptr<T>() : nullptr,
+        y.data_ptr<T>(), M, K, N, burst ? kPrefetchBytesBf16 : -1,
+        [K, burst, xp](const T* xs, const T* const* ws, int rows, float* sums) {
+          // the group kPrefetchGroupsBf16 ahead starts that many pairs of rows after this
+          // one's (past the weight's end it asks for nothing it needs: a prefetch never
+          // faults); only the first tile of rows of x asks, the rest find the lines there
+          const T* ahead =
+              burst || xs != xp ? nullptr : ws[0] + kPrefetchGroupsBf16 * 2 * K;
+          kTiles[rows](xs, ws[0], ws[1], K, ahead, sums);
         });
   }
 #endif
