@@ -56,6 +56,31 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(small):
     assert torch.equal(small.small_linear(x, w), alone)
 
 
+@pytest.mark.parametrize(("n", "k"), [(64, 576), (33, 576), (96, 100), (7, 31), (1, 32)])
+def test_the_packed_weight_gives_the_plain_weights_bits(small, n, k):
+    """What `Projection` runs (the weight packed once) against the plain weight (packed for
+    the call): the same bits, odd row counts and K short of a whole piece included."""
+    x, w, b = _operands(8, n, k, seed=n + k)
+    packed = small.pack_bf16(w)
+    assert packed.shape == ((n + 1) // 2, (k + 31) // 32, 2, 32)
+    for rows in (1, 3, 8):
+        for bias in (None, b):
+            assert torch.equal(small.small_linear(x[:rows], packed, bias, n),
+                               small.small_linear(x[:rows], w, bias))
+
+
+def test_a_packed_weight_needs_its_row_count(small):
+    x, w, _ = _operands(2, 9, 64, seed=2)
+    packed = small.pack_bf16(w)
+    for wrong in (-1, 8, 11):
+        with pytest.raises(RuntimeError, match="pack_bf16"):
+            small.small_linear(x, packed, None, wrong)
+    with pytest.raises(RuntimeError, match="pack_bf16"):  # packed for another K
+        small.small_linear(torch.cat([x, x], 1), packed, None, 9)
+    with pytest.raises(RuntimeError, match="out_features"):
+        small.small_linear(x, w, None, 8)
+
+
 def test_bad_operands_are_refused(small):
     x, w, b = _operands(2, 8, 64, seed=1)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -92,6 +117,7 @@ def test_projection_chooses_by_rows(small, monkeypatch):
         torch.testing.assert_close(packed(x[:rows]).float(), _exact(x[:rows], w, b).float(),
                                    rtol=2**-7, atol=1e-2)
     assert calls == [1, most]  # past small_rows_max: oneDNN
+    assert packed.small_weight.shape == small.pack_bf16(w).shape  # packed once, at init
     reference = Projection(w, b, packed=False)
     assert reference.small is None
     assert torch.equal(reference(x[:2]), F.linear(x[:2], w, b))

@@ -8,7 +8,10 @@ rounding. With at most `small_rows_max(dtype)` rows the product runs on the plai
 `native.small_linear` instead, in bf16 on an AVX512-BF16 CPU and in float32 on an AVX2 one
 with FMA (a decode step of a few sessions is a pass over the weights: 1.2-1.5x faster than
 oneDNN's there in bf16 at 1-8 rows, no faster from 16; in float32 on an AVX2 Zen 3 1.2-1.4x
-at 1-16 rows, 1.17x at 24, the same at 32).
+at 1-16 rows, 1.17x at 24, the same at 32). In bf16 that kernel reads its own copy of the
+weight, packed once here (`pack_bf16`: pairs of rows as runs of memory, which the memory
+streams 1.1-1.2x faster at 8 rows): one more copy of the weights in memory, as the oneDNN
+one is (the plain weight stays the reference's and the model's).
 `Projection` is the one place that choice is made; `F.linear` on the plain weight
 (`packed=False`) stays as the reference.
 """
@@ -58,6 +61,8 @@ class Projection:
         self.weight, self.bias = weight, bias
         self.packed = None
         self.small = None  # the few-row kernel module, where it applies
+        self.small_weight = weight  # what it reads: bf16 packs a copy for it
+        self.out_features = weight.shape[0]
         if packed:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
                                                                    PACK_ROWS_HINT)
@@ -67,13 +72,16 @@ class Projection:
                 from metronome.model import native
 
                 self.small = native.small_linear(weight.dtype)
+                if self.small is not None and weight.dtype == torch.bfloat16:
+                    self.small_weight = self.small.pack_bf16(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
         if (self.small is not None and x.shape[0] <= self.small_rows_max and x.is_contiguous()
                 and x.dtype == self.weight.dtype):
-            return in_span(SMALL_LINEAR_EVENT, self.small.small_linear, x, self.weight, self.bias)
+            return in_span(SMALL_LINEAR_EVENT, self.small.small_linear, x, self.small_weight,
+                           self.bias, self.out_features)
         return self.onednn(x)
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
