@@ -80,6 +80,29 @@ def test_a_probe_of_given_tensors_reads_their_bytes_as_words():
     assert 0.1 < probe.gbs(repeats=1) < 10_000
 
 
+def _projections(model):
+    return [p for layer in model.projections for p in
+            (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head_projection]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_probe_reads_the_weights_the_step_reads(dtype):
+    """The few-row kernel's own copy where a decode step runs it (bf16 packs one), else the
+    weight: one tensor per projection and lm_head."""
+    model = random_model(TINY_LLAMA, dtype, seed=1)
+    projections = _projections(model)
+    read = engine_vs_vllm_floor.decode_step_weights(model)
+    assert len(read) == len(projections) == 4 * len(model.layers) + 1
+    for tensor, projection in zip(read, projections, strict=True):
+        assert tensor is (projection.weight if projection.small is None
+                          else projection.small_weight)
+    if dtype == torch.bfloat16 and projections[0].small is not None:
+        assert read[0] is not projections[0].weight  # the packed copy, not the plain weight
+    model.use_packed_linear(False)  # the reference: the plain weights
+    assert all(t is p.weight for t, p in zip(engine_vs_vllm_floor.decode_step_weights(model),
+                                             _projections(model), strict=True))
+
+
 def test_read_bandwidth_is_a_plausible_rate():
     assert 0.1 < read_bandwidth_gbs(repeats=1) < 10_000
 

@@ -309,8 +309,9 @@ def report(result: dict) -> str:
            "once at the measured read bandwidth (a 1 GiB sum on torch's threads: "
            f"{result['read_bandwidth_gbs']:.1f} GB/s at the run's start; " + (
                "then, for the floor, measured again just before and just after each of our "
-               "rounds by reading the step's own weights, every projection and lm_head, as "
-               "float32 words: a pure read of the very pages the step reads, the better of "
+               "rounds by reading the step's own weights, every projection and lm_head as "
+               "the step reads it (the few-row kernel's packed copy in bf16), as float32 "
+               "words: a pure read of the very pages the step reads, the better of "
                "the two taken; each round's median step is divided by the floor of its own "
                "time, and the multiple is the median over the rounds)."
                if _has_round_bandwidth(result) else "once for the run).")

@@ -54,6 +54,15 @@ def read_bandwidth_gbs(repeats: int = 5) -> float:
     return BandwidthProbe([torch.ones(BANDWIDTH_BUFFER_BYTES // 4)]).gbs(repeats)
 
 
+def decode_step_weights(model: LlamaModel) -> list[torch.Tensor]:
+    """The tensors a decode step's projections and lm_head read, as the model runs them: the
+    few-row kernel's own copy where it runs (bf16 packs one), else the weight itself. The
+    bandwidth probe reads these: the very pages the step reads."""
+    projections = [p for layer in model.projections for p in
+                   (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head_projection]
+    return [p.small_weight if p.small is not None else p.weight for p in projections]
+
+
 def weight_bytes(model: LlamaModel) -> int:
     """Bytes a decode step's projections and lm_head read (the weights, once)."""
     return sum(w.numel() * w.element_size() for w in linear_weights(model))

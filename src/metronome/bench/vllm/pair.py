@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from metronome.bench.engine.floor import BandwidthProbe, weight_bytes
+from metronome.bench.engine.floor import BandwidthProbe, decode_step_weights, weight_bytes
 from metronome.bench.engine.flops import linear_weights
 from metronome.bench.engine.profiling import profile_steps
 from metronome.bench.vllm.engines import native_engine, text_ids, vllm_engine
@@ -88,7 +88,7 @@ def measure_pair(cfg, model, length: int, ours_policy: ResidencyPolicy, vllm_kin
              vllm_kind: SessionSpec(policy=ResidencyPolicy.unbounded(), stop_token_ids=())}
     sids = {name: [e.open_session(specs[name]) for _ in range(top)] for name, e in engines.items()}
     ids = text_ids(length * 2)
-    probe = BandwidthProbe(linear_weights(model))  # the step's own weights
+    probe = BandwidthProbe(decode_step_weights(model))  # the pages the step reads
     try:
         prefill_runs_s = _timed_prefills(cfg, engines, sids, specs, threads, length, ids, log)
         prefill_s = {name: statistics.median(runs) for name, runs in prefill_runs_s.items()}
