@@ -10,6 +10,7 @@ import torch
 from metronome.bench import engine_vs_vllm
 from metronome.bench.engine import floor as engine_vs_vllm_floor
 from metronome.bench.engine.floor import decode_floor_ms, read_bandwidth_gbs, weight_bytes
+from metronome.bench.engine.flops import linear_weights
 from metronome.bench.vllm.names import OURS, SLIDING, STOCK
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
@@ -80,27 +81,25 @@ def test_a_probe_of_given_tensors_reads_their_bytes_as_words():
     assert 0.1 < probe.gbs(repeats=1) < 10_000
 
 
-def _projections(model):
-    return [p for layer in model.projections for p in
-            (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head_projection]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_probe_reads_the_weights_the_step_reads(dtype):
     """The few-row kernel's own copy where a decode step runs it (bf16 packs one), else the
-    weight: one tensor per projection and lm_head."""
+    weight: one tensor per projection and lm_head, in `linear_weights`' order."""
+    from metronome.model import native
+
     model = random_model(TINY_LLAMA, dtype, seed=1)
-    projections = _projections(model)
+    plain = linear_weights(model)
     read = engine_vs_vllm_floor.decode_step_weights(model)
-    assert len(read) == len(projections) == 4 * len(model.layers) + 1
-    for tensor, projection in zip(read, projections, strict=True):
-        assert tensor is (projection.weight if projection.small is None
-                          else projection.small_weight)
-    if dtype == torch.bfloat16 and projections[0].small is not None:
-        assert read[0] is not projections[0].weight  # the packed copy, not the plain weight
+    assert len(read) == len(plain) == 4 * len(model.layers) + 1
+    small = native.small_linear(dtype) if model.packed_linear else None
+    for tensor, weight in zip(read, plain, strict=True):
+        if small is not None and dtype == torch.bfloat16:  # the packed copy, not the weight
+            assert tensor is not weight and torch.equal(tensor, small.pack_bf16(weight))
+        else:
+            assert tensor is weight
     model.use_packed_linear(False)  # the reference: the plain weights
-    assert all(t is p.weight for t, p in zip(engine_vs_vllm_floor.decode_step_weights(model),
-                                             _projections(model), strict=True))
+    assert all(t is w for t, w in zip(engine_vs_vllm_floor.decode_step_weights(model), plain,
+                                      strict=True))
 
 
 def test_read_bandwidth_is_a_plausible_rate():
