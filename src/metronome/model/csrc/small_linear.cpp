@@ -247,6 +247,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
     over_weight_groups<T, kRowTile, 2>(
         xp, bias.has_value() ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), M, N, K,
         [pp, pair_values](int64_t group, const T** rows_of) {
+          // a packed pair is one run: both rows' slots hold its start, which the tile reads
           rows_of[0] = rows_of[1] = pp + group * pair_values;
         },
         [K, xp](const T* xs, const T* const* rows_of, int rows, float* sums) {
