@@ -27,7 +27,7 @@ class RecordingTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.paused = False
-        self.pauses = self.resumes = 0
+        self.resumes = 0
         self.written = bytearray()
         self.closing = False
 
@@ -35,7 +35,7 @@ class RecordingTransport(asyncio.Transport):
         return default
 
     def pause_reading(self) -> None:
-        self.paused, self.pauses = True, self.pauses + 1
+        self.paused = True
 
     def resume_reading(self) -> None:
         self.paused, self.resumes = False, self.resumes + 1

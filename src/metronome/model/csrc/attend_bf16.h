@@ -119,9 +119,9 @@ void attend_task_bf16(const at::BFloat16* q, const at::BFloat16* q_sink,
         __builtin_prefetch(v_next + off, 0, 1);
       }
       if (seen == 0) {
-        for (int64_t off = chunk_begin; after_next && off < chunk_end; off += 64) {
-          __builtin_prefetch(k_after + off, 0, 1);
-          __builtin_prefetch(v_after + off, 0, 1);
+        if (after_next) {
+          prefetch_l2(k_after, chunk_begin, chunk_end);
+          prefetch_l2(v_after, chunk_begin, chunk_end);
         }
         continue;
       }
@@ -150,8 +150,7 @@ void attend_task_bf16(const at::BFloat16* q, const at::BFloat16* q_sink,
         run_sum[h] += _mm512_reduce_add_ps(p);
         _mm512_store_ps(probs[h], p);
       }
-      for (int64_t off = chunk_begin; after_next && off < chunk_end; off += 64)
-        __builtin_prefetch(k_after + off, 0, 1);
+      if (after_next) prefetch_l2(k_after, chunk_begin, chunk_end);
       const at::BFloat16* vr = vb + j0 * kD;
       for (int h0 = 0; h0 < group; h0 += 4) {  // up to 4 heads a pass (SmolLM2: its 3 in one)
         switch (std::min(4, group - h0)) {
@@ -161,8 +160,7 @@ void attend_task_bf16(const at::BFloat16* q, const at::BFloat16* q_sink,
           default: values_chunk<kD, 4>(acc + h0, probs + h0, vr, n, seen); break;
         }
       }
-      for (int64_t off = chunk_begin; after_next && off < chunk_end; off += 64)
-        __builtin_prefetch(v_after + off, 0, 1);
+      if (after_next) prefetch_l2(v_after, chunk_begin, chunk_end);
     }
   }
   for (int h = 0; h < group; ++h) {

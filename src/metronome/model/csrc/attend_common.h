@@ -16,4 +16,9 @@ inline const char* block_bytes(const T* base, int64_t block, int64_t block_size)
   return reinterpret_cast<const char*>(base + block * block_size * kD);
 }
 
+// ask for the cache lines of bytes [begin, end) of `p` into L2 (prefetcht2)
+inline void prefetch_l2(const char* p, int64_t begin, int64_t end) {
+  for (int64_t off = begin; off < end; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
 }  // namespace metronome_attend
