@@ -103,3 +103,34 @@ def test_they_refuse_bad_shapes_with_a_reason(fused):
     for reason, call in cases.items():
         with pytest.raises(RuntimeError, match=reason):
             call()
+
+
+def test_argmax_rows_is_torchs_argmax(fused):
+    """The first maximal index of every row, NaN counting as the maximum: rows of every
+    length around the 8-lane vectors, ties within and across lanes, -0.0 beside 0.0, NaNs
+    in the vector part and in the tail, and a step's logits (8 x the vocabulary)."""
+    from metronome.engine.sampling import greedy_ids
+
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randn(n, generator=generator) for n in range(1, 50)]
+    rows += [torch.randint(0, 3, (n,), generator=generator).float() for n in (7, 16, 17, 64, 99)]
+    rows += [torch.tensor([-0.0, 0.0, -0.0] * 7), torch.full((40,), -1e30)]
+    for n, at in ((9, 0), (30, 12), (30, 29), (33, 32), (5, 3)):
+        row = torch.randn(n, generator=generator)
+        row[at] = float("nan")
+        rows.append(row)
+        twice = row.clone()
+        twice[-1] = float("nan")
+        rows.append(twice)
+    rows.append(torch.full((24,), float("-inf")))
+    for row in rows:
+        got = fused.argmax_rows(row[None].contiguous()).tolist()
+        assert got == row[None].argmax(dim=-1).tolist(), row
+    step = torch.randn(8, 49152, generator=generator)
+    step[3, 40000] = step[3, 100] = step[3].max() + 1  # a tie: the first wins
+    assert fused.argmax_rows(step).tolist() == step.argmax(dim=-1).tolist()
+    assert greedy_ids(step, fused) == greedy_ids(step, None) == step.argmax(dim=-1).tolist()
+    assert greedy_ids(step[:, :100], fused) == step[:, :100].argmax(dim=-1).tolist()  # strided
+    assert greedy_ids(torch.empty(0, 10), fused) == []
+    with pytest.raises(RuntimeError, match="float32"):
+        fused.argmax_rows(step.to(torch.bfloat16))

@@ -9,6 +9,7 @@ window starts, or the dense path's gather order and mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -81,26 +82,49 @@ def build_batch(
             logits_rows.append(row + w.num_tokens - 1)
         row += w.num_tokens
 
-    def int_tensor(values):
-        return torch.tensor(values, dtype=torch.int64)
-
+    lists = {"positions": positions, "slot_ids": slot_ids, "logits_index": logits_rows}
+    if any_rolling_sinks:
+        lists["sink_positions"] = sink_positions
+    paged_lists = _paged_lists(work[:num_paged], positions, window_starts) if num_paged else {}
+    tensors = _int64_tensors(lists | paged_lists)
+    paged = None
+    if num_paged:
+        paged = PagedAttention(
+            num_tokens=len(paged_lists["token_session"]),
+            token_session=tensors["token_session"],
+            token_positions=tensors["token_positions"],
+            token_window_start=tensors["token_window_start"],
+            block_ids=tensors["block_ids"].view(num_paged, -1),
+            block_logical=tensors["block_logical"].view(num_paged, -1),
+            num_blocks=tensors["num_blocks"],
+            sink_tokens=tensors["sink_tokens"],
+            sink_blocks=tensors["sink_blocks"],
+        )
     return ForwardBatch(
         inputs_embeds=_embeddings(work, embed, dtype),
-        positions=int_tensor(positions),
-        sink_positions=int_tensor(sink_positions) if any_rolling_sinks else None,
-        slot_ids=int_tensor(slot_ids),
-        logits_index=int_tensor(logits_rows),
-        paged=_paged(work[:num_paged], block_size, positions, window_starts) if num_paged
-        else None,
+        positions=tensors["positions"],
+        sink_positions=tensors.get("sink_positions"),
+        slot_ids=tensors["slot_ids"],
+        logits_index=tensors["logits_index"],
+        paged=paged,
         dense=_dense(work[num_paged:], block_size) if num_paged < len(work) else None,
     )
 
 
-def _paged(work: list[PlannedWork], block_size: int, positions: list[int],
-           window_starts: list[int]) -> PagedAttention:
-    """Block tables and per-query visibility bounds for the paged kernel (plain lists: a
-    decode step has one token per session, and torch ops per session would cost more).
-    `positions`, `window_starts`: the step's, per token; this part's tokens lead them."""
+def _int64_tensors(lists: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Each list as an int64 tensor: views of one tensor made by one `torch.tensor` call, not
+    a call each (a paged decode step's 13 calls: `build_batch` 390 vs 331 us for 8 sessions
+    on a Zen 1-class EPYC)."""
+    flat = torch.tensor(list(chain.from_iterable(lists.values())), dtype=torch.int64)
+    return dict(zip(lists, flat.split([len(values) for values in lists.values()]), strict=True))
+
+
+def _paged_lists(work: list[PlannedWork], positions: list[int],
+                 window_starts: list[int]) -> dict[str, list[int]]:
+    """Block tables and per-query visibility bounds for the paged kernel, as lists named
+    after `PagedAttention`'s fields (plain lists: a decode step has one token per session,
+    and torch ops per session would cost more). `positions`, `window_starts`: the step's,
+    per token; this part's tokens lead them. Block tables are padded to the longest."""
     max_blocks = max(len(w.session.table.logical_to_block_id) for w in work)
     block_ids, block_logical, num_blocks, sink_tokens, sink_blocks = [], [], [], [], []
     token_session = []
@@ -115,18 +139,11 @@ def _paged(work: list[PlannedWork], block_size: int, positions: list[int],
         rolling = policy.positions is Positions.ROLLING and policy.sink_tokens
         sink_blocks.append(min(table.num_sink_blocks, len(blocks)) if rolling else 0)
         token_session.extend([b] * w.num_tokens)
-    sessions, num_tokens = len(work), len(token_session)
-    return PagedAttention(
-        num_tokens=num_tokens,
-        token_session=torch.tensor(token_session, dtype=torch.int64),
-        token_positions=torch.tensor(positions[:num_tokens], dtype=torch.int64),
-        token_window_start=torch.tensor(window_starts[:num_tokens], dtype=torch.int64),
-        block_ids=torch.tensor(block_ids, dtype=torch.int64).view(sessions, max_blocks),
-        block_logical=torch.tensor(block_logical, dtype=torch.int64).view(sessions, max_blocks),
-        num_blocks=torch.tensor(num_blocks, dtype=torch.int64),
-        sink_tokens=torch.tensor(sink_tokens, dtype=torch.int64),
-        sink_blocks=torch.tensor(sink_blocks, dtype=torch.int64),
-    )
+    num_tokens = len(token_session)
+    return {"token_session": token_session, "token_positions": positions[:num_tokens],
+            "token_window_start": window_starts[:num_tokens], "block_ids": block_ids,
+            "block_logical": block_logical, "num_blocks": num_blocks,
+            "sink_tokens": sink_tokens, "sink_blocks": sink_blocks}
 
 
 def _dense(work: list[PlannedWork], block_size: int) -> DenseAttention:

@@ -23,7 +23,7 @@ from metronome.engine.batch_builder import (
     paged_first,
 )
 from metronome.engine.chunking import chunk_limit
-from metronome.engine.sampling import sample
+from metronome.engine.sampling import greedy_ids, sample
 from metronome.engine.session import Session, SessionSpec
 from metronome.engine.snapshot import SessionSnapshot, restore, take
 from metronome.engine.types import (
@@ -380,7 +380,7 @@ class Engine:
 
     def _finish(self, work: list[PlannedWork], logits: torch.Tensor) -> list[SessionStep]:
         outcomes, row = [], 0
-        argmax_ids = logits.argmax(dim=-1).tolist() if len(logits) else []  # one batched argmax
+        argmax_ids = greedy_ids(logits, getattr(self.model, "fused", None))  # one, batched
         for w in work:
             session = w.session
             rows = {"all": w.num_tokens, "last": 1, "none": 0}[w.logits_rows]

@@ -25,6 +25,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def greedy_ids(logits: torch.Tensor, fused=None) -> list[int]:
+    """Each row's greedy token: the first index of its maximum (a NaN counts as the
+    maximum), as `torch.argmax(dim=-1)` gives it. `fused`: the model's fused kernels
+    (`native.fused_ops()`), whose `argmax_rows` reads a row 8 values at a time where torch
+    walks it one by one (a decode step's 8 x 49,152 logits: 0.35 ms with torch on a Zen
+    1-class EPYC); None, or logits it does not take, and torch answers."""
+    if len(logits) == 0:
+        return []
+    if (fused is not None and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous() and logits.shape[1] > 0):
+        return fused.argmax_rows(logits).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Seeded temperature + top-p draw: logits (vocab,) float32 -> one token id. Greedy
     sessions never come here: the engine takes one batched argmax over the step."""

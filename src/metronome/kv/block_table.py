@@ -29,7 +29,8 @@ class BlockTable:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(1 for k in self.logical_to_block_id if k < self.num_sink_blocks)
+        sinks = self.num_sink_blocks
+        return sum(1 for k in self.logical_to_block_id if k < sinks)
 
     def visible_tokens(self, position: int) -> int:
         """How many keys a query at `position` attends to (itself included)."""
@@ -67,9 +68,8 @@ class BlockTable:
     def slide(self, pool: BlockPool) -> int:
         """Return blocks no future query can see to the pool. Returns how many were freed."""
         start_block = self.policy.window_start(self.num_tokens, self.block_size) // self.block_size
-        stale = [
-            k for k in self.logical_to_block_id if self.num_sink_blocks <= k < start_block
-        ]
+        sinks = self.num_sink_blocks  # once: a property over the policy, not per block
+        stale = [k for k in self.logical_to_block_id if sinks <= k < start_block]
         pool.free([self.logical_to_block_id.pop(k) for k in stale])
         self._check()
         return len(stale)
