@@ -11,7 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metronome.model.linear import Projection, small_rows_max
+from metronome.model import linear
+from metronome.model.linear import (
+    SMALL_ROWS_MAX,
+    SPLIT_FMA_FLOAT32_ROWS_MAX,
+    Projection,
+    small_rows_max,
+    splits_fma,
+)
 from tests.native_kernels import bf16_kernel, float32_kernel
 
 
@@ -137,7 +144,7 @@ def _operands_f32(rows: int, n: int, k: int, seed: int):
 
 
 @pytest.mark.parametrize(("n", "k"), [(64, 576), (33, 576), (96, 100), (7, 5), (1536, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 24, 33, 64])  # to the split-FMA limit
 def test_float32_matches_exact_products(small_f32, rows, n, k):
     x, w, b = _operands_f32(rows, n, k, seed=rows * 1000 + n + k)
     for bias in (None, b):
@@ -202,3 +209,28 @@ def test_the_kernel_runs_without_the_gil(small_f32):
     worker.join()
     gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
     assert gaps and max(gaps) < call_s / 2, (max(gaps, default=None), call_s)
+
+
+ZEN1 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
+
+
+@pytest.mark.parametrize(("cpuinfo", "split"), [
+    (ZEN1, True),
+    (ZEN1.replace("model\t\t: 1", "model\t\t: 8"), True),  # Zen+
+    (ZEN1.replace("model\t\t: 1", "model\t\t: 49"), False),  # Zen 2: full-width FMA
+    (ZEN1.replace("23", "25"), False),  # Zen 3 and 4
+    (ZEN1.replace("AuthenticAMD", "GenuineIntel").replace("23", "6"), False),
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\n", False),  # no family: not assumed
+    ("", False),
+    (ZEN1.replace("AuthenticAMD", "GenuineIntel") + "\n" + ZEN1, False),  # the first CPU's
+])
+def test_split_fma_is_amd_family_23_before_model_0x30(cpuinfo, split):
+    assert splits_fma(cpuinfo.splitlines()) is split
+
+
+@pytest.mark.parametrize(("split", "rows"), [(True, SPLIT_FMA_FLOAT32_ROWS_MAX),
+                                             (False, SMALL_ROWS_MAX[torch.float32])])
+def test_float32_row_limit_follows_the_fma_width(monkeypatch, split, rows):
+    monkeypatch.setattr(linear, "split_fma", lambda: split)
+    assert small_rows_max(torch.float32) == rows
+    assert small_rows_max(torch.bfloat16) == SMALL_ROWS_MAX[torch.bfloat16]  # bf16: as it was

@@ -8,20 +8,24 @@ rounding. With at most `small_rows_max(dtype)` rows the product runs on the plai
 `native.small_linear` instead, in bf16 on an AVX512-BF16 CPU and in float32 on an AVX2 one
 with FMA (a decode step of a few sessions is a pass over the weights: 1.2-1.5x faster than
 oneDNN's there in bf16 at 1-8 rows, no faster from 16; in float32 on an AVX2 Zen 3 1.2-1.4x
-at 1-16 rows, 1.17x at 24, the same at 32). In bf16 that kernel reads its own copy of the
-weight, packed once here (`pack_bf16`: pairs of rows as runs of memory, which the memory
-streams 1.1-1.2x faster at 8 rows): one more copy of the weights in memory, as the oneDNN
-one is (the plain weight stays the reference's and the model's).
+at 1-16 rows, 1.17x at 24, the same at 32; on a Zen 1-class core up to 64 rows, below).
+In bf16 that kernel reads its own copy of the weight, packed once here (`pack_bf16`: pairs
+of rows as runs of memory, which the memory streams 1.1-1.2x faster at 8 rows): one more
+copy of the weights in memory, as the oneDNN one is (the plain weight stays the reference's
+and the model's).
 `Projection` is the one place that choice is made; `F.linear` on the plain weight
 (`packed=False`) stays as the reference.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from metronome.model.spans import in_span
+from metronome.results.provenance import cpuinfo_field, proc_lines
 
 # oneDNN picks its blocking for this many rows; any row count works (measured: 64 is best
 # from 1 to 256 rows for SmolLM2's shapes; a 1-row hint is 1.3x slower at 8-64 rows).
@@ -29,11 +33,37 @@ PACK_ROWS_HINT = 64
 # rows up to which a packed projection runs `native.small_linear`, per dtype (where the
 # kernel measured faster than oneDNN, the model's projections from memory side by side)
 SMALL_ROWS_MAX = {torch.bfloat16: 8, torch.float32: 24}
+# ... in float32 on a core that runs a 256-bit FMA as two 128-bit halves (AMD Zen 1 and Zen+:
+# family 23, models below 0x30). There the kernel is at the core's peak from 24 rows (61-65
+# GFLOP/s on a ~2 GHz Zen 1-class EPYC, 2 threads) while oneDNN gets 46-58 at 24-64 rows:
+# the kernel 1.03-1.29x faster at 32-56 rows, 1.05-1.12x at 64, 1.00-1.02x at 80, slower
+# from 96 (`scripts/few_rows.py`, docs/results/zen1_float32_step.md).
+SPLIT_FMA_FLOAT32_ROWS_MAX = 64
 SMALL_LINEAR_EVENT = "metronome::small_linear"  # its span under torch.profiler (not an aten op)
+
+
+@functools.cache
+def split_fma() -> bool:
+    """Does this CPU split a 256-bit FMA in two 128-bit halves (`splits_fma` of its
+    /proc/cpuinfo; False where there is none)?"""
+    return splits_fma(proc_lines("/proc/cpuinfo"))
+
+
+def splits_fma(cpuinfo: list[str]) -> bool:
+    """Its CPU is an AMD family 23 before model 0x30 (Zen 1, Zen+; Zen 2 is 0x30 on), by the
+    first value of each field."""
+    vendor, family, model = (cpuinfo_field(cpuinfo, name)
+                             for name in ("vendor_id", "cpu family", "model"))
+    try:
+        return vendor == "AuthenticAMD" and int(family) == 23 and int(model) < 0x30
+    except (TypeError, ValueError):  # a field missing or not a number
+        return False
 
 
 def small_rows_max(dtype: torch.dtype) -> int:
     """Rows up to which a packed projection of this dtype runs the few-row kernel (0: none)."""
+    if dtype == torch.float32 and split_fma():
+        return SPLIT_FMA_FLOAT32_ROWS_MAX
     return SMALL_ROWS_MAX.get(dtype, 0)
 
 

@@ -31,22 +31,49 @@ def git_commit(root: Path = SOURCE_ROOT) -> str | None:
     return head + ("-dirty" if dirty else "")
 
 
-def _proc_lines(path: str) -> list[str]:
+def proc_lines(path: str) -> list[str]:
+    """The lines of a /proc file ([] where there is none)."""
     file = Path(path)
     return file.read_text().splitlines() if file.exists() else []
 
 
+def cpuinfo_field(cpuinfo: list[str], name: str) -> str | None:
+    """The first value of a /proc/cpuinfo field (`name` exactly, before the colon)."""
+    return next((ln.split(":", 1)[1].strip() for ln in cpuinfo
+                 if ":" in ln and ln.split(":", 1)[0].strip() == name), None)
+
+
+def cpu_generation(cpuinfo: list[str]) -> str | None:
+    """The CPU's generation as /proc/cpuinfo numbers it ("family F model M"), or None: what
+    a VM's generic model name hides (an "AMD EPYC" at family 23 is a Zen 1 or 2, at family
+    25 a Zen 3 or 4)."""
+    family, model = cpuinfo_field(cpuinfo, "cpu family"), cpuinfo_field(cpuinfo, "model")
+    return f"family {family} model {model}" if family and model else None
+
+
+def vector_isa(flags: list[str]) -> str:
+    """The widest SIMD the CPU offers the kernels: avx512f, avx2 (with or without fma)..."""
+    if "avx512f" in flags:
+        return "avx512f"
+    if "avx2" in flags:
+        return "avx2+fma" if "fma" in flags else "avx2"
+    return next((f for f in ("avx", "sse4_2", "asimd") if f in flags), "none")
+
+
 def machine() -> dict:
-    """This machine's facts: CPU, cores, memory, bf16 instructions, library versions, load."""
+    """This machine's facts: CPU (model, generation, vector ISA), cores, memory, bf16
+    instructions, library versions, load."""
     import torch
 
-    cpuinfo = _proc_lines("/proc/cpuinfo")
+    cpuinfo = proc_lines("/proc/cpuinfo")
     model_names = [ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")]
     flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo if ln.startswith("flags")), [])
-    mem_kib = next((int(ln.split()[1]) for ln in _proc_lines("/proc/meminfo")
+    mem_kib = next((int(ln.split()[1]) for ln in proc_lines("/proc/meminfo")
                     if ln.startswith("MemTotal")), 0)
     return {
         "cpu_model": model_names[0] if model_names else platform.processor(),
+        "cpu_generation": cpu_generation(cpuinfo),
+        "vector_isa": vector_isa(flags),
         "logical_cpus": os.cpu_count(),
         "memory_gib": round(mem_kib / (1 << 20), 1),
         "bf16_isa": [f for f in ("avx512_bf16", "amx_bf16") if f in flags],
@@ -69,6 +96,8 @@ def describe(prov: dict) -> str:
     m = prov["machine"]
     extra = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in prov.items()
                       if k not in ("commit", "machine") and v is not None)
-    return (f"Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, "
+    facts = ", ".join(str(m[k]) for k in ("cpu_generation", "vector_isa") if m.get(k))
+    return (f"Machine: {m['cpu_model']}{f' ({facts})' if facts else ''}, "
+            f"{m['logical_cpus']} logical CPUs, "
             f"{m['memory_gib']} GiB, torch {m['torch']} ({m['torch_threads']} threads)"
             f"{'; ' + extra if extra else ''}; commit `{prov['commit'] or 'unknown'}`.")

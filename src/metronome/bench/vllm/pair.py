@@ -5,6 +5,7 @@ against torch's peak for the same shapes."""
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -170,12 +171,13 @@ def _timed_prefills(cfg, engines: dict, sids: dict, specs: dict, threads: dict, 
     return runs
 
 
-def gemm_peak_gflops(model, rows: int, repeats: int = 5) -> dict:
+def gemm_peak_gflops(model, rows: int, repeats: int = 5, past_limit: bool = False) -> dict:
     """torch's best throughput for the step's GEMM shapes at `rows` rows (every weight of
     `linear_weights`: the projections and lm_head), with F.linear on the plain weights and
     oneDNN on prepacked ones, all in a row (weights from memory, as in a step), best of
     `repeats` after one warm-up; and our few-row kernel where it applies (`small_linear`:
-    at most `small_rows_max(dtype)` rows; bf16 on an AVX512-BF16 CPU, float32 on AVX2 with FMA)."""
+    at most `small_rows_max(dtype)` rows; bf16 on an AVX512-BF16 CPU, float32 on AVX2 with FMA;
+    `past_limit`: at any row count, to find where it stops paying, `scripts/few_rows.py`)."""
     from metronome.model.linear import Projection, small_rows_max
 
     weights = linear_weights(model)
@@ -183,8 +185,13 @@ def gemm_peak_gflops(model, rows: int, repeats: int = 5) -> dict:
     plain = [Projection(w, None, False) for w in weights]
     packed = [Projection(w, None, True) for w in weights]
     ways = {"f_linear": plain, "onednn_prepacked": [p.onednn for p in packed]}
-    if rows <= small_rows_max(model.dtype) and all(p.small is not None for p in packed):
-        ways["small_linear"] = packed  # (Projection's own choice at these rows)
+    if all(p.small is not None for p in packed):
+        if rows <= small_rows_max(model.dtype):
+            ways["small_linear"] = packed  # (Projection's own choice at these rows)
+        elif past_limit:
+            ways["small_linear"] = [functools.partial(p.small.small_linear, w=p.small_weight,
+                                                      bias=None, out_features=p.out_features)
+                                    for p in packed]
     inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
     out = {}
     for name, products in ways.items():
