@@ -38,6 +38,7 @@ from tests.cluster.client import (
     view,
     wait_for,
 )
+from tests.host_speed import deadline_fraction, host_slowness
 
 pytest.importorskip("ray.serve", reason="the cluster extra (make install) is not installed")
 
@@ -54,7 +55,12 @@ def launched(tmp_path_factory):
     # tested here (with them, it moves each to a survivor: tests/cluster/test_cluster_resume)
     args = ["--replicas", "2", "--model", "preset:tiny", "--admission", "static",
             "--admission-cap", str(CAP), "--stats-period-s", "0.25", "--drain-timeout-s",
-            str(DRAIN_TIMEOUT_S), "--checkpoint-interval-s", "0"]
+            str(DRAIN_TIMEOUT_S), "--checkpoint-interval-s", "0",
+            # two replicas, Ray and the clients share 2 cores: a frame's deadline and the
+            # audio a session may leave unanswered (1 s, 4 s on the reference host) scale
+            # with the host (`tests.host_speed`; a Zen 1-class host once overflowed 4 s)
+            "--deadline-fraction", f"{deadline_fraction(1.0):.2f}",
+            "--max-buffered-audio-s", f"{4.0 * host_slowness():.2f}"]
     with launched_cluster(tmp_path_factory, args, 2, 60) as (url, printed):
         yield url, ray_address(printed)
 

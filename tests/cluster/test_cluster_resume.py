@@ -27,6 +27,7 @@ from tests.cluster.client import (
     view,
     wait_for,
 )
+from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
 from tests.serve.test_serve_resume import QUESTIONS, _answers, _ask
 from tests.served import recv, recv_until
 
@@ -40,7 +41,9 @@ def launched(tmp_path_factory):
     args = ["--replicas", "2", "--mode", "turn", "--response-tokens", "12", "--admission",
             "static", "--admission-cap", "4", "--pool-tokens", "8192",
             "--checkpoint-interval-s", "0.2", "--stats-period-s", "0.25",
-            "--drain-timeout-s", "30"]
+            "--drain-timeout-s", "30",
+            # unhurried: answers are compared token for token, and a late one is cut short
+            "--deadline-fraction", str(UNHURRIED_DEADLINE_FRACTION)]
     with launched_cluster(tmp_path_factory, args, 2, 120) as (url, printed):
         yield url, ray_address(printed)
 

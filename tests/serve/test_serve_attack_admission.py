@@ -13,6 +13,12 @@ frames are due, `runtime.feed`; measured 0/75 late, 28/75 before the feed.) Blin
 and size (the old rule), the audio attacker alone cut the cap 4 -> 1 in 7.8 s and 7 of 10
 users got 503.
 
+The scenario needs a host that carries the well-behaved load: where the 3 streamers alone
+take more than half their deadline before the attack (a Zen 1-class EPYC in float32: 0.60),
+6 sessions' fair shares overload it, the cap is rightly cut, and the test skips and says so
+(`CALM_LOAD_MAX`; it failed there with the cap cut 8 -> 3 while the floods did only 0.4-0.57
+of the engine's work).
+
 The control interval is 1 s (the default is 2 s), so the run takes ~30 s. Measured on a
 2-core machine: the cap fell 8 -> 7 in the attack's first interval (the streamers' frames
 slowed before any attacker frame was answered and judged), then held at 7 and was back at
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import json
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +65,13 @@ ATTACK_S = 11.0
 NEW_USERS = 10
 NEW_USER_EVERY_S = 2.0  # from the attack's start: 6 during it, 4 after it
 RECOVERY_INTERVALS = 5
+# The test's premise: this host carries the well-behaved load the cap must keep room for.
+# The streamers' p95 latency before the attack, as a fraction of their deadline, scales
+# about with the load: NEEDED_CAP sessions of the same work fit only if CALM_SESSIONS of
+# them take at most CALM_SESSIONS / NEEDED_CAP of it. A slower host (a Zen 1-class EPYC in
+# float32: 3 streamers at 0.55-0.63 of their 1 s deadline) is overloaded by the attackers'
+# fair shares alone; the cap is then rightly cut, and steering cannot be told from load.
+CALM_LOAD_MAX = CALM_SESSIONS / NEEDED_CAP
 AUDIO_CHUNK_S = 1.0
 AUDIO_EVERY_S = AUDIO_CHUNK_S / 6  # 6x real time
 TEXT_EVERY_S = 0.05
@@ -152,6 +166,16 @@ def test_clients_faster_than_real_time_do_not_steer_the_cap(smollm2):
             streamer.start()
         time.sleep(WARM_UP_S)
         pre_attack_cap = state.controller.limit.cap
+        calm_load = calm_latency_fraction(state.controller.history)
+        print(f"streamers' load before the attack: {calm_load:.2f} of their deadline")
+        if calm_load > CALM_LOAD_MAX:
+            for streamer in calm:
+                streamer.stop()
+            pytest.skip(f"this host is too slow for the scenario: {CALM_SESSIONS} streamers "
+                        f"alone take {calm_load:.2f} of their deadline (p95, median over "
+                        f"the warm-up's intervals), so {NEEDED_CAP} sessions' fair shares "
+                        f"overload it and a cut cap is the right answer, not steering "
+                        f"(the premise: at most {CALM_LOAD_MAX:.2f})")
         attack_at_s = state.now_s()
         attackers = [Attacker(server.ws_url, audio_chunks(), AUDIO_EVERY_S),
                      Attacker(server.ws_url, text_items, TEXT_EVERY_S)]
@@ -195,6 +219,14 @@ def test_clients_faster_than_real_time_do_not_steer_the_cap(smollm2):
     # names who overloads itself
     hurt = [h["reason"] for h in healths if h["status"] != "ok"]
     assert all("overload themselves" in r or "overloads itself" in r for r in hurt), hurt
+
+
+def calm_latency_fraction(history: list[CapSample]) -> float:
+    """The warm-up's load: the median over its intervals with frames of their p95 latency /
+    deadline (the first interval left out: it holds the sessions' first frames)."""
+    fractions = [s.latency_fraction for s in history[1:] if s.latency_fraction is not None]
+    assert fractions, "no streamer frame answered in the warm-up"
+    return statistics.median(fractions)
 
 
 def leave(attackers: list[Attacker], state) -> float:

@@ -21,6 +21,7 @@ from metronome.serve.connection import Connection
 from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
+from tests.host_speed import host_slowness, printable
 from tests.served import metric, recv, recv_until
 
 pytestmark = pytest.mark.model
@@ -80,12 +81,13 @@ def test_degrade_policy_bounds_a_session_at_the_wall_and_tells_its_client(smollm
 
 # ---- the event loop's time per message, for the worst text messages ----------------------------
 LOOP_BUDGET_S = 1e-3  # of the loop thread's CPU time, per message and per frame it made
+# ... on the host it was set on (an AVX512-BF16 Zen 4); a slower host scales it by its own
+# tokenizing time (`tests.host_speed`):
+# on a Zen 1-class EPYC at ~2 GHz the 8,192 mixed scripts' median was 1.28 ms of loop time,
+# with nothing on the loop but what belongs there. Tokenizing there costs more in the same
+# proportion, so work put on the loop by mistake still fails the scaled budget.
 _rng = random.Random(25)
 _SCRIPTS = [(0x21, 0x7F), (0x400, 0x4FF), (0x4E00, 0x9FFF), (0x1F300, 0x1F5FF)]
-
-
-def _printable(num_chars: int) -> str:
-    return "".join(chr(_rng.randrange(0x21, 0x7F)) for _ in range(num_chars))
 
 
 def _mixed(num_chars: int) -> str:
@@ -94,11 +96,11 @@ def _mixed(num_chars: int) -> str:
 
 
 WORST_TEXT_MESSAGES = {  # kind -> (message, how many to send, on how many connections in turn)
-    "8,192 printable ASCII (refused: may exceed the queue)": (item(_printable(8192)), 20, 1),
+    "8,192 printable ASCII (refused: may exceed the queue)": (item(printable(8192, _rng)), 20, 1),
     "8,192 mixed scripts (refused: may exceed the queue)": (item(_mixed(8192)), 20, 1),
     # one of the 3 is accepted (the others may exceed the queue behind it): 5 connections
     # give 20 timed calls, so the 90th percentile is not one slow call in 4
-    "4,000 printable ASCII (accepted, tokenized off the loop)": (item(_printable(4000)), 3, 5),
+    "4,000 printable ASCII (accepted, tokenized off the loop)": (item(printable(4000, _rng)), 3, 5),
     "1,300 mixed scripts (accepted, tokenized off the loop)": (
         item(_mixed(1300)[:1300]), 3, 5),
     "64 one-word parts (the most a message may hold)": (json.dumps({
@@ -150,9 +152,11 @@ def test_the_worst_text_messages_cost_the_loop_under_a_millisecond_each(smollm2,
     # printable characters here takes 2.4 ms, the 8,192 5 ms), while a shared 2-core machine
     # puts its noise in a few (a cache-cold or hyperthread-shared slice: a p90 of 1.16 ms of
     # 20 calls once in CI, with 0.3-0.5 ms typical; the worst is printed).
+    budget_s = LOOP_BUDGET_S * host_slowness()
+    print(f"loop budget on this host: {budget_s * 1e3:.2f} ms")
     over = {name: f"median {median_ms:.3f} ms of {calls} calls" for name, (calls, median_ms, _)
-            in report.items() if median_ms >= LOOP_BUDGET_S * 1e3}
-    assert not over, f"over the loop budget: {over}"
+            in report.items() if median_ms >= budget_s * 1e3}
+    assert not over, f"over the loop budget of {budget_s * 1e3:.2f} ms: {over}"
 
 
 def _send_and_settle(url: str, message: str, count: int) -> None:
