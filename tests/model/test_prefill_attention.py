@@ -118,7 +118,7 @@ def test_bundled_model_in_bf16_is_as_close_to_float32_on_both_paths(prefill, smo
     bf16, twin = smollm2_pair
     ids = load_tokenizer().encode(play_text("hamlet")).ids[1000:1000 + 400]
     calls = []
-    kernel = bf16.prefill
+    kernel = prefill  # the kernel itself, also where the model's own choice is torch's SDPA
 
     class Counted:
         def attention_probs(self, *args):
@@ -134,3 +134,28 @@ def test_bundled_model_in_bf16_is_as_close_to_float32_on_both_paths(prefill, smo
     # measured: max 1.92 both, mean 0.115 vs 0.112 (unbounded), 0.121 vs 0.116 (bounded)
     assert fast.max() <= 1.25 * reference.max(), (fast.max(), reference.max())
     assert fast.mean() <= 1.15 * reference.mean(), (fast.mean(), reference.mean())
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_fast_path_keeps_torchs_sdpa_where_it_runs_on_amx(prefill, smollm2_pair, amx,
+                                                               monkeypatch):
+    """Where torch's flash attention packs its bf16 tiles for AMX, it beats the kernel
+    (1.5-1.6x on a 2-core Xeon with AMX, `native.sdpa_packs_amx_tiles`): the model takes
+    the kernel only where it does not, and only in bf16; the bench's record says which."""
+    from metronome.bench.engine.facts import engine_path
+    from metronome.model import native
+
+    bf16, twin = smollm2_pair
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    try:
+        bf16.use_prefill_kernel(True)
+        twin.use_prefill_kernel(True)
+        assert (bf16.prefill is None) == amx
+        assert bf16.prefill is None or bf16.prefill is native.prefill_attention()
+        assert twin.prefill is None  # float32 never takes the bf16 kernel
+        said = engine_path("fast", bf16)
+        assert ("long chunks: torch's SDPA" if amx else "long chunks: prefill kernel") in said
+    finally:
+        monkeypatch.undo()
+        bf16.use_prefill_kernel(True)
+        twin.use_prefill_kernel(True)

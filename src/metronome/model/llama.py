@@ -102,12 +102,14 @@ class LlamaModel:
     def use_prefill_kernel(self, enabled: bool) -> None:
         """On the fast path (a paged kernel passed to `forward`), run the attention of long
         dense chunks as `native.prefill_attention` (float32 scores from bf16 products, bf16
-        probabilities, torch's bf16 matmul for P.V: over 2.5x torch's SDPA here) when it builds
-        here and the model is bf16; else, and always on the reference path, torch's SDPA."""
+        probabilities, torch's bf16 matmul for P.V: over 2.5x torch's SDPA on AVX512-BF16
+        without AMX) when it builds here, the model is bf16 and torch's SDPA does not run on
+        AMX tiles here (`native.sdpa_packs_amx_tiles`: there SDPA is the faster); else, and
+        always on the reference path, torch's SDPA."""
         from metronome.model import native
 
-        self.prefill = (native.prefill_attention()
-                        if enabled and self.dtype == torch.bfloat16 else None)
+        self.prefill = (native.prefill_attention() if enabled and self.dtype == torch.bfloat16
+                        and not native.sdpa_packs_amx_tiles() else None)
 
     @property
     def dtype(self) -> torch.dtype:

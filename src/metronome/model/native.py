@@ -1,9 +1,9 @@
 """The compiled kernels: paged attention (`csrc/paged_attention.cpp`, with vectorised tasks for
 bf16 on AVX512-BF16 and float32 on AVX2 with FMA in `attend_*.h`), the fused elementwise
 ops of the forward pass (`csrc/fused_ops.cpp`), the attention probabilities of long dense
-chunks (`csrc/prefill_attention.cpp`, on AVX512-BF16 CPUs) and the few-row projections of
-decode steps (`csrc/small_linear.cpp`: bf16 on AVX512-BF16, float32 on AVX2 with FMA). Each
-is built on first use and cached.
+chunks (`csrc/prefill_attention.cpp`, used on AVX512-BF16 CPUs without AMX) and the few-row
+projections of decode steps (`csrc/small_linear.cpp`: bf16 on AVX512-BF16, float32 on AVX2
+with FMA). Each is built on first use and cached.
 
 `kernel()` returns the loaded extension, or None when it cannot be built here (no C++
 compiler, no ninja): then `unavailable_reason()` says why and the engine runs the dense
@@ -143,6 +143,19 @@ def prefill_attention():
     return module if module is not None and module.available() else None
 
 
+def sdpa_packs_amx_tiles() -> bool:
+    """Does torch's CPU flash attention run its bf16 tiles on AMX here? It packs them for
+    oneDNN's brgemm only where the CPU has AMX (`cpublas::could_pack`); elsewhere its tiles
+    fall back to a reference GEMM, the reason the prefill kernel exists. Where it does, it
+    beats the kernel on long chunks: a real prefill of 8 sessions on a 2-core Xeon with
+    AMX took 16.0 s with torch's SDPA against 26.3 s with the kernel at 4k tokens each
+    unbounded, 8.6 against 12.5 s bounded, 2.0 against 3.0 s at 1k (medians of 2,
+    alternating; docs/results/engine_vs_vllm.md)."""
+    import torch
+
+    return torch.cpu._is_amx_tile_supported()
+
+
 def small_linear(dtype=None):
     """The few-row projection module (`small_linear`) for `dtype` (bf16: on AVX512-BF16
     CPUs; float32: on AVX2 with FMA; None: either), or None where it cannot be built or
@@ -175,6 +188,9 @@ def main() -> int:
         why = PREFILL.reason() or "this CPU has no AVX512-BF16"
         print(f"metronome: prefill attention kernel unavailable ({why}); long chunks use "
               "torch's SDPA", file=sys.stderr)
+    elif sdpa_packs_amx_tiles():
+        print(f"metronome: prefill attention kernel built ({PREFILL.build_dir()}); long "
+              "chunks use torch's SDPA, which runs on this CPU's AMX tiles (faster here)")
     else:
         print(f"metronome: prefill attention kernel ready ({PREFILL.build_dir()})")
     if small_linear() is None:
