@@ -162,6 +162,33 @@ def test_the_vector_tasks_switch_runs_the_generic_task(paged_kernel, dtype):
     torch.testing.assert_close(vector.float(), generic.float(), **tol)
 
 
+def test_the_far_prefetch_switch_never_changes_a_bit(paged_kernel):
+    """The bf16 task's prefetch of the block after next (on or off by CPU vendor) only asks
+    for memory: both settings give the same bits, at every block size, and the setting
+    `native.kernel()` chose for this CPU is restored."""
+    kernel = paged_kernel()
+    chosen = kernel.bf16_far_prefetch()
+    assert chosen == native.far_prefetch_pays(native.proc_lines("/proc/cpuinfo"))
+    try:
+        for block_size in (4, 16, 48):
+            args = _kernel_inputs(64, block_size, torch.bfloat16, 3)
+            kernel.set_bf16_far_prefetch(True)
+            far = kernel.paged_attention(*args)
+            kernel.set_bf16_far_prefetch(False)
+            assert not kernel.bf16_far_prefetch()
+            assert torch.equal(kernel.paged_attention(*args), far)
+    finally:
+        kernel.set_bf16_far_prefetch(chosen)
+    assert kernel.bf16_far_prefetch() == chosen
+
+
+@pytest.mark.parametrize(("vendor", "far"), [("AuthenticAMD", True), ("GenuineIntel", False),
+                                             (None, False)])
+def test_far_prefetch_is_for_amd_cpus(vendor, far):
+    cpuinfo = ["processor\t: 0"] + ([f"vendor_id\t: {vendor}"] if vendor else [])
+    assert native.far_prefetch_pays(cpuinfo) is far
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_write_attend_is_rope_then_write_then_attention(paged_kernel, dtype):
     """The decode path's one call per layer gives the bits of the calls it replaces: the fused

@@ -78,6 +78,7 @@ void attend_task_bf16(const at::BFloat16* q, const at::BFloat16* q_sink,
   }
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 vscale = _mm512_set1_ps(scale), masked = _mm512_set1_ps(kMasked);
+  const bool far = g_bf16_far_prefetch.load(std::memory_order_relaxed);
   for (int64_t i = 0; i < num_blocks; ++i) {
     const int64_t first = logical[i] * block_size;
     if (first > position) break;
@@ -98,7 +99,10 @@ void attend_task_bf16(const at::BFloat16* q, const at::BFloat16* q_sink,
     // in three 60-round runs in one process (0.84-0.85x; 0.80-0.99x in four shorter runs),
     // and the same with K/V in cache (0.99x). Asking for the next block only once (it was
     // asked for as the block after next) was 1.18x slower: the second request is needed.
-    const bool next = i + 1 < num_blocks, after_next = i + 2 < num_blocks;
+    // On a 2-core Sapphire Rapids-class Xeon (AMX) the block after next costs instead: the
+    // next block alone was 0.86x the time at 32 sessions x 4k unbounded and 0.89x at 8
+    // bounded (`scripts/attention_ab.py`), so there it is off (`far`, set by vendor).
+    const bool next = i + 1 < num_blocks, after_next = far && i + 2 < num_blocks;
     const char* k_next = block_bytes<kD>(k_base, blocks[next ? i + 1 : i], block_size);
     const char* v_next = block_bytes<kD>(v_base, blocks[next ? i + 1 : i], block_size);
     const char* k_after = block_bytes<kD>(k_base, blocks[after_next ? i + 2 : i], block_size);

@@ -2,6 +2,7 @@
 // tasks it dispatches to, attend_bf16.h and attend_f32.h).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 namespace metronome_attend {
@@ -20,5 +21,10 @@ inline const char* block_bytes(const T* base, int64_t block, int64_t block_size)
 inline void prefetch_l2(const char* p, int64_t begin, int64_t end) {
   for (int64_t off = begin; off < end; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
+
+// Whether the bf16 task also asks for the block after next (`attend_task_bf16`): it pays on
+// one CPU and costs on another, so the Python side sets it by vendor at load
+// (`native.far_prefetch_pays`); it never changes a result.
+inline std::atomic<bool> g_bf16_far_prefetch{true};
 
 }  // namespace metronome_attend

@@ -340,6 +340,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_vector_tasks", [](bool enabled) { g_vector_tasks.store(enabled); },
         "Run the vectorised attention tasks where they apply (True, the default) or the "
         "generic task everywhere (False): for benches and tests comparing the two");
+  m.def("set_bf16_far_prefetch", [](bool enabled) { g_bf16_far_prefetch.store(enabled); },
+        "Whether the bf16 task also prefetches the block after next (True, the build's "
+        "default) or the next block only; `native.kernel()` sets it by CPU vendor");
+  m.def("bf16_far_prefetch", [] { return g_bf16_far_prefetch.load(); },
+        "Whether the bf16 task prefetches the block after next");
   m.def("vector_tasks", [] { return g_vector_tasks.load(); },
         "Whether the vectorised attention tasks run where they apply");
   m.def("vector_task_dtypes", [] {
