@@ -330,3 +330,19 @@ def test_engine_paths_select_the_fast_or_the_reference_code():
         for_engine_path(model, base, "turbo")
     with pytest.raises(ValueError, match="engine_path must be one of fast, reference"):
         RunConfig(engine_path="turbo")
+
+
+def test_a_killed_builds_lock_does_not_hang_the_next(tmp_path, caplog):
+    """torch's cpp_extension waits for ever on the `lock` file a killed build leaves; the
+    build lock (which every build takes first) clears it, says so, and is exclusive."""
+    import fcntl
+
+    (tmp_path / "lock").write_text("")
+    with caplog.at_level("WARNING"), native.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "metronome.lock") as other:  # held: a second builder waits
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert "killed mid-way" in caplog.text
+    with native.build_lock(tmp_path):  # released after, and nothing to clear
+        pass

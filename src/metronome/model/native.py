@@ -19,6 +19,7 @@ Set METRONOME_NATIVE_ATTENTION=0 to never build or load it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -54,6 +55,25 @@ def _cpu_tag() -> str:
     lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
     text = "\n".join(sorted(set(lines)) + [platform.machine(), sys.prefix, torch.__version__])
     return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Hold `directory`'s build lock (an flock, released when its holder dies) while
+    building into it. torch's cpp_extension marks a build in progress with a file of its
+    own (`lock`) and waits, silently and for ever, while that file exists; a build killed
+    mid-way leaves it behind (seen: a bench hung in the kernel's load after a killed run).
+    Every build here takes this lock first, so whoever holds it finds torch's file stale
+    whenever it is there, and removes it, saying so."""
+    import fcntl
+
+    with open(directory / "metronome.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed mid-way", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 class Extension:
@@ -96,10 +116,11 @@ class Extension:
                   "(first use on this machine, about a minute)...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
-            module = cpp.load(name=f"metronome_{self.name}_{_cpu_tag()}",
-                              sources=[str(self.source)], extra_cflags=CFLAGS,
-                              extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                              verbose=False)
+            with build_lock(directory):
+                module = cpp.load(name=f"metronome_{self.name}_{_cpu_tag()}",
+                                  sources=[str(self.source)], extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                                  verbose=False)
         except (RuntimeError, OSError, ImportError, SystemExit) as err:
             last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
             reason = f"the {self.what} could not be built ({type(err).__name__}: {last}); " \
