@@ -24,7 +24,9 @@ inline void prefetch_l2(const char* p, int64_t begin, int64_t end) {
 
 // Whether the bf16 task also asks for the block after next (`attend_task_bf16`): it pays on
 // one CPU and costs on another, so the Python side sets it by vendor at load
-// (`native.far_prefetch_pays`); it never changes a result.
+// (`native.far_prefetch_pays`); it never changes a result. An inline variable: builds loaded
+// into one process share one (the dynamic linker unifies it), so two builds A/B'd side by
+// side (`scripts/attention_ab.py`) must differ in code, not in this default.
 inline std::atomic<bool> g_bf16_far_prefetch{true};
 
 }  // namespace metronome_attend
