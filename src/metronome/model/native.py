@@ -80,8 +80,11 @@ class Extension:
     """One C++ source compiled with torch's cpp_extension on first use, cached per
     CPU/venv/torch (`build_dir`), or None with the reason when it cannot be built here."""
 
-    def __init__(self, name: str, source: Path, what: str) -> None:
+    def __init__(self, name: str, source: Path, what: str, configure=None) -> None:
+        """`configure(module)`: run once on the module when it loads (its settings for this
+        CPU)."""
         self.name, self.source, self.what = name, source, what
+        self.configure = configure
         self._lock = threading.Lock()
         self._state: dict[str, object] = {}
 
@@ -94,7 +97,10 @@ class Extension:
         """The loaded extension module, or None if it cannot be built (see `reason`)."""
         with self._lock:
             if "module" not in self._state:
-                self._state["module"], self._state["reason"] = self._load()
+                module, self._state["reason"] = self._load()
+                if module is not None and self.configure is not None:
+                    self.configure(module)
+                self._state["module"] = module
             return self._state["module"]
 
     def reason(self) -> str | None:
@@ -133,7 +139,11 @@ class Extension:
         return module, None
 
 
-PAGED = Extension("paged_attention", SOURCE, "paged-attention kernel")
+def _configure_paged(module) -> None:
+    module.set_bf16_far_prefetch(far_prefetch_pays(proc_lines("/proc/cpuinfo")))
+
+
+PAGED = Extension("paged_attention", SOURCE, "paged-attention kernel", _configure_paged)
 FUSED = Extension("fused_ops", FUSED_SOURCE, "fused elementwise kernels")
 PREFILL = Extension("prefill_attention", PREFILL_SOURCE, "prefill attention kernel")
 SMALL_LINEAR = Extension("small_linear", SMALL_LINEAR_SOURCE, "few-row projection kernel")
@@ -145,12 +155,8 @@ def build_dir() -> Path:
 
 def kernel():
     """The extension module (its `paged_attention` function), or None if it cannot be built;
-    its bf16 task's prefetch set for this CPU (`far_prefetch_pays`) on first load."""
-    module = PAGED.module()
-    if module is not None and not getattr(module, "metronome_configured", False):
-        module.set_bf16_far_prefetch(far_prefetch_pays(proc_lines("/proc/cpuinfo")))
-        module.metronome_configured = True
-    return module
+    its bf16 task's prefetch set for this CPU (`far_prefetch_pays`) when it loaded."""
+    return PAGED.module()
 
 
 def far_prefetch_pays(cpuinfo: list[str]) -> bool:
@@ -186,7 +192,7 @@ def sdpa_packs_amx_tiles() -> bool:
     beats the kernel on long chunks: a real prefill of 8 sessions on a 2-core Xeon with
     AMX took 16.0 s with torch's SDPA against 26.3 s with the kernel at 4k tokens each
     unbounded, 8.6 against 12.5 s bounded, 2.0 against 3.0 s at 1k (medians of 2,
-    alternating; docs/results/engine_vs_vllm.md)."""
+    alternating; docs/results/amx_host.md)."""
     import torch
 
     return torch.cpu._is_amx_tile_supported()

@@ -24,9 +24,9 @@ def engine_path(path: str, model: LlamaModel) -> str:
 
     if path == "reference":
         return "reference (dense attention, F.linear)"
-    attention = ("paged kernel" if native.kernel() is not None
-                 else f"dense attention: {native.unavailable_reason()}")
-    if native.kernel() is not None and model.dtype == torch.bfloat16:
+    paged = native.kernel() is not None
+    attention = "paged kernel" if paged else f"dense attention: {native.unavailable_reason()}"
+    if paged and model.dtype == torch.bfloat16:
         attention += (", long chunks: prefill kernel" if model.prefill is not None
                       else ", long chunks: torch's SDPA")
     linear = "prepacked oneDNN projections" if model.packed_linear else "F.linear"
