@@ -19,10 +19,10 @@ import random
 import time
 
 from metronome.model.weights import load_tokenizer
+from metronome.serve.config import MAX_DEADLINE_FRACTION
 
 REFERENCE_TOKENIZE_S = 2.4e-3
-MAX_DEADLINE_FRACTION = 10.0  # ServerConfig's bound
-UNHURRIED_DEADLINE_FRACTION = MAX_DEADLINE_FRACTION
+UNHURRIED_DEADLINE_FRACTION = float(MAX_DEADLINE_FRACTION)
 
 
 def printable(num_chars: int, rng: random.Random) -> str:
@@ -48,4 +48,4 @@ def host_slowness() -> float:
 def deadline_fraction(reference: float) -> float:
     """A deadline fraction set on the reference host, scaled to this one (at most
     ServerConfig's bound)."""
-    return min(MAX_DEADLINE_FRACTION, reference * host_slowness())
+    return min(float(MAX_DEADLINE_FRACTION), reference * host_slowness())

@@ -27,6 +27,8 @@ from metronome.workload_defaults import (
     POOL_TOKENS,
 )
 
+MAX_DEADLINE_FRACTION = 10  # the largest deadline a server takes, in frame periods
+
 
 class ServerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -60,7 +62,7 @@ class ServerConfig(BaseModel):
                             "multiple of 32)")
     frame_period_s: float = Field(FRAME_PERIOD_S, ge=0.01, le=60,
                                   description="audio is cut into frames of this length")
-    deadline_fraction: float = Field(DEADLINE_FRACTION, gt=0, le=10,
+    deadline_fraction: float = Field(DEADLINE_FRACTION, gt=0, le=MAX_DEADLINE_FRACTION,
                                      description="deadline = fraction x frame period")
     output_tokens_per_frame: int = Field(OUTPUT_TOKENS_PER_FRAME, ge=1,
                                          description="duplex: tokens per frame")
