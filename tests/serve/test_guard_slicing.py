@@ -1,4 +1,4 @@
-"""The WebSocket guard parses a read in slices at the app's pace (`serve.guard`), exactly:
+"""The WebSocket guard parses a read in slices at the app's pace (`serve.edge.guard`), exactly:
 one read of 32k two-byte messages (256 KiB, what uvicorn reads at once) never puts more
 than one slice's messages in the app's queue, parses nothing more until the app has taken
 them, and delivers every message in order. No sockets, no clock: the protocol object (after a
@@ -11,8 +11,8 @@ import asyncio
 import uvicorn
 from uvicorn.server import ServerState
 
-from metronome.serve.guard import PARSE_SLICE_BYTES, GuardedWebSocketProtocol, TransportLimits
-from metronome.serve.peers import PeerLimits
+from metronome.serve.edge.guard import PARSE_SLICE_BYTES, GuardedWebSocketProtocol, TransportLimits
+from metronome.serve.edge.peers import PeerLimits
 
 FRAME_BYTES = 8  # a masked text frame with a 2-byte payload: 2 header, 4 mask, 2 data
 ONE_READ_BYTES = 256 << 10

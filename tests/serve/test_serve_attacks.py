@@ -35,7 +35,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from metronome.serve.config import ServerConfig
-from metronome.serve.loop_lag import LOOP_LAG_SECONDS
+from metronome.serve.edge.loop_lag import LOOP_LAG_SECONDS
 from tests.host_speed import deadline_fraction
 
 pytestmark = pytest.mark.model

@@ -13,11 +13,11 @@ import pytest
 
 from metronome.engine.engine import Engine
 from metronome.serve import protocol as p
-from metronome.serve import server_events as se
 from metronome.serve import session as session_module
 from metronome.serve.audio_input import AudioFramer
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError
+from metronome.serve.protocol import server as se
 from metronome.serve.session import RealtimeSession
 from metronome.serve.state import ServerState
 

@@ -14,19 +14,19 @@ import time
 import pytest
 import uvicorn
 
-from metronome.serve import guard
 from metronome.serve import protocol as p
-from metronome.serve.auth import chosen_subprotocol, key_matches, offered_keys
-from metronome.serve.guard import (
+from metronome.serve.edge import guard
+from metronome.serve.edge.auth import chosen_subprotocol, key_matches, offered_keys
+from metronome.serve.edge.guard import (
     ABORT_EXTENSION,
     REFUSAL_WAIT_S,
     TransportLimits,
     protocols,
 )
+from metronome.serve.edge.peers import PeerLimits, PeerSlot, PeerTable, Refusal, peer_key
+from metronome.serve.edge.rate_limit import RateLimit, Verdict
 from metronome.serve.outbox import Outbox
-from metronome.serve.peers import PeerLimits, PeerSlot, PeerTable, Refusal, peer_key
 from metronome.serve.protocol import ClientError, ErrorCode
-from metronome.serve.rate_limit import RateLimit, Verdict
 
 
 def error_of(message: str) -> ClientError:

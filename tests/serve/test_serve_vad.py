@@ -24,8 +24,8 @@ from metronome.engine.engine import Engine
 from metronome.load.speech import speech_spans_ms, to_pcm16, utterances
 from metronome.model.weights import load_tokenizer
 from metronome.serve import protocol as p
-from metronome.serve import server_events as se
 from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import server as se
 from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession

@@ -7,9 +7,9 @@ Bearer <key>`, or from a browser the subprotocol `openai-insecure-api-key.<key>`
 `realtime` (the accepted WebSocket echoes `realtime`).
 
 Protocol: OpenAI's Realtime API (GA). Every client event type and session field parses
-(`serve.protocol`, `serve.session_schema`); what the server cannot do is refused by name
+(`serve.protocol`, `serve.protocol.schema`); what the server cannot do is refused by name
 (`serve.refusals`), what it accepts and does not act on shows as in effect in
-`session.updated`. Server events are OpenAI's, in OpenAI's order (`serve.server_events`,
+`session.updated`. Server events are OpenAI's, in OpenAI's order (`serve.protocol.server`,
 `serve.events`). Extensions, for a client that opts in with `?metronome_events=true`:
 `session.metronome` (mode: `duplex` | `turn`, frame timing) and `metronome.frame` (every
 frame's status and server timing), `metronome.session.bounded`.
@@ -27,7 +27,7 @@ a client over its rate limit (messages/s, bytes/s) has its messages dropped with
 and, if it goes on by a further burst, an `error` then close 1008; a client that stops
 reading is closed 1008 (its transport dropped if the close frame cannot go out); messages
 over the transport cap close 1009. Every other bad input is an `error` event and the
-session goes on unchanged. Before any of this, the transport guard (`serve.guard`) drops
+session goes on unchanged. Before any of this, the transport guard (`serve.edge.guard`) drops
 HTTP requests slower than `request_timeout_s` and refuses connections past
 `max_connections` with 503.
 """

@@ -2,7 +2,7 @@
 
 The lifespan builds the serving state inside the running loop (the wall driver needs it):
 model (loaded from the config unless injected), engine, `ServerState`. With an API key
-configured, every HTTP path but `/healthz` needs it (`serve.auth.KeyGuard`: the docs and the
+configured, every HTTP path but `/healthz` needs it (`serve.edge.auth.KeyGuard`: the docs and the
 OpenAPI schema too), and `/healthz` without it tells only `{"status": ...}`; the WebSocket is
 refused before the upgrade by its connection.
 """
@@ -19,10 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from metronome.engine.engine import Engine
 from metronome.model.llama import LlamaModel
-from metronome.serve.auth import KeyGuard, request_has_key
 from metronome.serve.checkpoint import CheckpointStore
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
+from metronome.serve.edge.auth import KeyGuard, request_has_key
 from metronome.serve.state import ServerState
 from metronome.serve.status import STATUS_PAGE_PATH, add_status_routes
 

@@ -15,9 +15,9 @@ from metronome.audio.frontend import AudioFormat
 from metronome.engine.engine import EngineConfig, check_policy_limits, check_pool_fits
 from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
-from metronome.serve.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
-from metronome.serve.guard import TransportLimits
-from metronome.serve.peers import PeerLimits
+from metronome.serve.edge.guard import TransportLimits
+from metronome.serve.edge.peers import PeerLimits
+from metronome.serve.protocol.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from metronome.workload_defaults import (
     BLOCK_SIZE_TOKENS,
     DEADLINE_FRACTION,
@@ -109,7 +109,7 @@ class ServerConfig(BaseModel):
                                    "may leave queued before it is closed 1008")
     max_outbox_bytes: int = Field(1 << 20, ge=1 << 16, description="bytes of server events "
                                   "a slow reader may leave queued before it is closed 1008")
-    # The cost of one message is bounded before it is parsed (serve.bounded_json).
+    # The cost of one message is bounded before it is parsed (serve.protocol.bounded_json).
     max_message_values: int = Field(DEFAULT_MAX_VALUES, ge=64, description="JSON values one "
                                     "message may hold (each object member and array item; 64 "
                                     "text parts take ~200); more is refused unparsed")
@@ -129,7 +129,7 @@ class ServerConfig(BaseModel):
     rate_limit_burst_bytes: int = Field(2 << 20, ge=1024, description="bytes a connection may "
                                         "send at once above the rate (at least "
                                         "max_message_bytes)")
-    # The transport, before any handler runs (serve.guard).
+    # The transport, before any handler runs (serve.edge.guard).
     request_timeout_s: float = Field(10.0, gt=0, description="an HTTP request (line, headers, "
                                      "body) must arrive within this long of its first byte, "
                                      "a new connection's first one within this long of the "
@@ -138,7 +138,7 @@ class ServerConfig(BaseModel):
                                   "plus headers; larger ones are answered 431")
     max_connections: int = Field(512, ge=2, description="open TCP connections, WebSockets "
                                  "included; one more is answered 503 at once and closed")
-    # Per peer (one client address; IPv6: its /64), before the upgrade (serve.peers).
+    # Per peer (one client address; IPv6: its /64), before the upgrade (serve.edge.peers).
     max_connections_per_peer: int = Field(128, ge=1, description="open connections one "
                                           "peer may hold; one more is answered 503 with "
                                           "Retry-After at once and closed")
@@ -204,7 +204,7 @@ class ServerConfig(BaseModel):
         return self
 
     def transport_limits(self) -> TransportLimits:
-        """What `serve.guard` enforces before any handler runs."""
+        """What `serve.edge.guard` enforces before any handler runs."""
         peers = PeerLimits(self.max_connections_per_peer, self.connections_per_s_per_peer,
                            self.connection_burst_per_peer, frozenset(self.trusted_proxies),
                            self.forwarded_for_header.lower().encode("latin-1"))

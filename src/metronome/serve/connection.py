@@ -37,18 +37,19 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from metronome.serve import protocol as p
-from metronome.serve.auth import (
+from metronome.serve.config import ServerConfig
+from metronome.serve.edge.auth import (
     chosen_subprotocol,
     key_matches,
     offered_keys,
     unauthorized_response,
 )
-from metronome.serve.config import ServerConfig
-from metronome.serve.guard import ABORT_EXTENSION
-from metronome.serve.kv_events import MetronomeSessionResumed, ResumedOut
+from metronome.serve.edge.guard import ABORT_EXTENSION
+from metronome.serve.edge.rate_limit import RateLimit, Verdict
 from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
-from metronome.serve.rate_limit import RateLimit, Verdict
+from metronome.serve.protocol.schema import ResumeOut
+from metronome.serve.protocol.server import MetronomeSessionResumed, ResumedOut
 from metronome.serve.replay import Replay, held_events
 from metronome.serve.resume import (
     LAST_EVENT_QUERY,
@@ -60,7 +61,6 @@ from metronome.serve.resume import (
     offered_token,
 )
 from metronome.serve.session import RealtimeSession
-from metronome.serve.session_schema import ResumeOut
 from metronome.serve.state import ResumeRefused, ServerState
 
 log = logging.getLogger(__name__)
@@ -476,7 +476,7 @@ class Connection:
 
     def _abort(self) -> None:
         abort = self.ws.scope.get("extensions", {}).get(ABORT_EXTENSION)
-        if abort is not None:  # absent: a server without serve.guard; nothing to do
+        if abort is not None:  # absent: a server without serve.edge.guard; nothing to do
             abort["abort"]()
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from metronome.serve import server_events as se
 from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.protocol import server as se
 
 MAX_ITEMS = 256
 ROOT = "root"  # OpenAI's `previous_item_id` for the start of the conversation

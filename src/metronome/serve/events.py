@@ -21,7 +21,7 @@ from typing import Literal
 
 from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.serve import protocol as p
-from metronome.serve import server_events as se
+from metronome.serve.protocol import server as se
 
 FrameKind = Literal["audio", "text", "response"]
 TURN_DETECTED = "turn_detected"  # a response cancelled because the user spoke (OpenAI's)

@@ -1,6 +1,6 @@
 """Running the app under uvicorn: in the foreground (`metronome serve`) or on a background
 thread of this process (tests, embedding), on a socket bound before the server starts.
-uvicorn runs our guarded protocols (`serve.guard`: request timeout, header and connection
+uvicorn runs our guarded protocols (`serve.edge.guard`: request timeout, header and connection
 caps, a hard close for WebSockets)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import uvicorn
 from metronome.model.llama import LlamaModel
 from metronome.serve.app import create_app
 from metronome.serve.config import ServerConfig
-from metronome.serve.guard import protocols
+from metronome.serve.edge.guard import protocols
 
 STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model (~20 s on 2 cores)
 

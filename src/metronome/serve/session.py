@@ -1,7 +1,7 @@
 """One Realtime session: client events in, frames to the beat, frame results out as events.
 
 Owns what the client's events do to the session (items, commits, responses; the limits on
-its input are `serve.input_limits`') and its frames on the server side: each is accepted in
+its input are `serve.edge.input_limits`') and its frames on the server side: each is accepted in
 the beat's session record (`Beat.accept`: the record counts it and its input from then on,
 and the limits read the record, never a count of their own), its input made on the encoder
 thread, then submitted; what it belongs to (its `FrameOrigin`) is kept here by frame index until its
@@ -42,9 +42,14 @@ from metronome.runtime.frame import Frame, FrameResult
 from metronome.runtime.profile import SessionMode
 from metronome.runtime.record import Accepted, SessionRecord
 from metronome.serve import protocol as p
-from metronome.serve import server_events as se
 from metronome.serve.audio_input import AudioFramer, PcmCut, decode_pcm16
 from metronome.serve.conversation import Conversation
+from metronome.serve.edge.input_limits import (
+    check_audio_room,
+    check_input_room,
+    check_room_for_a_frame,
+    check_text_length,
+)
 from metronome.serve.event_stream import EventChannel, EventStream, Sink
 from metronome.serve.events import (
     CLIENT_CANCELLED,
@@ -56,18 +61,13 @@ from metronome.serve.events import (
     response_opened,
     result_events,
 )
-from metronome.serve.input_limits import (
-    check_audio_room,
-    check_input_room,
-    check_room_for_a_frame,
-    check_text_length,
-)
-from metronome.serve.kv_events import BoundOut, MetronomeSessionBounded
 from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.protocol import server as se
+from metronome.serve.protocol.schema import ResumeOut
+from metronome.serve.protocol.server import BoundOut, MetronomeSessionBounded
 from metronome.serve.refusals import unsupported
 from metronome.serve.session_checkpoint import load_state
 from metronome.serve.session_host import Input, SessionHost
-from metronome.serve.session_schema import ResumeOut
 from metronome.serve.session_view import summary
 from metronome.serve.settings import SessionSettings
 from metronome.serve.text import ChatText

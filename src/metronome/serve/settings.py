@@ -15,7 +15,7 @@ from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.serve import protocol as p
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError, ErrorCode
-from metronome.serve.session_schema import (
+from metronome.serve.protocol.schema import (
     AudioFormatOut,
     AudioInputOut,
     AudioOut,
@@ -84,7 +84,7 @@ class SessionSettings:
                  policy: ResidencyPolicy, token_rate_hz: float, instructions: str | None,
                  extensions: bool, resume: ResumeOut | None = None) -> SessionOut:
         """The session as `session.created` / `session.updated` tell it, the effective values
-        (`serve.session_schema`); `policy`: the KV bound in force (the profile's, or the one
+        (`serve.protocol.schema`); `policy`: the KV bound in force (the profile's, or the one
         KV pressure imposed); the `metronome` block only for a client that opted in."""
         return SessionOut(
             id=session_id, model=model_name, instructions=instructions,

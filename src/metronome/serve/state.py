@@ -43,8 +43,8 @@ from metronome.runtime.wall import WallDriver
 from metronome.serve.checkpoint import CheckpointStore
 from metronome.serve.checkpointing import Checkpointer, Restored
 from metronome.serve.config import ServerConfig
+from metronome.serve.edge.loop_lag import LoopLagProbe
 from metronome.serve.event_stream import EventChannel
-from metronome.serve.loop_lag import LoopLagProbe
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.replay import Replay
 from metronome.serve.resume import Resumption

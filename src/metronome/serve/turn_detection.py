@@ -25,7 +25,7 @@ from metronome.audio.silero import SileroVad
 from metronome.audio.turn_detector import SpeechStarted, SpeechStopped, TurnEvent
 from metronome.audio.vad import VadStream
 from metronome.serve import protocol as p
-from metronome.serve import server_events as se
+from metronome.serve.protocol import server as se
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -3,7 +3,7 @@
 A peer is one client address (an IPv6 client: its /64, which one host usually holds whole).
 Each peer may hold `max_open` connections (WebSockets included, from connect to close) and
 open new ones at `per_s` with bursts of `burst` (a token bucket); one past either is refused
-before it is read (`serve.guard` answers 503 or 429 with `Retry-After`). So one peer,
+before it is read (`serve.edge.guard` answers 503 or 429 with `Retry-After`). So one peer,
 reconnecting as fast as it is dropped, holds at most `max_open` of the server's
 `max_connections`, and every other peer (a real client, a health check) still gets in.
 
@@ -25,7 +25,7 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
-from metronome.serve.rate_limit import TokenBucket
+from metronome.serve.edge.rate_limit import TokenBucket
 
 IPV6_PREFIX_BITS = 64
 PRUNE_INTERVAL_S = 1.0  # idle peers are forgotten at most this often (a scan of the table)

@@ -1,23 +1,72 @@
-"""The server events of the Realtime API (GA) this server sends, typed, in OpenAI's shapes
-(`tests/serve/test_serve_conformance.py` parses every one the server tests see with the
-`openai` package's own server-event union, strictly), and the `metronome.frame` extension
-(sent only to a client that opted in).
+"""The server events this server sends, typed, in OpenAI's shapes (Realtime API GA;
+`tests/serve/test_serve_conformance.py` parses every one the server tests see with the
+`openai` package's own server-event union, strictly), and the `metronome.*` extensions
+(sent only to a client that opted in: `?metronome_events=true`).
+
+Every event carries an `event_id`; errors have OpenAI's shape `{"type": "error",
+"event_id", "error": {type, code, message, param, event_id}}`, where the inner `event_id`
+names the client event that caused it.
 
 A response's events, in OpenAI's order: `response.created`, `response.output_item.added`,
 `conversation.item.added`, `response.content_part.added`, then, when the beat answers its
 frame, `response.output_text.delta` (if any text), `response.output_text.done`,
 `response.content_part.done`, `response.output_item.done`, `conversation.item.done`,
 `response.done`. A user item: `conversation.item.added`, `conversation.item.done`.
+
+Extensions: `metronome.frame` (a frame's status and server-side timing);
+`metronome.session.resumed`, the first event on a connection that resumed the session
+(`serve.resume`): the session (with the next resume token), how long the client was away,
+and how many events follow that it missed (then the live ones); `metronome.session.bounded`:
+the server's opt-in graceful degradation (`degrade_policy`) switched this unbounded session
+to a sinks+window bound because the KV pool ran dry (its middle blocks went back to the pool;
+from now on it attends to its sinks and its window only, and keeps its beat).
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Literal
 
-from pydantic import BaseModel, model_serializer
+from pydantic import BaseModel, Field, model_serializer
 
-from metronome.serve.protocol import ServerEvent
-from metronome.serve.session_schema import SessionOut
+from metronome.serve.protocol.errors import ClientError, ErrorCode, ErrorType
+from metronome.serve.protocol.schema import SessionOut
+
+
+def text_bytes(text: str) -> int:
+    """The UTF-8 size of a text message, without encoding an ASCII one (O(1) to tell)."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def new_id(prefix: str) -> str:
+    """OpenAI-style ids: `event_...`, `item_...`, `resp_...`, `sess_...`."""
+    return f"{prefix}_{secrets.token_hex(10)}"
+
+
+# ---- server events ------------------------------------------------------------------------
+class ServerEvent(BaseModel):
+    event_id: str = Field(default_factory=lambda: new_id("event"))
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+class ErrorDetail(BaseModel):
+    type: ErrorType
+    code: ErrorCode
+    message: str
+    param: str | None = None
+    event_id: str | None = None  # the client event that caused the error
+
+
+class ErrorEvent(ServerEvent):
+    type: Literal["error"] = "error"
+    error: ErrorDetail
+
+    @classmethod
+    def of(cls, err: ClientError, client_event_id: str | None = None) -> ErrorEvent:
+        return cls(error=ErrorDetail(type=err.error_type, code=err.code, message=err.message,
+                                     param=err.param, event_id=client_event_id))
 
 
 class SessionCreated(ServerEvent):
@@ -202,3 +251,42 @@ class MetronomeFrame(ServerEvent):
     type: Literal["metronome.frame"] = "metronome.frame"
     response_id: str | None
     frame: FrameOut
+
+
+# ---- metronome.* extensions ----------------------------------------------------------
+class BoundOut(BaseModel):
+    policy: str  # the bound now in force, e.g. sinks_window:4:512@absolute
+    reason: Literal["kv_pressure"] = "kv_pressure"
+    freed_blocks: int  # returned to the pool when it was bound
+    resident_kv_tokens: int  # the session's live KV right after
+
+
+class MetronomeSessionBounded(ServerEvent):
+    type: Literal["metronome.session.bounded"] = "metronome.session.bounded"
+    session_id: str
+    bound: BoundOut
+
+
+class ResumedOut(BaseModel):
+    away_s: float  # since the old connection dropped (0: it was taken over while open)
+    replayed_events: int  # the missed events that follow, in order
+    missed_events: int  # owed but no longer held (the session's event stream moved on)
+    # Taken over on another server from its last checkpoint (`serve.checkpointing`): the
+    # events that follow are made anew by replaying the client's events since the checkpoint
+    # (`replayed_client_events`); they supersede what the client had after the checkpoint.
+    from_checkpoint: bool = False
+    replayed_client_events: int = 0
+    # The client's events the session holds, counted in the order sent (events answered
+    # with an `error` are not counted; events still queued behind a take-over's replay
+    # are), and the last one's `event_id` (None: it had none, or a checkpoint older than
+    # this field): any the client sent after that one never reached the session (lost
+    # with the connection, or with a server that died before logging them): send them
+    # again. Match on the id (give events unique ids); the count is the fallback.
+    client_events: int = 0
+    last_client_event_id: str | None = None
+
+
+class MetronomeSessionResumed(ServerEvent):
+    type: Literal["metronome.session.resumed"] = "metronome.session.resumed"
+    session: SessionOut
+    resumed: ResumedOut

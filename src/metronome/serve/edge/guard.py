@@ -16,7 +16,7 @@ headers are complete, so such sockets are never refused either. Here, per connec
   the client still sends is dropped) so that the answer is read, not reset;
 - with `max_connections` connections open (WebSockets included), one more is answered 503
   and closed, never counted as open;
-- per peer (`serve.peers`): one holding its `max_open` connections is answered 503, one
+- per peer (`serve.edge.peers`): one holding its `max_open` connections is answered 503, one
   connecting faster than its rate 429, both with `Retry-After`, and closed. A connection
   from a trusted proxy is counted at its upgrade, under the forwarded peer.
 - Those refusals are decided at the connect and answered when the request's first bytes
@@ -53,8 +53,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from metronome.serve import protocol as p
-from metronome.serve.peers import PeerLimits, PeerSlot, PeerTable, Refused
-from metronome.serve.rate_limit import TokenBucket
+from metronome.serve.edge.peers import PeerLimits, PeerSlot, PeerTable, Refused
+from metronome.serve.edge.rate_limit import TokenBucket
 
 ABORT_EXTENSION = "metronome.transport.abort"
 MAX_WRITE_BACKLOG_BYTES = 1 << 20  # unsent output a pong may not add to

@@ -1,56 +1,40 @@
-"""The wire protocol: OpenAI's Realtime API (GA) client events, typed, and the error event.
+"""Client events of OpenAI's Realtime API (GA), typed and parsed.
 
 Client events are parsed into a discriminated union on `type`; unknown parameters are
 refused (as OpenAI does), so a client never believes a setting took effect when it did not.
 Every client event type of the GA API parses; what the server cannot do with one is refused
 by name with `ErrorCode.UNSUPPORTED` and the reason (the session's `handle` says which).
-A message is read as JSON at a cost bounded by its size (`serve.bounded_json`): too many
+A message is read as JSON at a cost bounded by its size (`protocol.bounded_json`): too many
 values, too deep, or a lone surrogate in a string is `invalid_json`, before validation.
-Server events (`serve.server_events`) carry an `event_id`; errors have OpenAI's shape
-`{"type": "error", "event_id", "error": {type, code, message, param, event_id}}`, where the
-inner `event_id` names the client event that caused it.
-
-The session object `session.update` carries is `serve.session_schema`. Extensions,
-namespaced: `session.metronome` (mode) and the `metronome.*` events, sent only to a client
-that opted in (`?metronome_events=true` on the URL).
+The session object `session.update` carries is `protocol.schema`. Extensions, namespaced:
+`session.metronome` (mode) and the `metronome.*` events, sent only to a client that opted
+in (`?metronome_events=true` on the URL).
 """
 
 from __future__ import annotations
 
-import enum
 import re
-import secrets
 from typing import Annotated, Literal, Union
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, JsonValue, StrictInt, TypeAdapter, ValidationError
+from pydantic import Field, JsonValue, StrictInt, TypeAdapter, ValidationError
 
-from metronome.serve.bounded_json import (
+from metronome.serve.protocol.bounded_json import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_VALUES,
     JsonRefused,
     loads_bounded,
     param_of,
 )
-from metronome.serve.session_schema import (
+from metronome.serve.protocol.errors import ClientError, ErrorCode
+from metronome.serve.protocol.schema import (
     MAX_ID_CHARS,
-    AudioFormatIn,
-    AudioIn,
-    AudioInputIn,
     ClientId,
-    MetronomeSessionIn,
-    SemanticVad,
-    ServerVad,
     SessionIn,
     Strict,
     Tool,
     ToolChoice,
 )
-
-__all__ = ["AudioFormatIn", "AudioIn", "AudioInputIn", "MetronomeSessionIn", "SemanticVad",
-           "ServerVad", "SessionIn"]  # the session schema's names, for `p.` callers
-
-
 
 EXTENSIONS_QUERY = "metronome_events"  # ?metronome_events=true: `metronome.*` events too
 
@@ -60,66 +44,6 @@ def with_extensions(url: str) -> str:
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query)) | {EXTENSIONS_QUERY: "true"}
     return urlunsplit(parts._replace(query=urlencode(query)))
-
-
-def text_bytes(text: str) -> int:
-    """The UTF-8 size of a text message, without encoding an ASCII one (O(1) to tell)."""
-    return len(text) if text.isascii() else len(text.encode())
-
-
-def new_id(prefix: str) -> str:
-    """OpenAI-style ids: `event_...`, `item_...`, `resp_...`, `sess_...`."""
-    return f"{prefix}_{secrets.token_hex(10)}"
-
-
-# ---- errors -------------------------------------------------------------------------------
-class ErrorType(enum.StrEnum):
-    INVALID_REQUEST = "invalid_request_error"  # the client's fault: fix the request
-    SERVER = "server_error"  # ours, or capacity: retry later
-
-
-class ErrorCode(enum.StrEnum):
-    INVALID_JSON = "invalid_json"
-    BINARY_NOT_SUPPORTED = "binary_not_supported"
-    MESSAGE_TOO_LARGE = "message_too_large"
-    UNKNOWN_EVENT_TYPE = "unknown_event_type"
-    UNKNOWN_PARAMETER = "unknown_parameter"
-    MISSING_PARAMETER = "missing_required_parameter"
-    INVALID_VALUE = "invalid_value"
-    INVALID_AUDIO = "invalid_audio"
-    AUDIO_UNSUPPORTED = "audio_input_unsupported"
-    UNSUPPORTED_SAMPLE_RATE = "unsupported_sample_rate"
-    SESSION_LOCKED = "session_locked"
-    TEXT_TOO_LONG = "text_too_long"
-    TEXT_UNSUPPORTED = "text_input_unsupported"
-    BUFFER_OVERFLOW = "input_audio_buffer_overflow"
-    TOO_MANY_PENDING = "too_many_pending_frames"
-    COMMIT_EMPTY = "input_audio_buffer_commit_empty"
-    ACTIVE_RESPONSE = "conversation_already_has_active_response"
-    IDLE_TIMEOUT = "idle_timeout"
-    SESSION_EXPIRED = "session_expired"
-    AT_CAPACITY = "server_at_capacity"
-    SERVER_DRAINING = "server_draining"  # its drain timeout passed: reconnect elsewhere
-    INVALID_API_KEY = "invalid_api_key"
-    RESUME_REFUSED = "resume_refused"  # unknown or ended session, wrong or used token
-    RATE_LIMITED = "rate_limit_exceeded"
-    UNSUPPORTED = "unsupported"  # a GA feature this server does not serve; the message says why
-    ITEM_NOT_FOUND = "item_not_found"
-    RESPONSE_NOT_ACTIVE = "response_cancel_not_active"
-
-
-class ClientError(Exception):
-    """A client event that cannot be honoured; answered with an `error`, the session lives on."""
-
-    def __init__(self, code: ErrorCode, message: str, param: str | None = None,
-                 error_type: ErrorType = ErrorType.INVALID_REQUEST,
-                 event_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-        self.error_type = error_type
-        self.event_id = event_id  # the client event's own id, when it could be read
 
 
 # ---- client events ------------------------------------------------------------------------
@@ -342,27 +266,3 @@ def _as_client_error(err: ValidationError, event_id: str | None) -> ClientError:
     return ClientError(code, f"{param or 'event'}: {first['msg']}", param, event_id=event_id)
 
 
-# ---- server events ------------------------------------------------------------------------
-class ServerEvent(BaseModel):
-    event_id: str = Field(default_factory=lambda: new_id("event"))
-
-    def to_json(self) -> str:
-        return self.model_dump_json()
-
-
-class ErrorDetail(BaseModel):
-    type: ErrorType
-    code: ErrorCode
-    message: str
-    param: str | None = None
-    event_id: str | None = None  # the client event that caused the error
-
-
-class ErrorEvent(ServerEvent):
-    type: Literal["error"] = "error"
-    error: ErrorDetail
-
-    @classmethod
-    def of(cls, err: ClientError, client_event_id: str | None = None) -> ErrorEvent:
-        return cls(error=ErrorDetail(type=err.error_type, code=err.code, message=err.message,
-                                     param=err.param, event_id=client_event_id))
