@@ -5,11 +5,11 @@ The public API, importable from the package itself (loaded on first use, so that
 
     from metronome import Engine, EngineConfig, SessionSpec, ResidencyPolicy, load_model
 
-Engine: `Engine`, `EngineConfig`, `SessionSpec`, `SamplingParams`, `SessionError`,
-`ResidencyPolicy`, `load_model`, `load_tokenizer`. Runtime: `SessionProfile`, `SessionMode`,
-`Frame`, `FrameResult`, `FrameStatus`, `Listeners`, `WallDriver`, `VirtualDriver`,
-`StepCostModel`, `EnginePort` (the seam an engine implements). Server: `ServerConfig`,
-`create_app`.
+The record: `Stream` (one session, carried from the socket to the engine), `Frame`,
+`FrameStatus`. Engine: `Engine`, `EngineConfig`, `SessionSpec`, `SamplingParams`,
+`SessionError`, `ResidencyPolicy`, `load_model`, `load_tokenizer`. Runtime:
+`SessionProfile`, `SessionMode`, `Listeners`, `WallDriver`, `VirtualDriver`, `StepCostModel`,
+`EnginePort` (the seam an engine implements). Server: `ServerConfig`, `create_app`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ _EXPORTS = {
     "load_tokenizer": "metronome.model.weights",
     "SessionProfile": "metronome.runtime.profile",
     "SessionMode": "metronome.runtime.profile",
-    "Frame": "metronome.runtime.frame",
-    "FrameResult": "metronome.runtime.frame",
-    "FrameStatus": "metronome.runtime.frame",
+    "Stream": "metronome.stream",
+    "Frame": "metronome.stream",
+    "FrameStatus": "metronome.stream",
     "Listeners": "metronome.runtime.ports",
     "EnginePort": "metronome.runtime.ports",
     "WallDriver": "metronome.runtime.wall",

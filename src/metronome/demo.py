@@ -18,6 +18,7 @@ from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.dtypes import resolve_dtype
 from metronome.model.weights import load_model, load_tokenizer
+from metronome.stream import Stream
 from metronome.workload_defaults import DEMO_POOL_TOKENS
 
 FRAMES = [
@@ -46,7 +47,8 @@ def run_demo(model: str, num_sessions: int, num_frames: int, policy: str, dtype:
         f"model [bold]{llm.config.name}[/] ({dtype}), {num_sessions} sessions, policy "
         f"[bold]{residency}[/], pool {engine.pool.num_blocks} blocks x {engine.config.block_size}"
     )
-    session_ids = [engine.open_session(SessionSpec(policy=residency)) for _ in range(num_sessions)]
+    session_ids = [engine.open_session(Stream(f"demo-{i}", spec=SessionSpec(policy=residency)))
+                   for i in range(num_sessions)]
     for frame in range(num_frames):
         replies = {sid: [] for sid in session_ids}
         for i, sid in enumerate(session_ids):
@@ -55,8 +57,8 @@ def run_demo(model: str, num_sessions: int, num_frames: int, policy: str, dtype:
             engine.submit(sid, ids, max_new_tokens=12)
         started_s, steps = time.perf_counter(), 0
         while engine.has_work:
-            for outcome in engine.step().sessions:
-                replies[outcome.session_id] += outcome.new_token_ids
+            for sid, new_ids in engine.step().new_token_ids.items():
+                replies[sid] += new_ids
             steps += 1
         elapsed_ms = (time.perf_counter() - started_s) * 1e3
         _show_frame(console, engine, frame, replies, tokenizer, steps, elapsed_ms)

@@ -8,24 +8,25 @@ from metronome.admission.controller import AdmissionController
 from metronome.admission.limits import AIMDLimit, SlowStartLimit
 from metronome.admission.pacing import SelfPacing
 from metronome.engine.engine import Engine, EngineConfig
-from metronome.engine.types import SessionStep, StepResult, WorkStatus
+from metronome.engine.types import StepOutput, WorkStatus
 from metronome.kv.residency import ResidencyPolicy
 from metronome.observe.deadline_monitor import DeadlineMonitor
 from metronome.observe.stall_detector import Health
-from metronome.runtime.frame import Frame, FrameResult, FrameStatus
-from metronome.runtime.ports import Listeners, StepReport
+from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
 from metronome.sim.cost_model import StepCostModel
 from metronome.sim.recorder import RunRecorder
 from metronome.sim.virtual import VirtualDriver
+from metronome.stream import Frame, FrameStatus, Stream
 
 
 def result(arrival_s: float, finish_s: float, deadline_s: float = 1.0, tokens: int = 12,
-           index: int = 0, session_id: int = 7) -> FrameResult:
+           index: int = 0, session_id: int = 7) -> Frame:
     late = finish_s > arrival_s + deadline_s
-    return FrameResult(session_id, index, FrameStatus.LATE if late else FrameStatus.OK, [],
-                       arrival_s, arrival_s, min(finish_s, arrival_s + deadline_s),
-                       arrival_s + deadline_s, True, input_tokens=tokens)
+    return Frame(session_id, arrival_s, index=index, deadline_at_s=arrival_s + deadline_s,
+                 max_new_tokens=1, start_offset=0, end_offset=tokens, start_s=arrival_s,
+                 status=FrameStatus.LATE if late else FrameStatus.OK,
+                 finish_s=min(finish_s, arrival_s + deadline_s))
 
 
 def verdicts(pacing: SelfPacing, frames: list[tuple[float, float]], deadline_s=1.0):
@@ -69,36 +70,38 @@ def attack_run(model, frame_period_s: float | None, attack_every_s=0.1, duration
     one chunk, so the attacker is not late and there is nothing to judge.)"""
     engine = Engine(model, EngineConfig(block_size=16, pool_tokens=256 * 16))
     recorder = RunRecorder()
-    beat_sessions = lambda: len(driver.beat.sessions)  # noqa: E731 (driver is made below)
+    beat_sessions = lambda: len(driver.beat.streams)  # noqa: E731 (driver is made below)
     controller = AdmissionController(SlowStartLimit(initial_cap=4), beat_sessions,
                                      self_paced_tokens=64, frame_period_s=frame_period_s)
     driver = VirtualDriver(engine, SLOW, Listeners.of(recorder, controller))
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=2,
                              policy=ResidencyPolicy.sinks_window(4, 64))
     beat, clock = driver.beat, driver.clock
-    calm = [beat.open_session(profile) for _ in range(3)]
-    attacker = beat.open_session(profile)
+    calm, attacker = ["calm-0", "calm-1", "calm-2"], "attacker"
+    for sid in [*calm, attacker]:
+        beat.add(Stream(sid, profile))
     controller.start(clock)
 
-    def stream(sid: int, frames: int, start_s: float = 0.0) -> None:
+    def stream(sid: str, frames: int, start_s: float = 0.0) -> None:
         for i in range(frames):
-            clock.call_at(start_s + i + 1.0, lambda t, i=i: beat.submit_frame(
-                Frame(sid, i, t, [5 + k for k in range(12)]), t))
+            clock.call_at(start_s + i + 1.0, lambda t: beat.submit(
+                Frame(sid, t), t, [5 + k for k in range(12)]))
 
     def new_user(now_s: float) -> None:
         joined.append(controller.try_admit(now_s).admitted)
         if joined[-1]:
-            sid = beat.open_session(profile, now_s)
-            stream(sid, 3, now_s)
-            clock.call_at(now_s + 3.5, lambda t: beat.close_session(sid, t))
+            user = Stream(f"user-{len(joined)}", profile, now_s)
+            beat.add(user)
+            stream(user.id, 3, now_s)
+            clock.call_at(now_s + 3.5, lambda t: beat.close(user, t))
 
     joined: list[bool] = []
     for sid in calm:
         stream(sid, int(duration_s))
     for j in range(int(duration_s / 2 / attack_every_s)):
-        clock.call_at((j + 1) * attack_every_s, lambda t, j=j: beat.submit_frame(
-            Frame(attacker, j, t, [9 + k for k in range(12)]), t))
-    clock.call_at(duration_s / 2 + 0.5, lambda t: beat.close_session(attacker, t))
+        clock.call_at((j + 1) * attack_every_s, lambda t: beat.submit(
+            Frame(attacker, t), t, [9 + k for k in range(12)]))
+    clock.call_at(duration_s / 2 + 0.5, lambda t: beat.close(beat.streams[attacker], t))
     for k in range(1, 11):
         clock.call_at(2.0 * k + 0.1, new_user)
     driver.run_until(duration_s)
@@ -142,11 +145,10 @@ def test_health_names_a_session_that_overloads_itself_instead_of_overload():
     assert "overloads" not in monitor.reason
 
 
-def step(work_by_session: dict[int, int]) -> StepReport:
+def step(work_by_session: dict[int, int]) -> StepOutput:
     """A step that processed `work_by_session` input positions (pool and timing unread)."""
-    outcomes = [SessionStep(sid, WorkStatus.OK, input_tokens=n)
-                for sid, n in work_by_session.items()]
-    return StepReport(StepResult(outcomes), 0.0, 0.1, None, {})
+    return StepOutput(status=dict.fromkeys(work_by_session, WorkStatus.OK),
+                      input_tokens=dict(work_by_session), finished_s=0.1)
 
 
 def interval_with_a_flood(flood_tokens: int, factor: float = 2.0, floods: int = 1,

@@ -8,9 +8,9 @@ from statistics import fmean
 import pytest
 
 from metronome.admission.limits import AIMDLimit, SlowStartLimit
-from metronome.runtime.frame import FrameStatus
 from metronome.sim.cost_model import PACKAGED_STEP_COST, StepCostModel
 from metronome.sim.scenario import Scenario, run_controlled, sweep_n_star
+from metronome.stream import FrameStatus
 
 DURATION_S = 160.0
 CONVERGED_S = 80.0

@@ -10,6 +10,8 @@ import torch
 from metronome.engine.engine import Engine, EngineConfig, WorkStatus
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
+from metronome.stream import Stream
+from tests.steps import by_session
 
 BLOCK = 4
 CHUNK = 8
@@ -31,7 +33,7 @@ def prompt(k: int, length: int = 100) -> list[int]:
 def run(engine: Engine, sids: list[int]) -> list[dict[int, object]]:
     steps = []
     while engine.has_work:
-        steps.append(engine.step().by_session())
+        steps.append(by_session(engine.step()))
     return steps
 
 
@@ -40,8 +42,8 @@ def run(engine: Engine, sids: list[int]) -> list[dict[int, object]]:
 def test_long_prefills_take_larger_chunks_and_compute_the_same(tiny_model, policy, attention):
     def logits_and_tokens(prefill_chunk_tokens):
         engine = make_engine(tiny_model, prefill_chunk_tokens, attention=attention)
-        sids = [engine.open_session(SessionSpec(policy=policy, return_logits=True,
-                                                stop_token_ids=())) for _ in range(2)]
+        sids = [engine.open_session(Stream(f"s{k}", spec=SessionSpec(
+            policy=policy, return_logits=True, stop_token_ids=()))) for k in range(2)]
         for k, sid in enumerate(sids):
             engine.submit(sid, prompt(k), max_new_tokens=4)
         steps = run(engine, sids)
@@ -62,17 +64,17 @@ def test_long_prefills_take_larger_chunks_and_compute_the_same(tiny_model, polic
 
 def test_a_step_with_a_session_decoding_keeps_its_chunks_short(tiny_model):
     engine = make_engine(tiny_model)
-    decoding = engine.open_session(SessionSpec(stop_token_ids=()))
+    decoding = engine.open_session(Stream.of(SessionSpec(stop_token_ids=())))
     engine.submit(decoding, [5, 6], max_new_tokens=20)
     engine.step()  # its input is in: from now on it decodes, one token a step
-    prefilling = engine.open_session(SessionSpec(stop_token_ids=()))
+    prefilling = engine.open_session(Stream.of(SessionSpec(stop_token_ids=())))
     engine.submit(prefilling, prompt(0))
     for _ in range(5):
-        by_session = engine.step().by_session()
-        assert by_session[decoding].input_tokens == 1
-        assert by_session[prefilling].input_tokens == CHUNK
+        step = by_session(engine.step())
+        assert step[decoding].input_tokens == 1
+        assert step[prefilling].input_tokens == CHUNK
     engine.close(decoding)
-    assert engine.step().by_session()[prefilling].input_tokens == PREFILL_CHUNK  # alone now
+    assert by_session(engine.step())[prefilling].input_tokens == PREFILL_CHUNK  # alone now
 
 
 def test_larger_chunks_leave_every_bounded_session_the_blocks_of_its_peak(tiny_model):
@@ -81,23 +83,23 @@ def test_larger_chunks_leave_every_bounded_session_the_blocks_of_its_peak(tiny_m
     peak = BOUND.max_blocks(BLOCK, CHUNK)
     sessions = 3
     engine = make_engine(tiny_model, pool_blocks=sessions * peak)
-    sids = [engine.open_session(SessionSpec(policy=BOUND, stop_token_ids=()))
+    sids = [engine.open_session(Stream.of(SessionSpec(policy=BOUND, stop_token_ids=())))
             for _ in range(sessions)]
     for k, sid in enumerate(sids[:2]):
         engine.submit(sid, prompt(k), max_new_tokens=2)
-    first = engine.step().by_session()
+    first = by_session(engine.step())
     assert [first[sid].input_tokens for sid in sids[:2]] == [CHUNK, CHUNK]
     engine.submit(sids[2], prompt(2), max_new_tokens=2)  # the third arrives mid-prefill
-    for by_session in run(engine, sids):
-        assert all(o.status is WorkStatus.OK for o in by_session.values()), by_session
-        assert all(o.input_tokens <= CHUNK for o in by_session.values())
+    for step in run(engine, sids):
+        assert all(o.status is WorkStatus.OK for o in step.values()), step
+        assert all(o.input_tokens <= CHUNK for o in step.values())
 
 
 def test_with_blocks_to_spare_bounded_prefills_take_larger_chunks(tiny_model):
     engine = make_engine(tiny_model, pool_blocks=256)
-    sids = [engine.open_session(SessionSpec(policy=BOUND, stop_token_ids=()))
+    sids = [engine.open_session(Stream.of(SessionSpec(policy=BOUND, stop_token_ids=())))
             for _ in range(3)]
     for k, sid in enumerate(sids):
         engine.submit(sid, prompt(k), max_new_tokens=2)
-    first = engine.step().by_session()
+    first = by_session(engine.step())
     assert [first[sid].input_tokens for sid in sids] == [64 // 3] * 3  # the budget, shared

@@ -9,6 +9,7 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import WorkStatus
 from metronome.kv.residency import ResidencyPolicy
+from metronome.stream import Stream
 
 BLOCK = 4
 policies = st.one_of(
@@ -54,17 +55,17 @@ def check_books(engine: Engine) -> None:
 def test_random_sessions_keep_pool_books(tiny_model, script):
     engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=24 * BLOCK,
                                              max_chunk_tokens=5, max_step_tokens=12))
-    open_ids: list[int] = []
+    open_ids: list[str] = []
     for action in script:
         if action[0] == "open":
-            open_ids.append(engine.open_session(SessionSpec(policy=action[1])))
+            open_ids.append(engine.open_session(Stream.of(SessionSpec(policy=action[1]))))
         elif action[0] == "submit" and open_ids:
             sid = open_ids[action[1] % len(open_ids)]
             if not engine.sessions[sid].ended:
                 engine.submit(sid, list(range(action[2])), max_new_tokens=action[3])
         elif action[0] == "step":
             result = engine.step()
-            assert all(s.status in WorkStatus for s in result.sessions)
+            assert all(s in WorkStatus for s in result.status.values())
         elif action[0] == "close" and open_ids:
             engine.close(open_ids.pop(action[1] % len(open_ids)))
         check_books(engine)

@@ -10,6 +10,8 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.engine.snapshot import SessionSnapshot, SnapshotError
 from metronome.kv.residency import ResidencyPolicy
+from metronome.stream import Stream
+from tests.steps import by_session
 
 
 def make_engine(model, block: int, pool_blocks: int = 64) -> Engine:
@@ -19,10 +21,10 @@ def make_engine(model, block: int, pool_blocks: int = 64) -> Engine:
                                       max_prefill_chunk_tokens=16))
 
 
-def generate(engine: Engine, sid: int, max_steps: int | None = None) -> list[int]:
+def generate(engine: Engine, sid: str, max_steps: int | None = None) -> list[int]:
     tokens, steps = [], 0
     while engine.sessions[sid].has_work and (max_steps is None or steps < max_steps):
-        tokens += engine.step().by_session()[sid].new_token_ids
+        tokens += by_session(engine.step())[sid].new_token_ids
         steps += 1
     return tokens
 
@@ -30,7 +32,7 @@ def generate(engine: Engine, sid: int, max_steps: int | None = None) -> list[int
 def rotate_free_blocks(engine: Engine, num_blocks: int) -> None:
     """Use and return some blocks, so the pool's FIFO hands a restore other block ids."""
     block = engine.config.block_size
-    sid = engine.open_session()
+    sid = engine.open_session(Stream.of())
     engine.submit(sid, [1] * (num_blocks * block))
     generate(engine, sid)
     engine.close(sid)
@@ -39,13 +41,13 @@ def rotate_free_blocks(engine: Engine, num_blocks: int) -> None:
 def check_moved_session_continues_exactly(model, block, policy, prompt, turn):
     source, target = make_engine(model, block), make_engine(model, block)
     rotate_free_blocks(target, 5)
-    sid = source.open_session(SessionSpec(policy=policy, stop_token_ids=()))
+    sid = source.open_session(Stream.of(SessionSpec(policy=policy, stop_token_ids=())))
     source.submit(sid, prompt, max_new_tokens=40)
     before = generate(source, sid, max_steps=-(-len(prompt) // 16) + 19)  # 20 tokens in
     assert source.session_tokens(sid) > policy.sink_tokens + policy.window_tokens + block
     data = source.snapshot_session(sid).to_bytes()
-    restored = target.restore_session(SessionSnapshot.from_bytes(data))
-    assert restored is not None
+    restored = "moved"
+    assert target.restore_session(SessionSnapshot.from_bytes(data), Stream(restored))
     own, moved = source.sessions[sid].table, target.sessions[restored].table
     assert list(moved.logical_to_block_id) == list(own.logical_to_block_id)  # sinks + window
     assert moved.block_ids != own.block_ids  # its own pool's blocks
@@ -84,18 +86,18 @@ def test_smollm2_session_moved_mid_generation_continues_token_exact(smollm2):
 
 def test_restore_into_a_pool_too_small_is_refused_as_exhaustion(tiny_model):
     source = make_engine(tiny_model, 4)
-    sid = source.open_session(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 16)))
+    sid = source.open_session(Stream.of(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 16))))
     source.submit(sid, list(range(40)))
     generate(source, sid)
     snapshot = source.snapshot_session(sid)
     small = make_engine(tiny_model, 4, pool_blocks=len(snapshot.logical_blocks) - 1)
-    assert small.restore_session(snapshot) is None
+    assert not small.restore_session(snapshot, Stream("moved"))
     assert small.sessions == {} and small.pool_stats().used_blocks == 0
 
 
 def test_unbounded_session_is_not_snapshotted(tiny_model):
     engine = make_engine(tiny_model, 4)
-    sid = engine.open_session()
+    sid = engine.open_session(Stream.of())
     engine.submit(sid, [1, 2, 3])
     generate(engine, sid)
     with pytest.raises(SnapshotError, match="unbounded"):
@@ -104,12 +106,12 @@ def test_unbounded_session_is_not_snapshotted(tiny_model):
 
 def test_snapshot_refused_by_an_engine_of_another_geometry(tiny_model):
     source = make_engine(tiny_model, 4)
-    sid = source.open_session(SessionSpec(policy=ResidencyPolicy.window(8)))
+    sid = source.open_session(Stream.of(SessionSpec(policy=ResidencyPolicy.window(8))))
     source.submit(sid, list(range(12)))
     generate(source, sid)
     other = make_engine(tiny_model, 8)
     with pytest.raises(SnapshotError, match="block_size=4"):
-        other.restore_session(source.snapshot_session(sid))
+        other.restore_session(source.snapshot_session(sid), Stream("moved"))
     with pytest.raises(SnapshotError, match="not a Metronome"):
         SessionSnapshot.from_bytes(b"hello")
 
@@ -121,7 +123,7 @@ def test_bytes_round_trip_keeps_every_tensor_bf16_and_pending_embeddings():
     from metronome.model.weights import random_model
 
     engine = make_engine(random_model(TINY_LLAMA, torch.bfloat16, seed=2), 4)
-    sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 8)))
+    sid = engine.open_session(Stream.of(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 8))))
     engine.submit(sid, list(range(30)), max_new_tokens=3)
     generate(engine, sid)
     engine.submit(sid, embeddings=torch.randn(5, TINY_LLAMA.hidden_size), max_new_tokens=2)
@@ -129,10 +131,9 @@ def test_bytes_round_trip_keeps_every_tensor_bf16_and_pending_embeddings():
     back = SessionSnapshot.from_bytes(bytes(snapshot.to_bytes()))
     assert back.k.dtype == torch.bfloat16 and torch.equal(back.k, snapshot.k)
     assert torch.equal(back.v, snapshot.v)
-    assert [(c.data.dtype, c.submitted) for c in back.pending] == [
-        (torch.int64, False), (torch.bfloat16, True)]  # the carried token, then the input
-    assert all(torch.equal(a.data, b.data) for a, b in zip(back.pending, snapshot.pending,
-                                                             strict=True))
+    assert [c.dtype for c in back.pending] == [torch.bfloat16]  # the input, unread
+    assert len(back.carry) == 0 and len(back.feedback) == 1  # the carried token goes first
+    assert all(torch.equal(a, b) for a, b in zip(back.pending, snapshot.pending, strict=True))
     # 30 prompt tokens and 2 of the 3 sampled written; the 3rd is carried
     assert back.spec == snapshot.spec and back.num_tokens == 32 and back.decode_budget == 2
     assert torch.equal(back.generator_state, snapshot.generator_state)
@@ -142,7 +143,7 @@ def test_snapshot_off_the_engine_thread_is_a_bug(tiny_model):
     import threading
 
     engine = make_engine(tiny_model, 4)
-    sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.window(8)))
+    sid = engine.open_session(Stream.of(SessionSpec(policy=ResidencyPolicy.window(8))))
     engine.submit(sid, [1, 2, 3])
     generate(engine, sid)  # this thread steps the engine: it is the engine's thread
     errors = []

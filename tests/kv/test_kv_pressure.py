@@ -8,12 +8,13 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import WorkStatus
 from metronome.kv.residency import ResidencyPolicy
-from metronome.runtime.frame import Frame
 from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
 from metronome.sim.cost_model import StepCostModel
 from metronome.sim.recorder import RunRecorder
 from metronome.sim.virtual import VirtualDriver
+from metronome.stream import Frame, Stream
+from tests.steps import by_session
 
 BLOCK = 4
 BOUND = ResidencyPolicy.sinks_window(2, 8)
@@ -23,7 +24,7 @@ COST = StepCostModel(fixed_s=0.004, per_token_s=0.0005, per_context_token_s=1e-6
 def test_pressure_bounds_the_largest_unbounded_session_first(tiny_model):
     engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=12 * BLOCK,
                                              max_chunk_tokens=8, pressure_policy=BOUND))
-    big, small = engine.open_session(), engine.open_session()
+    big, small = engine.open_session(Stream.of()), engine.open_session(Stream.of())
     engine.submit(big, list(range(1, 33)))  # 8 blocks, in chunks of 8 tokens
     engine.submit(small, [1, 2, 3, 4, 5, 6, 7, 8])  # 2 blocks
     while engine.has_work:
@@ -31,11 +32,11 @@ def test_pressure_bounds_the_largest_unbounded_session_first(tiny_model):
     assert engine.pool_stats().free_blocks == 2
     engine.submit(small, list(range(1, 13)))  # needs 2 blocks, then 1 more: pool is dry
     first = engine.step()
-    assert first.rebounds == [] and first.by_session()[small].status is WorkStatus.OK
+    assert first.rebounds == [] and by_session(first)[small].status is WorkStatus.OK
     second = engine.step()
     assert [(r.session_id, r.policy, r.freed_blocks) for r in second.rebounds] == [
         (big, BOUND, 5)]  # blocks 1..5 of 0..7: sinks (block 0) and the window (6, 7) stay
-    assert second.by_session()[small].status is WorkStatus.OK
+    assert by_session(second)[small].status is WorkStatus.OK
     assert engine.sessions[big].spec.policy == BOUND
     assert engine.resident_tokens(big) <= BOUND.max_resident_tokens(BLOCK)
     assert not engine.sessions[small].spec.policy.bounded  # it was not needed
@@ -43,9 +44,9 @@ def test_pressure_bounds_the_largest_unbounded_session_first(tiny_model):
 
 def test_without_pressure_policy_the_pool_stalls_and_nothing_is_rebound(tiny_model):
     engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=4 * BLOCK))
-    sid = engine.open_session(SessionSpec())
+    sid = engine.open_session(Stream.of(SessionSpec()))
     engine.submit(sid, list(range(1, 21)))
-    statuses = [engine.step().by_session()[sid].status for _ in range(3)]
+    statuses = [by_session(engine.step())[sid].status for _ in range(3)]
     assert WorkStatus.STALLED_KV in statuses and engine.sessions[sid].has_work
 
 
@@ -59,15 +60,15 @@ def wall_run(model, pressure_policy, sessions=8, duration_s=40.0):
         on_rebound=rebounds.append)))
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
                              policy=ResidencyPolicy.unbounded())
-    told: list[int] = []
-    sids = [driver.beat.open_session(profile, on_rebound=lambda r: told.append(r.session_id))
-            for _ in range(sessions)]
+    told: list[str] = []
+    sids = [f"s{n}" for n in range(sessions)]
+    for sid in sids:
+        driver.beat.add(Stream(sid, profile, on_rebound=lambda r: told.append(r.session_id)))
     vocab = model.config.vocab_size
     for i in range(int(duration_s)):
-        for sid in sids:
-            driver.clock.call_at(i + 1.0, lambda t, sid=sid, i=i: driver.beat.submit_frame(
-                Frame(sid, i, t, [(sid * 31 + i * 7 + k) % (vocab - 1) + 1 for k in range(12)]),
-                t))
+        for n, sid in enumerate(sids):
+            driver.clock.call_at(i + 1.0, lambda t, sid=sid, n=n, i=i: driver.beat.submit(
+                Frame(sid, t), t, [(n * 31 + i * 7 + k) % (vocab - 1) + 1 for k in range(12)]))
     driver.run_until(duration_s + 1)
     return recorder.results, rebounds, told, sids
 

@@ -10,7 +10,9 @@ import torch
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
+from metronome.stream import Stream
 from tests.reference import reference_logits
+from tests.steps import by_session
 
 BLOCK = 4
 # (attention, paged_max_chunk_tokens): the engine configurations every test here runs on
@@ -31,7 +33,8 @@ def run_engine(model, sequences, policies, chunk_sizes, block_size=BLOCK, pool_t
     engine = Engine(model, EngineConfig(block_size=block_size, pool_tokens=pool_tokens,
                                         max_chunk_tokens=64, max_step_tokens=4096,
                                         attention=attention, paged_max_chunk_tokens=paged_max))
-    sids = [engine.open_session(SessionSpec(policy=p, return_logits=True)) for p in policies]
+    sids = [engine.open_session(Stream.of(SessionSpec(policy=p, return_logits=True)))
+            for p in policies]
     logits = {sid: [] for sid in sids}
     cursors = dict.fromkeys(sids, 0)
     step_index = 0
@@ -42,7 +45,7 @@ def run_engine(model, sequences, policies, chunk_sizes, block_size=BLOCK, pool_t
                 engine.submit(s, seq[cursors[s] : cursors[s] + n])
                 cursors[s] += n
         while engine.has_work:
-            for outcome in engine.step().sessions:
+            for outcome in by_session(engine.step()).values():
                 logits[outcome.session_id].append(outcome.logits)
         step_index += 1
     return [torch.cat(logits[s]) for s in sids], engine

@@ -12,6 +12,8 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.weights import bundled_model_dir, load_model
+from metronome.stream import Stream
+from tests.steps import by_session
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -30,8 +32,8 @@ def generate_batched(model, prompts_ids, policy, decode_steps=DECODE_STEPS):
     engine = Engine(model, EngineConfig(block_size=16, pool_tokens=8192))
     sids = []
     for ids in prompts_ids:
-        sid = engine.open_session(SessionSpec(policy=policy, return_logits=True,
-                                              stop_token_ids=()))
+        sid = engine.open_session(Stream.of(SessionSpec(policy=policy, return_logits=True,
+                                              stop_token_ids=())))
         engine.submit(sid, ids, max_new_tokens=decode_steps)
         sids.append(sid)
     tokens = {s: [] for s in sids}
@@ -40,8 +42,8 @@ def generate_batched(model, prompts_ids, policy, decode_steps=DECODE_STEPS):
     while engine.has_work:
         result = engine.step()
         steps += 1
-        assert len(result.sessions) == len(sids) or steps > 1  # prefill is one batched step
-        for outcome in result.sessions:
+        assert len(result.status) == len(sids) or steps > 1  # prefill is one batched step
+        for outcome in by_session(result).values():
             tokens[outcome.session_id] += outcome.new_token_ids
             logits[outcome.session_id].append(outcome.logits)
     return [tokens[s] for s in sids], [torch.cat(logits[s]) for s in sids], steps

@@ -9,6 +9,8 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.weights import load_model, parse_preset
+from metronome.stream import Stream
+from tests.steps import by_session
 
 
 @pytest.mark.parametrize(
@@ -30,11 +32,11 @@ def test_a_few_layers_of_a_preset_run_in_the_engine():
     engine = Engine(model, EngineConfig(block_size=16, pool_memory_bytes=64 * 2**20,
                                         pool_tokens=None))
     assert engine.pool.num_blocks == 64 * 2**20 // (2 * 8 * 128 * 2) // 16
-    sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 32)))
+    sid = engine.open_session(Stream.of(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 32))))
     engine.submit(sid, list(range(40)), max_new_tokens=3)
     new = []
     while engine.has_work:
-        new += engine.step().by_session()[sid].new_token_ids
+        new += by_session(engine.step())[sid].new_token_ids
     assert len(new) == 3
 
 

@@ -20,6 +20,8 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.model import native
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
+from metronome.stream import Stream
+from tests.steps import by_session
 
 POLICIES = ["unbounded", "window:24", "sinks_window:4:24", "sinks_window:4:24@rolling",
             "sinks_window:9:8@rolling", "window:13@rolling"]
@@ -34,9 +36,11 @@ def churned_run(model, attention, paged_max, seed, block_size=4, rounds=14):
     rng = random.Random(seed)
     vocab = model.config.vocab_size
 
-    def open_one(policy):
-        return engine.open_session(SessionSpec(policy=ResidencyPolicy.parse(policy),
-                                               stop_token_ids=(), return_logits=True))
+    opened = iter(range(1_000))
+
+    def open_one(policy):  # the same ids in every engine: their logs are compared
+        return engine.open_session(Stream(f"s{next(opened)}", spec=SessionSpec(
+            policy=ResidencyPolicy.parse(policy), stop_token_ids=(), return_logits=True)))
 
     sids = [open_one(p) for p in POLICIES]
     log = []
@@ -51,7 +55,7 @@ def churned_run(model, attention, paged_max, seed, block_size=4, rounds=14):
             engine.submit(sid, [rng.randrange(vocab) for _ in range(n)],
                           max_new_tokens=rng.choice([0, 1, 3]))
         while engine.has_work:
-            for step in engine.step().sessions:
+            for step in by_session(engine.step()).values():
                 log.append((step.session_id, step.logits, tuple(step.new_token_ids)))
     return log
 
@@ -233,12 +237,12 @@ def test_bundled_model_decodes_the_same_tokens_on_both_paths(smollm2, paged_kern
     for attention in ("dense", "paged"):
         engine = Engine(smollm2, EngineConfig(block_size=16, pool_tokens=4096,
                                               attention=attention))
-        sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.sinks_window(4, 32),
-                                              stop_token_ids=(), return_logits=True))
+        sid = engine.open_session(Stream.of(SessionSpec(
+            policy=ResidencyPolicy.sinks_window(4, 32), stop_token_ids=(), return_logits=True)))
         engine.submit(sid, ids, max_new_tokens=40)
         tokens, logits = [], []
         while engine.has_work:
-            for step in engine.step().sessions:
+            for step in by_session(engine.step()).values():
                 tokens += step.new_token_ids
                 logits.append(step.logits[-1])
         results[attention] = (tokens, torch.stack(logits))
@@ -300,7 +304,7 @@ def test_without_the_kernel_auto_falls_back_and_paged_says_why(monkeypatch, tiny
     assert "disabled by METRONOME_NATIVE_ATTENTION=0" in native.unavailable_reason()
     engine = Engine(tiny_model, EngineConfig(block_size=4, pool_tokens=256))
     assert engine.kernel is None and engine.paged_max_chunk_tokens == 0
-    sid = engine.open_session(SessionSpec(stop_token_ids=()))
+    sid = engine.open_session(Stream.of(SessionSpec(stop_token_ids=())))
     engine.submit(sid, [1, 2, 3], max_new_tokens=2)
     while engine.has_work:
         engine.step()

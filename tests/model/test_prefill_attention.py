@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
+from metronome.stream import Stream
 from tests.native_kernels import bf16_kernel
+from tests.steps import by_session
 
 KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64
 
@@ -94,13 +96,13 @@ def smollm2_pair():
 def prompt_logits(model, attention: str, policy: ResidencyPolicy, ids: list[int]):
     """Two sessions prefill (and sample one token): every position's logits, in order."""
     engine = Engine(model, EngineConfig(block_size=32, pool_tokens=4096, attention=attention))
-    sids = [engine.open_session(SessionSpec(policy=policy, stop_token_ids=(),
-                                            return_logits=True)) for _ in range(2)]
+    sids = [engine.open_session(Stream.of(SessionSpec(policy=policy, stop_token_ids=(),
+                                            return_logits=True))) for _ in range(2)]
     for k, sid in enumerate(sids):
         engine.submit(sid, ids[k * 50:], max_new_tokens=1)
     logits = {sid: [] for sid in sids}
     while engine.has_work:
-        for step in engine.step().sessions:
+        for step in by_session(engine.step()).values():
             logits[step.session_id].append(step.logits)
     return torch.cat([torch.cat(logits[sid]) for sid in sids]).float()
 

@@ -7,12 +7,12 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.kv.residency import ResidencyPolicy
 from metronome.observe.deadline_monitor import DeadlineMonitor
 from metronome.observe.stall_detector import Health, StallDetector
-from metronome.runtime.frame import Frame
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
 from metronome.sim.cost_model import StepCostModel
 from metronome.sim.virtual import VirtualDriver
+from metronome.stream import Frame, Stream
 
 INTERVAL_S = 2.0
 
@@ -95,12 +95,14 @@ def run_overload_then_idle(model):
     driver = VirtualDriver(engine, slow, Listeners.of(observer))
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
                              policy=ResidencyPolicy.sinks_window(4, 64))
-    sids = [driver.beat.open_session(profile) for _ in range(16)]
+    streams = [Stream(f"s{n}", profile) for n in range(16)]
+    for stream in streams:
+        driver.beat.add(stream)
     for i in range(20):
-        for sid in sids:
-            driver.clock.call_at(i + 1.0, lambda t, sid=sid, i=i: driver.beat.submit_frame(
-                Frame(sid, i, t, [1 + sid, 2, 3]), t))
-    driver.clock.call_at(20.5, lambda t: [driver.beat.close_session(s, t) for s in sids])
+        for n, stream in enumerate(streams):
+            driver.clock.call_at(i + 1.0, lambda t, sid=stream.id, n=n: driver.beat.submit(
+                Frame(sid, t), t, [1 + n, 2, 3]))
+    driver.clock.call_at(20.5, lambda t: [driver.beat.close(s, t) for s in streams])
     readings = []
     for k in range(1, 61):
         driver.run_until(k * 0.5)
@@ -123,13 +125,13 @@ def test_overload_shows_within_one_interval_and_recovery_too(tiny_model):
 
 
 def test_the_forecast_forgets_sessions_that_closed_without_waiting_for_a_step():
-    from metronome.engine.types import PoolStats, StepResult
-    from metronome.runtime.ports import StepReport
+    from metronome.engine.types import PoolStats, StepOutput
 
     observer = RuntimeObserver.create(16)
     for t in range(6):  # one session growing a block a second in a 100-block pool
         pool = PoolStats(100, 16, used_blocks=t + 1, free_blocks=99 - t, pinned_blocks=0)
-        observer.on_step(StepReport(StepResult([]), t, t + 0.01, pool, {7: 16 * (t + 1)}))
+        observer.on_step(StepOutput(started_s=t, finished_s=t + 0.01, pool=pool,
+                                    resident_tokens={"s7": 16 * (t + 1)}))
     assert observer.eta_s < 200
     idle = PoolStats(100, 16, used_blocks=0, free_blocks=100, pinned_blocks=0)
     observer.observe_pool(6.0, idle, {}, force=True)  # the session closed; no more steps

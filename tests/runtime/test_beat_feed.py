@@ -1,4 +1,4 @@
-"""The beat's feed (`runtime.feed`) on the virtual clock: sessions that flood their own input
+"""The beat's feed (`FeedPolicy`) on the virtual clock: sessions that flood their own input
 (text items far larger than a step's chunk, audio at 6x real time) beside real-time
 streamers. Unmetered (the engine as before) the floods' prefill shares every step and the
 streamers' frames go late; metered they meet every deadline, the floods still get full
@@ -12,13 +12,13 @@ import torch
 
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.kv.residency import ResidencyPolicy
-from metronome.runtime.feed import FeedPolicy, SessionFeed
-from metronome.runtime.frame import Frame
+from metronome.runtime.beat import FeedPolicy
 from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
 from metronome.sim.cost_model import StepCostModel
 from metronome.sim.recorder import RunRecorder
 from metronome.sim.virtual import VirtualDriver
+from metronome.stream import Frame, Stream
 
 BLOCK = 16
 # ~ SmolLM2 fp32 on the 2-core CPU with the server's own work beside it: a step of three
@@ -33,16 +33,20 @@ FLOOD_TOKENS = 600  # a text item every 0.25 s
 DURATION_S = 12.0
 
 
-class RecordingCommands:
-    """The beat's engine commands, passed on, with each session's submitted input kept."""
+class RecordingEngine:
+    """The engine, with every input position fed to each session kept (as its stream held
+    it when it was fed)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.submitted: dict[int, list[torch.Tensor]] = {}
+        self.submitted: dict[str, list[torch.Tensor]] = {}
 
-    def submit_prepared(self, session_id, prepared, max_new_tokens=0):
-        self.submitted.setdefault(session_id, []).append(prepared.data)
-        self.inner.submit_prepared(session_id, prepared, max_new_tokens)
+    def feed(self, session_id, num_tokens, max_new_tokens=0):
+        session = self.inner.sessions[session_id]
+        if num_tokens:
+            self.submitted.setdefault(session_id, []).append(
+                session.stream.read(session.fed_tokens, num_tokens).clone())
+        self.inner.feed(session_id, num_tokens, max_new_tokens)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -60,11 +64,10 @@ class Shares:
         self.steps: list[tuple[bool, int]] = []
         self.started_s: list[float] = []
 
-    def on_step(self, report) -> None:  # after the beat has answered the step's frames
-        due = any(self.beat.sessions[s].in_flight is not None for s in self.calm)
-        mine = [s.input_tokens for s in report.result.sessions if s.session_id == self.text]
-        self.steps.append((self.due_before or due, mine[0] if mine else 0))
-        self.started_s.append(report.started_s)
+    def on_step(self, out) -> None:  # after the beat has answered the step's frames
+        due = any(self.beat.streams[s].in_flight is not None for s in self.calm)
+        self.steps.append((self.due_before or due, out.input_tokens.get(self.text, 0)))
+        self.started_s.append(out.started_s)
         self.due_before = due
 
     due_before = False
@@ -78,24 +81,27 @@ def flood_run(model, policy: FeedPolicy, streamers: int = STREAMERS, text_flood:
     driver = VirtualDriver(engine, COST, Listeners.of(recorder, shares))
     beat = driver.beat
     beat.feed_policy = policy
-    commands = beat.engine = RecordingCommands(beat.engine)
-    calm = [beat.open_session(PROFILE) for _ in range(streamers)]
-    text = beat.open_session(PROFILE) if text_flood else None
-    audio = beat.open_session(PROFILE) if audio_flood else None
-    sent: dict[int, list[list[int]]] = {sid: [] for sid in beat.sessions}
+    commands = beat.engine = RecordingEngine(beat.engine)
+    calm = [f"calm-{k}" for k in range(streamers)]
+    text = "text" if text_flood else None
+    audio = "audio" if audio_flood else None
+    for sid in [*calm, text, audio]:
+        if sid is not None:
+            beat.add(Stream(sid, PROFILE))
+    sent: dict[str, list[list[int]]] = {sid: [] for sid in beat.streams}
     shares.beat, shares.calm, shares.text = beat, calm, text
 
-    def submit(sid: int, ids: list[int], t: float) -> None:
-        if beat.sessions[sid].fits(len(ids)):
-            beat.submit_frame(Frame(sid, len(sent[sid]), t, ids), t)
+    def submit(sid: str, ids: list[int], t: float) -> None:
+        if beat.streams[sid].fits(len(ids)):
+            beat.submit(Frame(sid, t), t, ids)
             sent[sid].append(ids)
 
     for k in range(round(DURATION_S * 60)):  # 1/60 s ticks
         t = k / 60
         driver.run_until(t)
         if k % 60 == 0 and t >= quiet_until_s:
-            for sid in calm:
-                submit(sid, tokens(sid + k, FRAME_TOKENS), t)
+            for n, sid in enumerate(calm):
+                submit(sid, tokens(n + k, FRAME_TOKENS), t)
         if text is not None and k % 15 == 0:
             submit(text, tokens(k, FLOOD_TOKENS), t)
         if audio is not None and k % 10 == 0:
@@ -104,7 +110,7 @@ def flood_run(model, policy: FeedPolicy, streamers: int = STREAMERS, text_flood:
     return engine, beat, recorder, commands, calm, text, sent, shares
 
 
-def calm_misses(recorder: RunRecorder, calm: list[int]) -> int:
+def calm_misses(recorder: RunRecorder, calm: list[str]) -> int:
     return sum(1 for r in recorder.results if r.session_id in calm and not r.deadline_met)
 
 
@@ -148,8 +154,9 @@ def test_every_input_reaches_the_engine_whole_in_order_and_every_frame_once(runs
             assert got == [t for ids in frames for t in ids], (metered, sid)
             mine = [r.index for r in recorder.results if r.session_id == sid]
             assert mine == list(range(len(frames))), (metered, sid)  # once each, in order
-            record = beat.sessions[sid]
-            assert record.queued_input_tokens == 0 and not beat.feeds[sid].held
+            stream = beat.streams[sid]
+            assert stream.queued_input_tokens == 0
+            assert stream.fed_tokens == stream.consumed_tokens == stream.received_tokens
             assert engine.session_tokens(sid) >= sum(map(len, frames))
 
 
@@ -182,38 +189,3 @@ def test_streamers_that_speak_up_during_a_lone_flood_are_not_late(tiny_model):
         progress[alone] = sum(before)
     assert progress[EngineConfig.max_prefill_chunk_tokens] > progress[
         EngineConfig.max_chunk_tokens]
-
-
-def test_feed_hands_one_piece_at_a_time_joined_up_to_the_limit_budget_last():
-    feed = SessionFeed()
-    feed.hold(torch.arange(10), 0)  # a late frame's leftover
-    feed.hold(torch.arange(10, 20), 4)  # the frame in flight
-    first = feed.take(16)
-    assert [(p.data.tolist(), p.max_new_tokens) for p in first] == [(list(range(16)), 0)]
-    assert feed.take(16) == []  # the engine still holds the first
-    feed.consumed(16)
-    last = feed.take(16)
-    assert [(p.data.tolist(), p.max_new_tokens) for p in last] == [([16, 17, 18, 19], 4)]
-    feed.consumed(4)
-    feed.hold(torch.arange(3), 0)
-    feed.hold(torch.zeros(2, 8), 2)  # embeddings do not join token ids
-    assert [p.data.shape[0] for p in feed.take(16)] == [3]
-    feed.consumed(3)
-    everything = feed.take(None)
-    assert [(tuple(p.data.shape), p.max_new_tokens) for p in everything] == [((2, 8), 2)]
-    assert feed.in_engine_tokens == 2 and feed.held_tokens == 0
-    feed.hold(torch.arange(3), 4)
-    feed.cancel_generation()
-    assert [p.max_new_tokens for p in feed.held] == [0]
-
-
-def test_policy_limits():
-    policy = FeedPolicy(ahead_tokens=64, fair_tokens=16, free_engine_tokens=64)
-    assert policy.engine_tokens(ahead=False, contended=True) is None
-    assert policy.engine_tokens(ahead=True, contended=True) == 16
-    assert policy.engine_tokens(ahead=True, contended=False) == 64
-    assert policy.engine_tokens(ahead=True, contended=False, alone=True) == 256
-    assert policy.engine_tokens(ahead=True, contended=True, alone=True) == 16
-    assert FeedPolicy(metered=False).engine_tokens(ahead=True, contended=True) is None
-    with pytest.raises(ValueError):
-        FeedPolicy(fair_tokens=0)

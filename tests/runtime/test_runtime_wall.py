@@ -69,10 +69,10 @@ def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_mod
     import asyncio
 
     from metronome.engine.engine import Engine, EngineConfig
-    from metronome.runtime.frame import Frame
     from metronome.runtime.ports import Listeners
     from metronome.runtime.profile import SessionProfile
     from metronome.runtime.wall import WallDriver
+    from metronome.stream import Frame, Stream
 
     engine = Engine(tiny_model, EngineConfig(block_size=16, pool_tokens=1024))
     real_step, calls = engine.step, []
@@ -88,12 +88,13 @@ def test_a_failing_engine_step_is_reported_and_the_thread_keeps_serving(tiny_mod
 
     async def scenario():
         driver = WallDriver(engine, Listeners(on_result=results.append))
-        sid = driver.beat.open_session(SessionProfile(frame_period_s=0.5))
-        driver.beat.submit_frame(Frame(sid, 0, driver.now_s(), [1, 2, 3]), driver.now_s())
+        stream = Stream("s", SessionProfile(frame_period_s=0.5))
+        driver.beat.add(stream)
+        driver.beat.submit(Frame("s", driver.now_s()), driver.now_s(), [1, 2, 3])
         await asyncio.sleep(0.3)
-        driver.beat.submit_frame(Frame(sid, 1, driver.now_s(), [4, 5]), driver.now_s())
+        driver.beat.submit(Frame("s", driver.now_s()), driver.now_s(), [4, 5])
         await asyncio.sleep(0.8)
-        driver.beat.close_session(sid, driver.now_s())
+        driver.beat.close(stream, driver.now_s())
         await asyncio.sleep(0.2)
         driver.close()
         return driver.error

@@ -12,13 +12,13 @@ from metronome.engine.engine import Engine, EngineConfig, blocks_per_session, me
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.block_table import BlockTable
 from metronome.kv.residency import ResidencyPolicy
-from metronome.runtime.frame import Frame, FrameStatus
 from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
 from metronome.serve.config import ServerConfig
 from metronome.sim.cost_model import StepCostModel
 from metronome.sim.recorder import RunRecorder
 from metronome.sim.virtual import VirtualDriver
+from metronome.stream import Frame, FrameStatus, Stream
 
 BLOCK = 16
 SLOW = StepCostModel(fixed_s=0.05, per_token_s=0.001, per_context_token_s=0.0)
@@ -37,18 +37,19 @@ def flood_run(model, limit: int | None, frame_tokens: int, frames: int, others: 
                              policy=ResidencyPolicy.sinks_window(4, 64),
                              max_queued_input_tokens=limit)
     beat = driver.beat
-    flood = beat.open_session(profile)
-    calm = [beat.open_session(profile) for _ in range(others)]
+    flood, calm = "flood", [f"calm-{k}" for k in range(others)]
+    for sid in [flood, *calm]:
+        beat.add(Stream(sid, profile))
     if controller is not None:
         controller.start(driver.clock)
     peak_queued = 0
     for i in range(frames):
         t = float(i + 1)
         driver.run_until(t)
-        beat.submit_frame(Frame(flood, i, t, [1 + (i + k) % 90 for k in range(frame_tokens)]), t)
+        beat.submit(Frame(flood, t), t, [1 + (i + k) % 90 for k in range(frame_tokens)])
         for sid in calm:
-            beat.submit_frame(Frame(sid, i, t, [5 + k for k in range(12)]), t)
-        peak_queued = max(peak_queued, beat.sessions[flood].queued_input_tokens)
+            beat.submit(Frame(sid, t), t, [5 + k for k in range(12)])
+        peak_queued = max(peak_queued, beat.streams[flood].queued_input_tokens)
     return engine, driver, recorder, flood, peak_queued
 
 
@@ -63,7 +64,7 @@ def test_queued_input_is_bounded_refused_with_the_numbers_and_never_dropped(tiny
     assert rejected[0].reason.startswith("input queue full: ")
     assert "this frame adds 1000; the limit is 1500" in rejected[0].reason
     driver.run_until(200.0)  # let the engine catch up: every accepted token is processed
-    assert driver.beat.sessions[flood].queued_input_tokens == 0
+    assert driver.beat.streams[flood].queued_input_tokens == 0
     written = engine.session_tokens(flood)
     assert written >= 1000 * len(accepted)  # accepted input + fed-back sampled tokens
     assert written <= 1000 * len(accepted) + 2 * len(accepted)

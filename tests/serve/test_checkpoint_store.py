@@ -1,4 +1,4 @@
-"""The checkpoint format and the store's rules (`serve.checkpoint`): a checkpoint round-trips;
+"""The checkpoint format and the store's rules (`resume.checkpoint`): a checkpoint round-trips;
 appends follow their put and a newer put drops what it covers; a claim needs the session's
 token and key (constant-time comparison, an unknown session answered alike), moves the
 session for good and spends the token; the old owner's writes are refused after it; the
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metronome.serve.checkpoint import Checkpoint, CheckpointError, CheckpointShelf
-from metronome.serve.resume import Credentials
+from metronome.serve.resume.checkpoint import Checkpoint, CheckpointError, CheckpointShelf
+from metronome.serve.resume.lease import Credentials
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""When `serve.checkpointing.Checkpointer` takes a session's checkpoint, on a virtual clock with
+"""When `serve.resume.takeover.Checkpointer` takes a session's checkpoint, on a virtual clock with
 a fake engine and session: a session that becomes quiescent, or stops generating, without a
 frame result after it (an answer's tail still going into its context; a turn waiting for
 its user) is still checkpointed once its interval has passed. CI caught the first: the
@@ -11,13 +11,10 @@ import asyncio
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import pytest
-
 from metronome.observe.metrics import Metrics
-from metronome.serve import checkpointing
-from metronome.serve.checkpoint import MemoryCheckpointStore
-from metronome.serve.checkpointing import Checkpointer
-from metronome.serve.resume import Credentials
+from metronome.serve.resume.checkpoint import MemoryCheckpointStore
+from metronome.serve.resume.lease import Credentials, Grant
+from metronome.serve.resume.takeover import Checkpointer, CheckpointState
 
 INTERVAL_S = 0.05
 
@@ -25,10 +22,15 @@ INTERVAL_S = 0.05
 @dataclass
 class FakeSession:
     id: str = "sess_1"
-    engine_session_id: int = 1
     client_seq: int = 0
     quiescent: bool = True
-    record: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(frames_answered=0))
+    stream: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(frames_answered=0))
+    grant: Grant = field(default_factory=lambda: Grant(Credentials.of("token", "key")))
+    checkpointing: CheckpointState = field(default_factory=CheckpointState)
+
+    def saved(self) -> dict:
+        """The fake session has no Realtime state to save: the checkpoint carries `{}`."""
+        return {}
 
 
 class FakeEngine:
@@ -36,15 +38,9 @@ class FakeEngine:
         self.decode_budget = 0
         self.snapshots = 0
 
-    def snapshot_session(self, engine_session_id: int):
+    def snapshot_session(self, session_id: str):
         self.snapshots += 1
         return SimpleNamespace(decode_budget=self.decode_budget, to_bytes=lambda: b"kv" * 8)
-
-
-@pytest.fixture(autouse=True)
-def _no_session_state(monkeypatch):
-    """The fake session has no Realtime state to save: the checkpoint carries `{}`."""
-    monkeypatch.setattr(checkpointing, "saved_state", lambda session: {})
 
 
 def _checkpointer(store: MemoryCheckpointStore, engine: FakeEngine) -> Checkpointer:
@@ -55,8 +51,7 @@ def _checkpointer(store: MemoryCheckpointStore, engine: FakeEngine) -> Checkpoin
         future.set_result(call())
         return future
 
-    return Checkpointer(store, "a", INTERVAL_S, engine, run_on_engine,
-                        lambda sid: Credentials.of("token", "key"), Metrics(),
+    return Checkpointer(store, "a", INTERVAL_S, engine, run_on_engine, Metrics(),
                         on_moved=lambda sid: None, now_s=loop.time)
 
 
@@ -82,13 +77,13 @@ async def _opened():
 def test_a_session_quiescent_only_after_its_last_result_is_checkpointed_later():
     async def scenario():
         store, engine, session, checkpoints = await _opened()
-        session.client_seq, session.record.frames_answered = 2, 2  # asked and answered...
+        session.client_seq, session.stream.frames_answered = 2, 2  # asked and answered...
         session.quiescent = False  # ... but its answer's tail is still queued
         await asyncio.sleep(INTERVAL_S)  # not too soon: only the quiescence declines it
         assert checkpoints.maybe(session, frames_answered=2) is None
         session.quiescent = True  # the tail went in; no result tells the checkpointer
         assert await _stored_seq(store, session, 2)
-        checkpoints.ended(session.id, keep=False)
+        checkpoints.ended(session, keep=False)
 
     asyncio.run(scenario())
 
@@ -102,7 +97,7 @@ def test_a_session_still_generating_at_the_snapshot_is_checkpointed_once_it_stop
         assert await checkpoints.maybe(session, frames_answered=2) is False
         engine.decode_budget = 0  # it finished; no result follows
         assert await _stored_seq(store, session, 2)
-        checkpoints.ended(session.id, keep=False)
+        checkpoints.ended(session, keep=False)
 
     asyncio.run(scenario())
 
@@ -114,7 +109,7 @@ def test_an_ended_session_is_not_tried_again():
         await asyncio.sleep(INTERVAL_S)
         checkpoints.maybe(session, frames_answered=1)
         snapshots = engine.snapshots
-        checkpoints.ended(session.id, keep=False)  # cancels the retry
+        checkpoints.ended(session, keep=False)  # cancels the retry
         session.quiescent = True
         await asyncio.sleep(3 * INTERVAL_S)
         assert engine.snapshots == snapshots and store.shelf.describe(session.id) is None

@@ -1,10 +1,11 @@
-"""`serve.replay`: logged client events land at their place (frames answered), live ones
-queue behind them (applied right after the last), and a quiescent session never holds
-queued input back."""
+"""`serve.resume.takeover.LoggedEvents`: logged client events land at their place (frames
+answered), live ones queue behind them (applied right after the last), and a quiescent
+session never holds queued input back."""
 
 from __future__ import annotations
 
-from metronome.serve.replay import Replay, log_entry, read_entry
+from metronome.serve.resume.takeover import LoggedEvents as Replay
+from metronome.serve.resume.takeover import log_entry, read_entry
 
 
 class Session:

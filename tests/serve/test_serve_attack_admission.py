@@ -9,7 +9,7 @@ slots and one new user), >= 9 of 10 new users get in during the attack and after
 cap is back at its pre-attack value within 5 control intervals of the attackers leaving,
 and a health verdict that is not ok names the attackers. (The streamers' frames stay on
 time: the beat's feed gives the floods' prefill a fair share of each step while other
-frames are due, `runtime.feed`; measured 0/75 late, 28/75 before the feed.) Blind to pace
+frames are due, `runtime.beat`'s feed; measured 0/75 late, 28/75 before the feed.) Blind to pace
 and size (the old rule), the audio attacker alone cut the cap 4 -> 1 in 7.8 s and 7 of 10
 users got 503.
 

@@ -18,8 +18,8 @@ from metronome.serve.audio_input import AudioFramer
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError
 from metronome.serve.protocol import server as se
+from metronome.serve.serving import Serving
 from metronome.serve.session import RealtimeSession
-from metronome.serve.state import ServerState
 
 SLOW_ENCODE_S = 0.3
 TIMER_LAG_BOUND_S = 0.05
@@ -28,21 +28,21 @@ TIMER_LAG_BOUND_S = 0.05
 def test_a_slow_audio_encoder_does_not_delay_the_loop(tiny_model, monkeypatch):
     real_encode = AudioFramer.encode
 
-    def slow_encode(self, cut):
+    def slow_encode(self, pcm, final=False):
         time.sleep(SLOW_ENCODE_S)  # a heavy encoder, on whichever thread runs it
-        return real_encode(self, cut)
+        return real_encode(self, pcm, final)
 
     monkeypatch.setattr(AudioFramer, "encode", slow_encode)
     config = ServerConfig(policy="sinks_window:4:64", pool_tokens=4096, admission="off",
                           sample_rates_hz=(16000,), default_sample_rate_hz=16000)
 
     async def scenario():
-        state = ServerState(config, Engine(tiny_model, config.engine_config()), None, None,
+        state = Serving(config, Engine(tiny_model, config.engine_config()), None, None,
                             "tiny")
         try:
             events: list[p.ServerEvent] = []
             streamer = RealtimeSession(state, lambda event, _text, _seq: events.append(event),
-                                      lambda: None, extensions=True)
+                                      lambda: None, lambda err: None, extensions=True)
             loop = asyncio.get_running_loop()
             fired = loop.create_future()
             due_s = loop.time() + 0.1
@@ -85,10 +85,10 @@ def test_an_append_that_cannot_fit_is_refused_before_it_is_decoded(tiny_model, m
                           sample_rates_hz=(16000,), default_sample_rate_hz=16000)
 
     async def scenario():
-        state = ServerState(config, Engine(tiny_model, config.engine_config()), None, None,
+        state = Serving(config, Engine(tiny_model, config.engine_config()), None, None,
                             "tiny")
         try:
-            session = RealtimeSession(state, lambda *_: None, lambda: None)
+            session = RealtimeSession(state, lambda *_: None, lambda: None, lambda err: None)
             too_long = b"\x10\x00" * 16000 * 5  # 5 s: over the 4 s bound
             with pytest.raises(ClientError) as refused:
                 session.handle(p.InputAudioBufferAppend(type="input_audio_buffer.append",

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from metronome.engine.engine import Engine
 from metronome.serve import protocol as p
 from metronome.serve.config import ServerConfig
-from metronome.serve.event_stream import EventStream
+from metronome.serve.resume.event_log import EventLog as EventStream
+from metronome.serve.resume.resumer import ResumeRefused
+from metronome.serve.serving import Serving
 from metronome.serve.session import RealtimeSession
-from metronome.serve.state import ResumeRefused, ServerState
 
 GRACE_S = 0.05
 CONFIG = ServerConfig(policy="sinks_window:4:64", pool_tokens=4096, admission="off",
@@ -27,18 +28,19 @@ AUDIO = p.InputAudioBufferAppend(type="input_audio_buffer.append",
 
 
 class Owner:
-    """A connection, as the state sees it."""
+    """A connection, as the server sees it."""
+
+    api_key = ""
 
     def __init__(self, session: RealtimeSession | None = None) -> None:
         self.session = session
         self.gone = False
 
-    def go_away(self) -> None:
+    def end(self, outcome, code, reason, error=None, flush=True) -> None:
         self.gone = True
 
-    def hand_over(self) -> int:
-        self.gone = True
-        return self.session.channel.stream.next_seq
+    def resume_from(self) -> int:
+        return self.session.channel.log.next_seq
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["open", "audio", "drop", "resume", "wait", "end"]),
@@ -46,7 +48,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["open", "audio", "drop", "resume", "wa
 
 
 async def _play(tiny_model, ops: list[tuple[str, int]]) -> None:
-    state = ServerState(CONFIG, Engine(tiny_model, CONFIG.engine_config()), None, None, "tiny")
+    state = Serving(CONFIG, Engine(tiny_model, CONFIG.engine_config()), None, None, "tiny")
     try:
         sessions: list[tuple[RealtimeSession, str]] = []  # (session, its current token)
         for op, which in ops:
@@ -54,39 +56,41 @@ async def _play(tiny_model, ops: list[tuple[str, int]]) -> None:
             target = live[which % len(live)] if live else None
             if op == "open":
                 owner = Owner()
-                session = RealtimeSession(state, lambda *_: None, lambda: None, True)
+                session = RealtimeSession(state, lambda *_: None, lambda: None,
+                                          lambda err: None, True)
                 owner.session = session
                 state.add(session, owner)
-                sessions.append((session, state.resumption.grant(session.id, "")))
+                sessions.append((session, state.resume.resumption.grant(session, "")))
             elif target is None:
                 continue
             elif op == "audio" and target[0].channel.attached:
                 target[0].handle(AUDIO)
             elif op == "drop" and target[0].channel.attached:
-                state.lease(target[0], target[0].channel.stream.next_seq)
+                state.resume.lease(target[0], target[0].channel.log.next_seq)
             elif op == "resume":
                 session, token = target
                 try:
-                    state.take_for_resume(session.id, token, "", Owner(session))
+                    state.resume.take_for_resume(session.id, token, Owner(session))
                 except ResumeRefused:
                     continue  # expired meanwhile: refused, nothing changed
                 session.channel.attach(lambda *_: None, lambda: None, None)
                 index = next(i for i, (s, _) in enumerate(sessions) if s is session)
-                sessions[index] = (session, state.resumption.grant(session.id, ""))
+                sessions[index] = (session, state.resume.resumption.grant(session, ""))
             elif op == "wait":
                 await asyncio.sleep(GRACE_S * 2)  # leases expire; frames get answered
             elif op == "end":
                 state.remove(target[0], "completed")
         for session in list(state.sessions.values()):
             state.remove(session, "completed")
-        assert not state.sessions and not state.owners
-        assert not state.resumption._grants
-        assert state.resumption.num_leased == 0
+        assert not state.sessions  # (a session's connection is on it: gone with it)
+        assert all(session.grant is None for session, _ in sessions)  # no grant left
+        assert state.resume.resumption.num_leased == 0
         for _ in range(200):  # the engine thread gives the blocks back, then the probe says
-            if state.pool.used_blocks == 0 and not state.resident_tokens:
+            if state.pool.used_blocks == 0 and not state.engine.sessions:
                 break
             await asyncio.sleep(0.01)
         assert state.pool.used_blocks == 0, state.pool
+        assert not state.engine.sessions and not state.beat.streams  # every stream closed
         assert state.engine.pool_stats().free_blocks == state.engine.pool_stats().num_blocks
     finally:
         state.close()

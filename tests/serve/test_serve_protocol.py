@@ -80,13 +80,13 @@ def test_frames_are_cut_at_the_period_whatever_the_chunking():
     audio = (torch.randn(24000 * 3, generator=torch.Generator().manual_seed(0)) * 3000)
     pcm = audio.to(torch.int16).numpy().astype("<i2").tobytes()
     cutter = framer(1.0)
-    whole = [(cut, cutter.encode(cut)) for cut in cutter.cut(pcm)]
+    whole = [(end_ms, cutter.encode(frame)) for frame, end_ms in cutter.cut(pcm)]
     chunked, cutter = [], framer(1.0)
     for offset in range(0, len(pcm), 4800 * 2 - 2):  # odd-sized chunks of whole samples
-        chunked += [(cut, cutter.encode(cut))
-                    for cut in cutter.cut(pcm[offset: offset + 4800 * 2 - 2])]
-    assert [cut.audio_end_ms for cut, _ in whole] == [1000.0, 2000.0, 3000.0]
-    assert [cut.audio_end_ms for cut, _ in chunked] == [1000.0, 2000.0, 3000.0]
+        chunked += [(end_ms, cutter.encode(frame))
+                    for frame, end_ms in cutter.cut(pcm[offset: offset + 4800 * 2 - 2])]
+    assert [audio_end_ms for audio_end_ms, _ in whole] == [1000.0, 2000.0, 3000.0]
+    assert [audio_end_ms for audio_end_ms, _ in chunked] == [1000.0, 2000.0, 3000.0]
     assert [emb.shape[0] for _, emb in whole] == [12, 13, 12]  # 12.5 tokens per second
     for (_, a), (_, b) in zip(whole, chunked, strict=True):
         torch.testing.assert_close(a, b)
@@ -95,10 +95,10 @@ def test_frames_are_cut_at_the_period_whatever_the_chunking():
 def test_a_final_cut_pads_the_partial_frame_to_whole_tokens():
     cutter = framer(1.0)
     assert cutter.cut(b"\x01\x00" * 2000) == []  # 83 ms: one token and a bit
-    rest = cutter.cut_rest()
-    assert rest.final and rest.audio_end_ms == pytest.approx(2000 / 24)
-    assert cutter.encode(rest).shape[0] == 2
-    assert cutter.encode(cutter.cut_rest()).shape[0] == 0  # nothing left: no frame
+    rest, audio_end_ms = cutter.cut_rest()
+    assert audio_end_ms == pytest.approx(2000 / 24)
+    assert cutter.encode(rest, final=True).shape[0] == 2  # final: the bit padded to a token
+    assert cutter.encode(cutter.cut_rest()[0], final=True).shape[0] == 0  # nothing left
 
 
 def test_delta_decoder_holds_split_characters():

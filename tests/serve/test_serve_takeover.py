@@ -18,8 +18,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from metronome.model.weights import load_tokenizer
-from metronome.serve.checkpoint import MemoryCheckpointStore
 from metronome.serve.protocol import with_extensions
+from metronome.serve.resume.checkpoint import MemoryCheckpointStore
 from metronome.serve.server import ServerThread
 from tests.serve.test_serve_resume import (
     CONFIG,

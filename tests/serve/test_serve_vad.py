@@ -28,8 +28,8 @@ from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import server as se
 from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
+from metronome.serve.serving import Serving
 from metronome.serve.session import RealtimeSession
-from metronome.serve.state import ServerState
 from tests import served
 
 pytestmark = pytest.mark.wall_clock
@@ -223,12 +223,12 @@ def run_session(tiny_model, scenario) -> object:
                           sample_rates_hz=(16000,), default_sample_rate_hz=16000)
 
     async def main():
-        state = ServerState(config, Engine(tiny_model, config.engine_config()), None, None,
+        state = Serving(config, Engine(tiny_model, config.engine_config()), None, None,
                             "tiny")
         try:
             events: list[p.ServerEvent] = []
             session = RealtimeSession(state, lambda event, _text, _seq: events.append(event),
-                                      lambda: None, extensions=True)
+                                      lambda: None, lambda err: None, extensions=True)
             try:
                 return await scenario(session, events)
             finally:

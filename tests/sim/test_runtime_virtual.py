@@ -11,7 +11,6 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.sampling import SamplingParams
 from metronome.kv.residency import ResidencyPolicy
 from metronome.observe.stall_detector import Health
-from metronome.runtime.frame import Frame, FrameStatus
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
@@ -19,6 +18,7 @@ from metronome.sim.cost_model import StepCostModel
 from metronome.sim.recorder import RunRecorder
 from metronome.sim.virtual import VirtualDriver
 from metronome.sim.workload import Workload, schedule
+from metronome.stream import Frame, FrameStatus, Stream
 
 BLOCK = 16
 COST = StepCostModel(fixed_s=0.004, per_token_s=0.0005, per_context_token_s=1e-6)
@@ -115,18 +115,21 @@ def test_bad_frame_and_disconnect_touch_no_other_session(tiny_model):
     beat = driver.beat
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=3,
                              policy=ResidencyPolicy.sinks_window(4, 32))
-    good, bad, leaver = (beat.open_session(profile) for _ in range(3))
+    good, bad, leaver = "good", "bad", "leaver"
+    streams = {sid: Stream(sid, profile) for sid in (good, bad, leaver)}
+    for stream in streams.values():
+        beat.add(stream)
     vocab = tiny_model.config.vocab_size
     for i in range(6):
         t = float(i + 1)
         driver.run_until(t)
-        beat.submit_frame(Frame(good, i, t, [1, 2, 3, 4]), t)
-        beat.submit_frame(Frame(bad, i, t, [] if i % 2 else [vocab + 5]), t)
+        beat.submit(Frame(good, t), t, [1, 2, 3, 4])
+        beat.submit(Frame(bad, t), t, [] if i % 2 else [vocab + 5])
         if i < 3:
-            beat.submit_frame(Frame(leaver, i, t, [5, 6, 7]), t)
+            beat.submit(Frame(leaver, t), t, [5, 6, 7])
         if i == 2:
             driver.run_until(t + 0.001)  # mid-frame: its work is in flight
-            beat.close_session(leaver, t + 0.001)
+            beat.close(streams[leaver], t + 0.001)
             assert leaver not in engine.sessions  # blocks returned at once
     driver.run_until(10.0)
     by_session = {}
@@ -151,11 +154,11 @@ def test_late_frames_keep_their_tokens_and_the_next_frame_starts_clean(tiny_mode
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
                              policy=ResidencyPolicy.sinks_window(4, 64),
                              sampling=SamplingParams())
-    sid = driver.beat.open_session(profile)
+    driver.beat.add(Stream("s", profile))
     for i in range(5):
         t = float(i + 1)
-        driver.clock.call_at(t, lambda now, i=i: driver.beat.submit_frame(
-            Frame(sid, i, now, [1 + i, 2, 3]), now))
+        driver.clock.call_at(t, lambda now, i=i: driver.beat.submit(
+            Frame("s", now), now, [1 + i, 2, 3]))
     driver.run_until(8.0)
     frames = sorted(recorder.results, key=lambda r: r.index)
     assert [r.status for r in frames] == [FrameStatus.LATE] * 5
@@ -174,15 +177,17 @@ def test_an_engine_stalled_everywhere_steps_again_only_after_a_command(tiny_mode
     driver = VirtualDriver(engine, StepCostModel(0.01, 0.0, 0.0), Listeners.of(recorder))
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=0,
                              policy=ResidencyPolicy.unbounded())
-    hog, starved = (driver.beat.open_session(profile) for _ in range(2))
-    driver.beat.submit_frame(Frame(hog, 0, 0.0, list(range(1, 2 * BLOCK + 1))), 0.0)
+    hog, starved = Stream("hog", profile), Stream("starved", profile)
+    driver.beat.add(hog)
+    driver.beat.add(starved)
+    driver.beat.submit(Frame("hog", 0.0), 0.0, list(range(1, 2 * BLOCK + 1)))
     driver.run_until(0.5)  # the hog holds the whole pool
-    driver.beat.submit_frame(Frame(starved, 0, 0.5, [1, 2, 3]), 0.5)
+    driver.beat.submit(Frame("starved", 0.5), 0.5, [1, 2, 3])
     driver.run_until(5.0)  # 4.5 s of a stalled engine: 0.01 s steps would be 450 of them
     stalled_steps = [s for s in recorder.steps if s.finished_s > 0.5]
     assert 1 <= len(stalled_steps) <= 3, len(stalled_steps)
-    assert [r.status for r in recorder.results if r.session_id == starved] == [
+    assert [r.status for r in recorder.results if r.session_id == "starved"] == [
         FrameStatus.STALLED_KV]
-    driver.beat.close_session(hog, 5.0)  # a command: the starved session's input runs now
+    driver.beat.close(hog, 5.0)  # a command: the starved session's input runs now
     driver.run_until(6.0)
-    assert engine.resident_tokens(starved) == 3
+    assert engine.resident_tokens("starved") == 3

@@ -25,16 +25,17 @@ class _Beat:
     """Opens sessions in order and notes when each frame is submitted."""
 
     def __init__(self) -> None:
-        self.sessions: dict[int, list[float]] = {}
+        self.streams: dict[str, object] = {}
+        self.submitted: dict[str, list[float]] = {}
 
-    def open_session(self, profile, now_s):
-        self.sessions[len(self.sessions)] = []
-        return len(self.sessions) - 1
+    def add(self, stream) -> None:
+        self.streams[stream.id] = stream
+        self.submitted[stream.id] = []
 
-    def submit_frame(self, frame, now_s) -> None:
-        self.sessions[frame.session_id].append(now_s)
+    def submit(self, frame, now_s, token_ids=None, embeddings=None) -> None:
+        self.submitted[frame.session_id].append(now_s)
 
-    def close_session(self, session_id, now_s) -> None:
+    def close(self, stream, now_s) -> None:
         pass
 
 
@@ -54,6 +55,6 @@ def test_frame_arrivals_are_when_schedule_submits_frames():
         timer, beat = _Timer(), _Beat()
         schedule(workload, profile, beat, timer, lambda sid, index: ([1, 2], None))
         timer.run()
-        submitted = [beat.sessions[k] for k in range(5)]
+        submitted = [beat.submitted[f"s{k}"] for k in range(5)]
         assert submitted == workload.frame_arrivals_s(0.5)
         assert all(len(times) == 6 for times in submitted)  # int(3.2 / 0.5) frames each

@@ -28,6 +28,8 @@ from metronome.engine.engine import Engine, EngineConfig  # noqa: E402
 from metronome.engine.session import SessionSpec  # noqa: E402
 from metronome.kv.residency import ResidencyPolicy  # noqa: E402
 from metronome.model.weights import bundled_model_dir, load_model, load_tokenizer  # noqa: E402
+from metronome.stream import Stream  # noqa: E402
+from tests.steps import by_session  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -108,12 +110,12 @@ def reference(token_ids: list[int]) -> tuple[list[int], torch.Tensor]:
     engine = Engine(load_model("bundled", torch.float32),
                     EngineConfig(block_size=1, pool_tokens=1024, max_chunk_tokens=256,
                                  max_step_tokens=256))
-    sid = engine.open_session(SessionSpec(policy=ResidencyPolicy.parse(BOUND),
-                                          return_logits=True, stop_token_ids=()))
+    sid = engine.open_session(Stream.of(SessionSpec(policy=ResidencyPolicy.parse(BOUND),
+                                                    return_logits=True, stop_token_ids=())))
     engine.submit(sid, token_ids[:-1], max_new_tokens=0)
     greedy_ids, chosen, done = [], [], 0
     while engine.has_work:
-        for step in engine.step().sessions:
+        for step in by_session(engine.step()).values():
             logprobs = torch.log_softmax(step.logits, dim=-1)  # (chunk, vocab)
             following = torch.tensor(token_ids[done + 1 : done + 1 + len(logprobs)])
             greedy_ids += logprobs.argmax(dim=-1).tolist()

@@ -20,7 +20,9 @@ from metronome.engine.session import SessionSpec  # noqa: E402
 from metronome.engine.types import WorkStatus  # noqa: E402
 from metronome.kv.residency import ResidencyPolicy  # noqa: E402
 from metronome.model.weights import bundled_model_dir, load_model, load_tokenizer  # noqa: E402
+from metronome.stream import Stream  # noqa: E402
 from metronome.vllm.engine import REQUEST_PREFIX, VllmEngine, VllmEngineConfig  # noqa: E402
+from tests.steps import by_session  # noqa: E402
 from tests.vllm.driving import drive, tokens  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -58,26 +60,26 @@ def test_same_frames_same_tokens_as_the_native_engine(unbounded, text_ids):
     _, theirs = drive(native, FRAMES, text_ids)
     assert tokens(ours) == tokens(theirs)
     assert [len(t) for t in tokens(ours).values()] == [sum(f[2] for f in FRAMES)] * 2
-    submitted = [sum(s.submitted_tokens for s in rows) for rows in ours.values()]
+    submitted = [sum(s.consumed_tokens for s in rows) for rows in ours.values()]
     assert submitted == [sum(f[1] for f in FRAMES)] * 2  # every input token accounted once
     assert all(s.status is WorkStatus.OK for rows in ours.values() for s in rows)
 
 
 def test_cancelled_generation_stops_and_input_is_still_processed(unbounded, text_ids):
-    sid = unbounded.open_session(SessionSpec())
-    unbounded.submit_prepared(sid, unbounded.prepare_input(text_ids[:20], None), 50)
+    sid = unbounded.open_session(Stream.of(SessionSpec()))
+    unbounded.submit(sid, text_ids[:20], max_new_tokens=50)
     produced = []
     while len(produced) < 3:
-        produced += unbounded.step().by_session()[sid].new_token_ids
+        produced += by_session(unbounded.step())[sid].new_token_ids
     unbounded.cancel_generation(sid)
-    unbounded.submit_prepared(sid, unbounded.prepare_input(text_ids[20:28], None), 0)
+    unbounded.submit(sid, text_ids[20:28], max_new_tokens=0)
     submitted, after = 0, []
     for _ in range(50):
         if not unbounded.has_work:
             break
-        outcome = unbounded.step().by_session()[sid]
+        outcome = by_session(unbounded.step())[sid]
         after += outcome.new_token_ids
-        submitted += outcome.submitted_tokens
+        submitted += outcome.consumed_tokens
     assert not unbounded.has_work
     assert len(after) <= 1  # vLLM ends a turn at a step boundary: at most one more token
     assert submitted == 8  # the next frame's input went in after the cancelled turn
@@ -86,27 +88,26 @@ def test_cancelled_generation_stops_and_input_is_still_processed(unbounded, text
 
 def test_bad_input_and_other_policies_are_refused(unbounded):
     with pytest.raises(SessionError, match="token ids only"):
-        unbounded.prepare_input(None, torch.zeros(3, 576))
+        unbounded.check_input(None, torch.zeros(3, 576))
     with pytest.raises(SessionError, match=r"in \[0, 49152\)"):
-        unbounded.prepare_input([1, 49152], None)
+        unbounded.check_input([1, 49152], None)
     with pytest.raises(SessionError, match="one residency policy"):
-        unbounded.open_session(SessionSpec(policy=BOUND))
+        unbounded.open_session(Stream.of(SessionSpec(policy=BOUND)))
 
 
 def test_a_dry_pool_is_stalled_kv_never_a_hang(unbounded, text_ids):
     """Unbounded sessions fill the pool; the one that cannot get a block is reported
     stalled_kv at every step (vLLM itself would keep it waiting, silently, forever)."""
     spec = SessionSpec()
-    sids = [unbounded.open_session(spec) for _ in range(3)]
+    sids = [unbounded.open_session(Stream.of(spec)) for _ in range(3)]
     statuses = {sid: set() for sid in sids}
     for frame in range(40):
         for k, sid in enumerate(sids):
             offset = 1000 * k + 16 * frame
             if not unbounded.sessions[sid].queued and unbounded.sessions[sid].running is None:
-                unbounded.submit_prepared(
-                    sid, unbounded.prepare_input(text_ids[offset:offset + 16], None), 2)
+                unbounded.submit(sid, text_ids[offset:offset + 16], max_new_tokens=2)
         for _ in range(6):
-            for outcome in unbounded.step().sessions:
+            for outcome in by_session(unbounded.step()).values():
                 statuses[outcome.session_id].add(outcome.status)
     pool = unbounded.pool_stats()
     assert pool.free_blocks <= 1  # the pool ran dry
@@ -120,10 +121,9 @@ def test_a_preempted_session_is_stalled_kv_and_its_input_is_counted_once(unbound
     """Two long turns outgrow the pool while generating: vLLM preempts one (frees its KV, to
     recompute it later). That session reads stalled_kv, never counts its input twice, and
     finishes its turn once the other session closes."""
-    a, b = (unbounded.open_session(SessionSpec(stop_token_ids=())) for _ in range(2))
+    a, b = (unbounded.open_session(Stream.of(SessionSpec(stop_token_ids=()))) for _ in range(2))
     for sid, offset in ((a, 0), (b, 3000)):
-        unbounded.submit_prepared(sid, unbounded.prepare_input(
-            text_ids[offset:offset + 400], None), 200)
+        unbounded.submit(sid, text_ids[offset:offset + 400], max_new_tokens=200)
     submitted, produced, statuses = {a: 0, b: 0}, {a: 0, b: 0}, {a: set(), b: set()}
     preempted = set()
     for _ in range(2000):
@@ -131,8 +131,8 @@ def test_a_preempted_session_is_stalled_kv_and_its_input_is_counted_once(unbound
             break
         if a in unbounded.sessions and unbounded.sessions[a].running is None:
             unbounded.close(a)  # a's turn is done: its blocks free b
-        for outcome in unbounded.step().sessions:
-            submitted[outcome.session_id] += outcome.submitted_tokens
+        for outcome in by_session(unbounded.step()).values():
+            submitted[outcome.session_id] += outcome.consumed_tokens
             produced[outcome.session_id] += len(outcome.new_token_ids)
             statuses[outcome.session_id].add(outcome.status)
         preempted |= unbounded._preempted  # what vLLM's scheduler did this step

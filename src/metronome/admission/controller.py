@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 
 from metronome.admission.limits import ConcurrencyLimit, IntervalSample
 from metronome.admission.pacing import SelfPacing
-from metronome.runtime.frame import FrameResult, FrameStatus
-from metronome.runtime.ports import StepReport, Timer
+from metronome.engine.types import StepOutput
+from metronome.runtime.ports import Timer
+from metronome.stream import Frame, FrameStatus
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class AdmissionController:
         self.counts[f"refused:{reason}"] += 1
         return Decision(False, reason, retry_after_s=self.interval_s)
 
-    def on_result(self, result: FrameResult) -> None:
+    def on_result(self, result: Frame) -> None:
         """Feed every frame result (a runtime listener); frames that never reach the engine
         are no signal."""
         if result.status in (FrameStatus.REJECTED, FrameStatus.CANCELLED):
@@ -131,11 +132,11 @@ class AdmissionController:
         self._misses += not result.deadline_met
         self._stalled += result.status is FrameStatus.STALLED_KV
 
-    def on_step(self, report: StepReport) -> None:
+    def on_step(self, out: StepOutput) -> None:
         """Count each session's engine work this interval: input positions processed (its
         input and its fed-back output tokens)."""
-        for outcome in report.result.sessions:
-            self._work_tokens[outcome.session_id] += outcome.input_tokens
+        for session_id, tokens in out.input_tokens.items():
+            self._work_tokens[session_id] += tokens
 
     def _steered(self) -> tuple[float | None, bool]:
         """The interval's engine work done for self-paced sessions (those whose latest frame

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 
-from metronome.runtime.frame import FrameResult
+from metronome.stream import Frame
 
 
 @dataclass
@@ -47,7 +47,7 @@ class SelfPacing:
         self.frame_period_s = frame_period_s  # None: pace is never judged
         self._sessions: dict[Hashable, _SessionPace] = {}
 
-    def judge(self, result: FrameResult) -> bool:
+    def judge(self, result: Frame) -> bool:
         """Was `result`'s frame self-paced? Call once per result, in the order answered."""
         previous = self._sessions.get(result.session_id)
         ahead_s = self._ahead_s(previous, result.arrival_s)

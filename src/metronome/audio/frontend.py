@@ -232,7 +232,7 @@ class StreamingAudioEncoder:
 
     def saved(self) -> dict:
         """Its stream state (context and pending samples, a split byte), for a checkpoint
-        (`serve.checkpoint`); `load` puts it back. Only while no push is under way."""
+        (`serve.resume.checkpoint`); `load` puts it back. Only while no push is under way."""
         return {"buffer": base64.b64encode(self._buffer.float().numpy().tobytes()).decode(),
                 "odd_byte": base64.b64encode(self._odd_byte).decode()}
 

@@ -8,7 +8,7 @@
   cluster's own `cluster.session_store` actor on a local Ray, or `memory`); the session
   moves a -> b -> a ... R times: each time its socket is dropped and the client reconnects
   to the server that does not hold it, which claims the checkpoint from the store, opens it
-  in its engine and replays the client events logged since (`serve.checkpointing`).
+  in its engine and replays the client events logged since (`serve.resume.takeover`).
 
 Client latency: connect (TCP + WebSocket upgrade) to `metronome.session.resumed` received.
 Server: its `metronome_session_resume_seconds` histogram (bucket upper bounds).

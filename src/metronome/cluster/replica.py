@@ -42,7 +42,7 @@ from metronome.cluster.session_store import RayCheckpointStore, store_handle
 from metronome.runtime.cores import reserve_for_engine_thread
 from metronome.serve.app import create_app
 from metronome.serve.config import ServerConfig
-from metronome.serve.state import ServerState
+from metronome.serve.serving import Serving
 
 CLUSTER_PATH = "/v1/cluster"
 FORGET_AFTER_S = 60.0  # a replica gone this long leaves /v1/cluster
@@ -127,7 +127,7 @@ class MetronomeReplica:
         return app
 
     @property
-    def serving(self) -> ServerState | None:
+    def serving(self) -> Serving | None:
         """The serving state, once the app's lifespan has built it."""
         return None if self.server_app is None else getattr(self.server_app.state, "serving",
                                                             None)
@@ -173,7 +173,7 @@ class MetronomeReplica:
                         state.drain(self.cluster.drain_timeout_s)
             await asyncio.sleep(self.cluster.stats_period_s)
 
-    async def _report_to_board(self, state: ServerState) -> None:
+    async def _report_to_board(self, state: Serving) -> None:
         """Report; keep the board's autoscaling answer for this replica's /metrics."""
         try:
             self.cluster_metrics.autoscaling = await self.board.report.remote(
@@ -198,7 +198,7 @@ class MetronomeReplica:
         return any(r["replica_id"] == self.replica_id and r["state"] == "STOPPING"
                    for r in deployment["replicas"])
 
-    def _report(self, state: ServerState) -> dict:
+    def _report(self, state: Serving) -> dict:
         health = state.health()
         return {
             "node_ip": self.node_ip, "pid": os.getpid(), "status": health["status"],

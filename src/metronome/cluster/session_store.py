@@ -1,6 +1,6 @@
-"""The cluster's session store: checkpoints of bounded sessions (`serve.checkpoint`) kept
+"""The cluster's session store: checkpoints of bounded sessions (`serve.resume.checkpoint`) kept
 beyond any replica, so a session resumes on a survivor after its replica is killed or
-drained (`serve.checkpointing`).
+drained (`serve.resume.takeover`).
 
 Why a Ray actor and not Redis: the cluster already runs on Ray, whose head node outlives
 every replica; a detached named actor (`STORE_NAME`, no CPU of its own) holds the
@@ -10,7 +10,7 @@ would be one more service to install, secure and keep alive for the same guarant
 limit is the same as the board's: the actor lives on the head node, so losing the head
 loses the store (and the cluster with it); `--session-store-bytes` bounds its memory.
 
-`RayCheckpointStore` is the replica's side: `serve.checkpoint.CheckpointStore` over the
+`RayCheckpointStore` is the replica's side: `serve.resume.checkpoint.CheckpointStore` over the
 actor's handle (each call awaited on the replica's loop, never blocking it).
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import ray
 
 from metronome.cluster.board import NAMESPACE
-from metronome.serve.checkpoint import CheckpointShelf, Claim
-from metronome.serve.resume import Credentials
+from metronome.serve.resume.checkpoint import CheckpointShelf, Claim
+from metronome.serve.resume.lease import Credentials
 
 STORE_NAME = "metronome-session-store"
 

@@ -1,4 +1,4 @@
-"""Turn the sessions scheduled for one step into a `ForwardBatch` (all index math, no model math).
+"""Turn the sessions planned for one step into a `ForwardBatch` (all index math, no model math).
 
 Built once per step, shared by every layer: the write slots of new tokens, and for each
 attention path what encodes the residency semantics of `kv.residency` token by token (so
@@ -8,7 +8,6 @@ window starts, or the dense path's gather order and mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import chain
 
 import torch
@@ -16,21 +15,6 @@ import torch
 from metronome.engine.session import Session
 from metronome.kv.residency import Positions
 from metronome.model.batch import DenseAttention, ForwardBatch, PagedAttention
-
-
-@dataclass
-class PlannedWork:
-    session: Session
-    chunk: torch.Tensor  # (n,) int64 token ids or (n, hidden) embeddings
-    start_position: int  # absolute position of the chunk's first token
-    logits_rows: str  # "all" | "last" | "none"
-    samples: bool  # the chunk ends the session's input and a new token is due
-    submitted_tokens: int  # of which caller input (the rest: its own sampled tokens fed back)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.chunk.shape[0]
-
 
 # Chunks up to this many tokens take the paged kernel when it is available; longer ones
 # (prefill) the dense path, whose fused SDPA does the many-query math as matrix products.
@@ -41,34 +25,34 @@ class PlannedWork:
 PAGED_MAX_CHUNK_TOKENS = 32
 
 
-def paged_first(work: list[PlannedWork], paged_max_chunk_tokens: int) -> list[PlannedWork]:
+def paged_first(work: list[Session], paged_max_chunk_tokens: int) -> list[Session]:
     """The step's work in the row order `build_batch` needs: chunks of at most
     `paged_max_chunk_tokens` tokens (the paged path) first, the rest after, each run in
     the order given (0: every chunk on the dense path)."""
-    paged = [w for w in work if w.num_tokens <= paged_max_chunk_tokens]
-    return paged + [w for w in work if w.num_tokens > paged_max_chunk_tokens]
+    paged = [w for w in work if w.chunk_tokens <= paged_max_chunk_tokens]
+    return paged + [w for w in work if w.chunk_tokens > paged_max_chunk_tokens]
 
 
 def build_batch(
-    work: list[PlannedWork], embed, dtype: torch.dtype, block_size: int,
+    work: list[Session], embed, dtype: torch.dtype, block_size: int,
     paged_max_chunk_tokens: int = 0,
 ) -> ForwardBatch:
     """One step's `ForwardBatch`. `work` in `paged_first` order: its leading chunks of at most
     `paged_max_chunk_tokens` tokens go to the paged kernel, the rest to the dense path."""
     num_paged = 0
-    while num_paged < len(work) and work[num_paged].num_tokens <= paged_max_chunk_tokens:
+    while num_paged < len(work) and work[num_paged].chunk_tokens <= paged_max_chunk_tokens:
         num_paged += 1
-    assert all(w.num_tokens > paged_max_chunk_tokens for w in work[num_paged:]), \
+    assert all(w.chunk_tokens > paged_max_chunk_tokens for w in work[num_paged:]), \
         "work must be in paged_first order"
     positions, window_starts, sink_positions, slot_ids, logits_rows = [], [], [], [], []
     any_rolling_sinks = False
     row = 0
     for w in work:
-        table, policy = w.session.table, w.session.spec.policy
+        table, policy = w.table, w.spec.policy
         blocks = table.logical_to_block_id
         rolling_sinks = policy.positions is Positions.ROLLING and policy.sink_tokens > 0
         any_rolling_sinks |= rolling_sinks
-        for p in range(w.start_position, w.start_position + w.num_tokens):
+        for p in range(w.start_position, w.start_position + w.chunk_tokens):
             start = policy.window_start(p, block_size)
             positions.append(p)
             window_starts.append(start)
@@ -77,10 +61,10 @@ def build_batch(
             sink_positions.append(min(start, policy.sink_tokens) + p - start if rolling_sinks
                                   else p)
         if w.logits_rows == "all":
-            logits_rows.extend(range(row, row + w.num_tokens))
+            logits_rows.extend(range(row, row + w.chunk_tokens))
         elif w.logits_rows == "last":
-            logits_rows.append(row + w.num_tokens - 1)
-        row += w.num_tokens
+            logits_rows.append(row + w.chunk_tokens - 1)
+        row += w.chunk_tokens
 
     lists = {"positions": positions, "slot_ids": slot_ids, "logits_index": logits_rows}
     if any_rolling_sinks:
@@ -119,17 +103,17 @@ def _int64_tensors(lists: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     return dict(zip(lists, flat.split([len(values) for values in lists.values()]), strict=True))
 
 
-def _paged_lists(work: list[PlannedWork], positions: list[int],
+def _paged_lists(work: list[Session], positions: list[int],
                  window_starts: list[int]) -> dict[str, list[int]]:
     """Block tables and per-query visibility bounds for the paged kernel, as lists named
     after `PagedAttention`'s fields (plain lists: a decode step has one token per session,
     and torch ops per session would cost more). `positions`, `window_starts`: the step's,
     per token; this part's tokens lead them. Block tables are padded to the longest."""
-    max_blocks = max(len(w.session.table.logical_to_block_id) for w in work)
+    max_blocks = max(len(w.table.logical_to_block_id) for w in work)
     block_ids, block_logical, num_blocks, sink_tokens, sink_blocks = [], [], [], [], []
     token_session = []
     for b, w in enumerate(work):
-        table, policy = w.session.table, w.session.spec.policy
+        table, policy = w.table, w.spec.policy
         blocks = table.logical_to_block_id
         pad = [0] * (max_blocks - len(blocks))
         block_ids.extend(list(blocks.values()) + pad)
@@ -138,7 +122,7 @@ def _paged_lists(work: list[PlannedWork], positions: list[int],
         sink_tokens.append(policy.sink_tokens)
         rolling = policy.positions is Positions.ROLLING and policy.sink_tokens
         sink_blocks.append(min(table.num_sink_blocks, len(blocks)) if rolling else 0)
-        token_session.extend([b] * w.num_tokens)
+        token_session.extend([b] * w.chunk_tokens)
     num_tokens = len(token_session)
     return {"token_session": token_session, "token_positions": positions[:num_tokens],
             "token_window_start": window_starts[:num_tokens], "block_ids": block_ids,
@@ -146,11 +130,11 @@ def _paged_lists(work: list[PlannedWork], positions: list[int],
             "sink_tokens": sink_tokens, "sink_blocks": sink_blocks}
 
 
-def _dense(work: list[PlannedWork], block_size: int) -> DenseAttention:
+def _dense(work: list[Session], block_size: int) -> DenseAttention:
     """Gather order, padding and the token-by-token mask of the dense reference path."""
     batch_size = len(work)
-    q_len = max(w.num_tokens for w in work)
-    max_blocks = max(len(w.session.table.logical_to_block_id) for w in work)
+    q_len = max(w.chunk_tokens for w in work)
+    max_blocks = max(len(w.table.logical_to_block_id) for w in work)
     ctx = max_blocks * block_size
 
     block_ids = torch.zeros(batch_size, max_blocks, dtype=torch.int64)
@@ -161,19 +145,19 @@ def _dense(work: list[PlannedWork], block_size: int) -> DenseAttention:
     padded_rows = []
     own_sink_cols = [0] * batch_size
     for b, w in enumerate(work):
-        table, policy = w.session.table, w.session.spec.policy
+        table, policy = w.table, w.spec.policy
         logical = torch.tensor(list(table.logical_to_block_id), dtype=torch.int64)
         physical = torch.tensor(list(table.logical_to_block_id.values()), dtype=torch.int64)
         block_ids[b, : len(logical)] = physical
         block_logical[b, : len(logical)] = logical
-        pos = torch.arange(w.start_position, w.start_position + w.num_tokens)
-        query_pos[b, : w.num_tokens] = pos
-        window_start[b, : w.num_tokens] = _window_starts(pos, policy.window_tokens, block_size)
+        pos = torch.arange(w.start_position, w.start_position + w.chunk_tokens)
+        query_pos[b, : w.chunk_tokens] = pos
+        window_start[b, : w.chunk_tokens] = _window_starts(pos, policy.window_tokens, block_size)
         sink_tokens[b] = policy.sink_tokens
         if policy.positions is Positions.ROLLING and policy.sink_tokens:
             # a young session may hold fewer blocks than its sinks span: never past C
             own_sink_cols[b] = min(table.num_sink_blocks, len(logical)) * block_size
-        padded_rows.append(b * q_len + torch.arange(w.num_tokens))
+        padded_rows.append(b * q_len + torch.arange(w.chunk_tokens))
 
     offsets = torch.arange(block_size)
     col_pos = (block_logical[:, :, None] * block_size + offsets).view(batch_size, 1, ctx)
@@ -184,7 +168,7 @@ def _dense(work: list[PlannedWork], block_size: int) -> DenseAttention:
     )
     attend[:, :, 0] |= query_pos < 0  # padding queries see one slot: no NaN rows
 
-    same_length = all(w.num_tokens == q_len for w in work)
+    same_length = all(w.chunk_tokens == q_len for w in work)
     return DenseAttention(
         block_ids=block_ids,
         padded_index=None if same_length else torch.cat(padded_rows),
@@ -212,7 +196,7 @@ def _window_starts(pos: torch.Tensor, window_tokens: int | None, block_size: int
     return torch.clamp(torch.div(first, block_size, rounding_mode="floor") * block_size, min=0)
 
 
-def _embeddings(work: list[PlannedWork], embed, dtype: torch.dtype) -> torch.Tensor:
+def _embeddings(work: list[Session], embed, dtype: torch.dtype) -> torch.Tensor:
     """Embed token-id chunks in one lookup; splice in chunks that arrive as embeddings."""
     if all(w.chunk.dtype == torch.int64 for w in work):
         return embed(torch.cat([w.chunk for w in work]))

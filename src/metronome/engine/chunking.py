@@ -24,10 +24,6 @@ from collections.abc import Iterable
 from metronome.engine.session import Session
 
 
-def pending_tokens(session: Session) -> int:
-    return sum(len(chunk.data) for chunk in session.pending)
-
-
 def chunk_limit(ready: list[Session], sessions: Iterable[Session], free_blocks: int,
                 max_chunk_tokens: int, max_prefill_chunk_tokens: int, step_tokens: int,
                 block_size: int) -> int:
@@ -38,7 +34,7 @@ def chunk_limit(ready: list[Session], sessions: Iterable[Session], free_blocks: 
     boosted = min(max_prefill_chunk_tokens, step_tokens // len(ready))
     if boosted <= max_chunk_tokens:
         return max_chunk_tokens  # too many sessions to share the budget in larger chunks
-    if any(pending_tokens(s) <= max_chunk_tokens for s in ready):
+    if any(s.unread_tokens <= max_chunk_tokens for s in ready):
         return max_chunk_tokens  # someone decodes or streams a frame: keep the step short
     reserved = sum(max(0, s.spec.policy.max_blocks(block_size, max_chunk_tokens)
                           - len(s.table.logical_to_block_id))

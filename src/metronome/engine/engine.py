@@ -1,8 +1,11 @@
 """The engine: sessions with bounded KV in one fixed block pool, advanced by batched steps.
 
-A small synchronous API for the layers above (runtime, server, experiments):
-`open_session`, `submit`, `step`, `close`, `pool_stats`. No sockets and no clocks here. It
-implements `metronome.runtime.ports.EnginePort`, the one seam the runtime drives an engine by.
+A small synchronous API for the layers above (runtime, server, experiments): `open_session`
+(a `Stream`, the session's record), `feed` (how much of its input the engine may read, and
+how many tokens to generate after it), `step`, `close`, `pool_stats`. No sockets and no
+clocks here. It implements `metronome.runtime.ports.EnginePort`, the one seam the runtime
+drives an engine by. Used directly (tests, benches), `submit` appends input to a session's
+stream and feeds it in one call.
 
 One `step()` = plan (which sessions, how many tokens each, blocks for them) -> one batched
 forward over all of them -> sample -> slide windows. A session whose blocks cannot be
@@ -13,33 +16,25 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from metronome.engine.batch_builder import (
-    PAGED_MAX_CHUNK_TOKENS,
-    PlannedWork,
-    build_batch,
-    paged_first,
-)
+from metronome.engine.batch_builder import PAGED_MAX_CHUNK_TOKENS, build_batch, paged_first
 from metronome.engine.chunking import chunk_limit
 from metronome.engine.sampling import greedy_ids, sample
 from metronome.engine.session import Session, SessionSpec
 from metronome.engine.snapshot import SessionSnapshot, restore, take
-from metronome.engine.types import (
-    PoolStats,
-    PreparedInput,
-    Rebound,
-    SessionStep,
-    StepResult,
-    WorkStatus,
-)
+from metronome.engine.types import PoolStats, Rebound, StepOutput, WorkStatus
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.cache import KVCache, num_blocks_for
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.linear import packing_supported
 from metronome.model.llama import LlamaModel
 from metronome.workload_defaults import BLOCK_SIZE_TOKENS, POOL_TOKENS
+
+if TYPE_CHECKING:
+    from metronome.stream import Stream
 
 ATTENTION_MODES = ("auto", "paged", "dense")
 
@@ -205,119 +200,107 @@ class Engine:
             model.dtype,
         )
         self.kernel, self.paged_max_chunk_tokens = _attention_kernel(config)
-        self.sessions: dict[int, Session] = {}
-        self._next_session_id = 0  # the one allocator of session ids (see new_session_id)
-        self._id_lock = threading.Lock()
+        self.sessions: dict[str, Session] = {}
         self._rotation = 0  # where the next step starts handing out its token budget
         self.step_thread_id: int | None = None  # the engine's thread (engine.snapshot's rule)
 
     # ---- session lifecycle -------------------------------------------------------------
-    def new_session_id(self) -> int:
-        """Issue a session id (thread-safe: a driver on another thread reserves the id at once
-        and opens the session later on the engine's thread)."""
-        with self._id_lock:
-            session_id = self._next_session_id
-            self._next_session_id += 1
-        return session_id
-
-    def open_session(self, spec: SessionSpec = SessionSpec(), session_id: int | None = None) -> int:
-        """Open a session under a fresh id, or under one `new_session_id` issued."""
-        self._check_policy(spec)
-        if session_id is None:
-            session_id = self.new_session_id()
-        if not 0 <= session_id < self._next_session_id:
-            raise SessionError(f"session id {session_id} was not issued by new_session_id()")
-        if session_id in self.sessions:
-            raise SessionError(f"session {session_id} is already open")
-        stop_ids = spec.stop_token_ids
+    def open_session(self, stream: Stream) -> str:
+        """Serve `stream` (its id and spec; its input is read there). Returns its id."""
+        self._check_spec(stream)
+        if stream.id in self.sessions:
+            raise SessionError(f"session {stream.id} is already open")
+        stop_ids = stream.spec.stop_token_ids
         if stop_ids is None:
             stop_ids = self.model.config.eos_token_ids
-        self.sessions[session_id] = Session(session_id, spec, self.config.block_size, stop_ids)
-        return session_id
+        self.sessions[stream.id] = Session(stream, self.config.block_size, stop_ids)
+        return stream.id
 
-    def submit(
-        self,
-        session_id: int,
-        token_ids: list[int] | torch.Tensor | None = None,
-        embeddings: torch.Tensor | None = None,
-        max_new_tokens: int = 0,
-    ) -> None:
-        """Queue input (token ids or (n, hidden) embeddings) and ask for up to N new tokens."""
-        self.submit_prepared(session_id, self.prepare_input(token_ids, embeddings),
-                             max_new_tokens)
-
-    def submit_prepared(self, session_id: int, prepared: PreparedInput,
-                        max_new_tokens: int = 0) -> None:
-        """`submit` for input `prepare_input` has already validated (not checked again)."""
+    def feed(self, session_id: str, num_tokens: int, max_new_tokens: int = 0) -> None:
+        """The next `num_tokens` of the session's stream are the engine's to process, then up
+        to `max_new_tokens` new tokens (the stream validated and holds the input)."""
         session = self._get(session_id)
         if session.ended:
             raise SessionError(f"session {session_id} has ended (context full)")
-        if max_new_tokens < 0:
-            raise SessionError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        session.submit(prepared.data, max_new_tokens)
+        if max_new_tokens < 0 or num_tokens < 0:
+            raise SessionError(f"num_tokens and max_new_tokens must be >= 0, got "
+                               f"{num_tokens} and {max_new_tokens}")
+        assert session.fed_tokens + num_tokens <= session.stream.received_tokens, session.stream
+        session.feed(num_tokens, max_new_tokens)
 
-    def prepare_input(
-        self, token_ids: list[int] | torch.Tensor | None, embeddings: torch.Tensor | None
-    ) -> PreparedInput:
-        """Validate input against the model (no engine state: safe from any thread)."""
+    def submit(self, session_id: str, token_ids: list[int] | torch.Tensor | None = None,
+               embeddings: torch.Tensor | None = None, max_new_tokens: int = 0) -> None:
+        """Used directly (no beat): append input to the session's stream and feed all of it."""
+        stream = self._get(session_id).stream
+        data = self.check_input(token_ids, embeddings)
+        if data is not None and len(data):
+            stream.append(data)
+        num_tokens = stream.received_tokens - stream.fed_tokens
+        self.feed(session_id, num_tokens, max_new_tokens)
+        stream.fed_tokens = stream.received_tokens
+
+    def check_input(self, token_ids: list[int] | torch.Tensor | None,
+                    embeddings: torch.Tensor | None) -> torch.Tensor | None:
+        """Input validated against the model: (n,) int64 ids or (n, hidden) embeddings in the
+        model's dtype; None for neither; `SessionError` with the reason. No engine state:
+        safe from any thread."""
         if token_ids is not None and embeddings is not None:
             raise SessionError("submit token_ids or embeddings, not both")
         if token_ids is not None:
-            return PreparedInput(check_token_ids(token_ids, self.model.config.vocab_size))
+            return check_token_ids(token_ids, self.model.config.vocab_size)
         if embeddings is not None:
-            return PreparedInput(self._check_embeddings(embeddings))
-        return PreparedInput(None)
+            return self._check_embeddings(embeddings)
+        return None
 
-    def cancel_generation(self, session_id: int) -> None:
+    def cancel_generation(self, session_id: str) -> None:
         """Drop the session's remaining generation budget (its input is still processed)."""
         self._get(session_id).decode_budget = 0
 
-    def close(self, session_id: int) -> None:
+    def close(self, session_id: str) -> None:
         """End a session and return every one of its blocks to the pool."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise SessionError(f"unknown session {session_id}")
         session.table.release(self.pool)
 
-    def snapshot_session(self, session_id: int) -> SessionSnapshot:
+    def snapshot_session(self, session_id: str) -> SessionSnapshot:
         """A bounded session's whole state (engine.snapshot; engine thread, between steps)."""
         return take(self, self._get(session_id))
 
-    def restore_session(self, snapshot: SessionSnapshot, session_id: int | None = None
-                        ) -> int | None:
-        """Open `snapshot` here, continuing where it was taken: the session id, or None when
-        the pool cannot supply its blocks."""
-        return restore(self, snapshot, session_id)
+    def restore_session(self, snapshot: SessionSnapshot, stream: Stream) -> bool:
+        """Open `snapshot` here as `stream`, continuing where it was taken; False when the
+        pool cannot supply its blocks."""
+        return restore(self, snapshot, stream)
 
     # ---- stepping -------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
         return any(s.has_work for s in self.sessions.values())
 
-    def step(self) -> StepResult:
+    def step(self) -> StepOutput:
         self.step_thread_id = threading.get_ident()
-        rebounds: list[Rebound] = []
-        work, outcomes = self._plan(rebounds)
+        out = StepOutput()
+        work = self._plan(out)
         if work:
             work = paged_first(work, self.paged_max_chunk_tokens)
-            outcomes += self._finish(work, self.forward(work))
-        return StepResult(sorted(outcomes, key=lambda s: s.session_id), rebounds)
+            self._finish(work, self.forward(work), out)
+        return out
 
-    def forward(self, work: list[PlannedWork]) -> torch.Tensor:
-        """One batched forward over planned work (in `paged_first` order): its logits rows."""
+    def forward(self, work: list[Session]) -> torch.Tensor:
+        """One batched forward over planned sessions (in `paged_first` order): logits rows."""
         batch = self.build_batch(work)
         return self.model.forward(batch, self.cache, self.kernel)
 
-    def build_batch(self, work: list[PlannedWork]):
+    def build_batch(self, work: list[Session]):
         batch = build_batch(work, self.model.embed, self.model.dtype, self.config.block_size,
                             self.paged_max_chunk_tokens)
         if batch.paged is not None:
             batch.paged.check(self.pool.num_blocks)
         return batch
 
-    def _plan(self, rebounds: list[Rebound] | None = None
-              ) -> tuple[list[PlannedWork], list[SessionStep]]:
-        rebounds = [] if rebounds is None else rebounds
+    def _plan(self, out: StepOutput) -> list[Session]:
+        """This step's sessions, each with its chunk planned and its blocks reserved; the
+        ones stalled on KV or ended are in `out` already."""
         ready = [s for s in self.sessions.values() if s.has_work]
         if ready:
             self._rotation %= len(ready)
@@ -328,24 +311,23 @@ class Engine:
         limit = chunk_limit(ready, self.sessions.values(), self.pool.num_free_blocks,
                             config.max_chunk_tokens, config.max_prefill_chunk_tokens, budget,
                             config.block_size)
-        work, outcomes = [], []
+        work = []
         for session in ready:
             if budget <= 0:
                 break
-            chunk, submitted = session.next_chunk(min(limit, budget))
+            chunk, fed = session.next_chunk(min(limit, budget))
             status = self._reserve(session, len(chunk))
             if status is WorkStatus.STALLED_KV and self._relieve(session, len(chunk), work,
-                                                                 rebounds):
+                                                                 out):
                 status = self._reserve(session, len(chunk))
             if status is not WorkStatus.OK:
-                outcomes.append(SessionStep(session.session_id, status))
+                out.status[session.id] = status
                 continue
             budget -= len(chunk)
-            samples = session.takes_all_input(len(chunk)) and session.decode_budget > 0
-            logits_rows = "all" if session.spec.return_logits else ("last" if samples else "none")
-            start = session.table.num_tokens - len(chunk)
-            work.append(PlannedWork(session, chunk, start, logits_rows, samples, submitted))
-        return work, outcomes
+            session.plan(chunk, fed)
+            out.status[session.id] = WorkStatus.OK  # the output keeps this (rotation) order
+            work.append(session)
+        return work
 
     def _reserve(self, session: Session, num_tokens: int) -> WorkStatus:
         limit = session.spec.max_session_tokens
@@ -356,8 +338,8 @@ class Engine:
             return WorkStatus.STALLED_KV
         return WorkStatus.OK
 
-    def _relieve(self, session: Session, num_tokens: int, planned: list[PlannedWork],
-                 rebounds: list[Rebound]) -> bool:
+    def _relieve(self, session: Session, num_tokens: int, planned: list[Session],
+                 out: StepOutput) -> bool:
         """KV pressure: bound unbounded sessions to `pressure_policy`, the one holding the
         most blocks first, until the pool has `session`'s blocks. Sessions already planned
         in this step keep their blocks (their chunk still needs them). True if it now fits."""
@@ -365,63 +347,66 @@ class Engine:
         if policy is None:
             return False
         needed = session.table.blocks_needed(num_tokens)
-        busy = {w.session.session_id for w in planned}
+        busy = {s.id for s in planned}
         candidates = sorted((s for s in self.sessions.values()
-                             if not s.spec.policy.bounded and s.session_id not in busy
+                             if not s.spec.policy.bounded and s.id not in busy
                              and s.table.blocks_freed_by(policy) > 0),  # else: no relief
                             key=lambda s: len(s.table.logical_to_block_id), reverse=True)
         for candidate in candidates:
             if self.pool.num_free_blocks >= needed:
                 break
             freed = candidate.rebound(policy, self.pool)
-            rebounds.append(Rebound(candidate.session_id, policy, freed,
-                                    candidate.table.resident_tokens))
+            out.rebounds.append(Rebound(candidate.id, policy, freed,
+                                        candidate.table.resident_tokens))
         return self.pool.num_free_blocks >= needed
 
-    def _finish(self, work: list[PlannedWork], logits: torch.Tensor) -> list[SessionStep]:
-        outcomes, row = [], 0
+    def _finish(self, work: list[Session], logits: torch.Tensor, out: StepOutput) -> None:
+        row = 0
         argmax_ids = greedy_ids(logits, getattr(self.model, "fused", None))  # one, batched
-        for w in work:
-            session = w.session
-            rows = {"all": w.num_tokens, "last": 1, "none": 0}[w.logits_rows]
+        for session in work:
+            rows = {"all": session.chunk_tokens, "last": 1, "none": 0}[session.logits_rows]
             own_logits = logits[row : row + rows]
             row += rows
-            session.consume(w.num_tokens)
-            step = SessionStep(
-                session.session_id, WorkStatus.OK, w.num_tokens,
-                submitted_tokens=w.submitted_tokens,
-                context_tokens=session.table.visible_tokens(session.table.num_tokens - 1),
-            )
+            sid = session.id
+            out.input_tokens[sid] = session.chunk_tokens
+            out.consumed_tokens[sid] = session.chunk_fed_tokens
+            samples = session.samples
+            session.consume()
+            session.stream.trim(session.read_tokens)
+            out.context_tokens[sid] = session.table.visible_tokens(session.table.num_tokens - 1)
             if session.spec.return_logits:
-                step.logits = own_logits
-            if w.samples:
+                out.logits[sid] = own_logits
+            out.new_token_ids[sid] = []
+            if samples:
                 params = session.spec.sampling
                 token = argmax_ids[row - 1] if params.greedy else sample(
                     own_logits[-1], params, session.generator
                 )
                 session.accept_token(token)
-                step.new_token_ids.append(token)
+                out.new_token_ids[sid].append(token)
             session.table.slide(self.pool)
-            step.generating = session.decode_budget > 0
-            outcomes.append(step)
-        return outcomes
+            if session.decode_budget > 0:
+                out.generating.add(sid)
 
     def warm_up(self, prompt_tokens: int = 32, new_tokens: int = 4) -> None:
         """Run one throwaway session through prefill and decode, then close it, so the first
         real frame does not pay for kernel selection and first-touch allocations."""
+        from metronome.stream import Stream
+
         block = self.config.block_size
         if self.pool.num_free_blocks * block < prompt_tokens + new_tokens:
             return  # a pool this small serves no warm-up; the first frame pays instead
-        sid = self.open_session(SessionSpec(stop_token_ids=()))
+        stream = Stream("metronome-warm-up", spec=SessionSpec(stop_token_ids=()))
+        self.open_session(stream)
         try:
-            self.submit(sid, [0] * prompt_tokens, max_new_tokens=new_tokens)
-            while self.sessions[sid].has_work:
+            self.submit(stream.id, [0] * prompt_tokens, max_new_tokens=new_tokens)
+            while self.sessions[stream.id].has_work:
                 self.step()
         finally:
-            self.close(sid)
+            self.close(stream.id)
             self.step_thread_id = None  # warm-up ran on a startup thread, not the stepper
 
-    def fast_forward(self, session_id: int, num_tokens: int) -> bool:
+    def fast_forward(self, session_id: str, num_tokens: int) -> bool:
         """Lengthen a session by `num_tokens` without running the model.
 
         For benchmarks and capacity experiments that need sessions 8k tokens deep without
@@ -458,33 +443,33 @@ class Engine:
             pinned_blocks=sum(s.table.num_pinned_blocks for s in self.sessions.values()),
         )
 
-    def resident_tokens(self, session_id: int) -> int:
+    def resident_tokens(self, session_id: str) -> int:
         return self._get(session_id).table.resident_tokens
 
-    def resident_tokens_by_session(self) -> dict[int, int]:
+    def resident_tokens_by_session(self) -> dict[str, int]:
         """Live KV tokens of every open session."""
         return {sid: s.table.resident_tokens for sid, s in self.sessions.items()}
 
-    def session_blocks(self, session_id: int) -> int:
+    def session_blocks(self, session_id: str) -> int:
         return len(self._get(session_id).table.logical_to_block_id)
 
-    def session_tokens(self, session_id: int) -> int:
+    def session_tokens(self, session_id: str) -> int:
         """Tokens the session has written (its absolute length)."""
         return self._get(session_id).table.num_tokens
 
     # ---- validation ------------------------------------------------------------------------
-    def _get(self, session_id: int) -> Session:
+    def _get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
             raise SessionError(f"unknown session {session_id}")
         return session
 
-    def _check_policy(self, spec: SessionSpec) -> None:
-        policy, cfg = spec.policy, self.config
-        if not policy.bounded and not cfg.allow_unbounded:
+    def _check_spec(self, stream: Stream) -> None:
+        spec, cfg = stream.spec, self.config
+        if not spec.policy.bounded and not cfg.allow_unbounded:
             raise SessionError("this engine does not allow unbounded sessions")
         try:
-            check_policy_limits(policy, cfg)
+            check_policy_limits(spec.policy, cfg)
         except ValueError as err:
             raise SessionError(str(err)) from None
         if spec.max_session_tokens is not None and spec.max_session_tokens < 1:

@@ -1,16 +1,22 @@
-"""Engine-side session state: KV block table, pending input, generation budget, sampler.
+"""The engine's side of one session: its KV block table, how far it has read the session's
+input, its generation budget and its sampler.
 
-Input is a queue of chunks; each chunk is token ids (int64, (n,)) or input embeddings
-(float, (n, hidden)) such as an audio front end produces. A step consumes at most
-`max_chunk_tokens` from the head chunk. When the queue empties and the session still has a
-generation budget, the step samples a token; that token is fed back as the next input so
-its KV is written before anything that follows it.
+The input itself stays in the session's `Stream` (`metronome.stream`: its one home); the
+engine reads it there, up to what the beat fed it (`fed_tokens`, advanced by `feed`), from
+its own cursor (`read_tokens`). A step takes at most its chunk limit from the front. When
+the fed input is all read and the session still has a generation budget, the step samples
+a token; that token is written to the KV before anything that follows it: at once while
+the budget lasts (`feedback`), else with the session's next input (`carry`).
+
+Per step, `plan` sets what the step does with the session (its chunk, where it starts,
+whether it samples): the batch builder and the sampler read it there, as nano-vllm's model
+runner reads a `Sequence`.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +24,9 @@ from metronome.engine.sampling import SamplingParams
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.block_table import BlockTable
 from metronome.kv.residency import ResidencyPolicy
+
+if TYPE_CHECKING:
+    from metronome.stream import Stream
 
 
 @dataclass(frozen=True)
@@ -31,66 +40,84 @@ class SessionSpec:
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
 
 
-@dataclass
-class InputChunk:
-    data: torch.Tensor  # (n,) int64 token ids or (n, hidden) embeddings
-    submitted: bool  # caller input; False for the session's own sampled token fed back
-
-
 class Session:
-    def __init__(self, session_id: int, spec: SessionSpec, block_size: int, stop_ids) -> None:
-        self.session_id = session_id
-        self.spec = spec
-        self.table = BlockTable(spec.policy, block_size)
-        self.pending: deque[InputChunk] = deque()
-        self.carry: list[int] = []  # last sampled token, fed before the next submitted input
+    def __init__(self, stream: Stream, block_size: int, stop_ids) -> None:
+        self.stream = stream  # where its input is (read only here)
+        self.spec = stream.spec
+        self.table = BlockTable(self.spec.policy, block_size)
+        self.fed_tokens = 0  # the beat's feed as applied here (Stream.fed_tokens runs ahead
+        # of it while a feed command is on its way)
+        self.read_tokens = 0  # of which a step has read
+        self.feedback: int | None = None  # a sampled token to write before anything else
+        self.carry: int | None = None  # the last sampled token, written with the next input
         self.decode_budget = 0
         self.stop_token_ids = frozenset(stop_ids)
-        self.generator = torch.Generator().manual_seed(spec.sampling.seed)
+        self.generator = torch.Generator().manual_seed(self.spec.sampling.seed)
         self.ended = False
+        # ---- this step's plan (`plan`) --------------------------------------------------------
+        self.chunk: torch.Tensor | None = None  # (n,) int64 ids or (n, hidden) embeddings
+        self.start_position = 0  # absolute position of the chunk's first token
+        self.chunk_fed_tokens = 0  # of the chunk, fed input (the rest: its own token)
+        self.samples = False  # the chunk ends the fed input and a new token is due
+        self.logits_rows = "none"  # "all" | "last" | "none"
+
+    @property
+    def id(self) -> str:
+        return self.stream.id
+
+    @property
+    def unread_tokens(self) -> int:
+        """Fed input not yet read, its own token to write back included."""
+        return (self.feedback is not None) + self.fed_tokens - self.read_tokens
 
     @property
     def has_work(self) -> bool:
-        return not self.ended and bool(self.pending)
+        return not self.ended and self.unread_tokens > 0
 
-    def submit(self, chunk: torch.Tensor | None, max_new_tokens: int) -> None:
-        if self.carry:
-            self.pending.append(InputChunk(torch.tensor(self.carry, dtype=torch.int64), False))
-            self.carry = []
-        if chunk is not None and len(chunk):
-            self.pending.append(InputChunk(chunk, True))
+    def feed(self, num_tokens: int, max_new_tokens: int) -> None:
+        """`num_tokens` more of the stream's input are the engine's, then up to
+        `max_new_tokens` new tokens; a carried token goes in first."""
+        if self.carry is not None:
+            self.feedback, self.carry = self.carry, None
+        self.fed_tokens += num_tokens
         self.decode_budget += max_new_tokens
 
     def next_chunk(self, max_tokens: int) -> tuple[torch.Tensor, int]:
-        """Up to `max_tokens` of pending input from the front, across consecutive chunks of
-        one kind (token ids, or embeddings), and how many of them are caller-submitted. So a
-        frame's input goes in one step with the token sampled last before it (`carry`),
-        not one step for that token and one for the frame."""
-        first = self.pending[0].data
-        parts, submitted, taken = [], 0, 0
-        for chunk in self.pending:
-            if taken >= max_tokens or chunk.data.dim() != first.dim():
-                break
-            piece = chunk.data[: max_tokens - taken]
-            # fed-back tokens come only before caller input (a session samples only once
-            # all its input is in), so a step's submitted tokens are its last ones
-            assert chunk.submitted or submitted == 0, "a fed-back token after caller input"
-            parts.append(piece)
-            taken += len(piece)
-            submitted += len(piece) if chunk.submitted else 0
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), submitted
+        """Up to `max_tokens` of unread input from the front, of one kind (token ids, or
+        embeddings), and how many of them are fed input. So a frame's input goes in one
+        step with the token sampled last before it, not one step for each."""
+        own = [] if self.feedback is None else [self.feedback]
+        room = min(max_tokens - len(own), self.fed_tokens - self.read_tokens)
+        if room <= 0:
+            return torch.tensor(own, dtype=torch.int64), 0
+        fed = self.stream.read(self.read_tokens, room)
+        if not own:
+            return fed, int(fed.shape[0])
+        if fed.dtype != torch.int64:  # embeddings do not join a token id
+            return torch.tensor(own, dtype=torch.int64), 0
+        return torch.cat([torch.tensor(own, dtype=torch.int64), fed]), int(fed.shape[0])
 
-    def takes_all_input(self, num_tokens: int) -> bool:
-        """Would consuming `num_tokens` from the front leave no input pending?"""
-        return num_tokens == sum(len(chunk.data) for chunk in self.pending)
+    def plan(self, chunk: torch.Tensor, chunk_fed_tokens: int) -> None:
+        """This step takes `chunk` (reserved in the table already)."""
+        n = int(chunk.shape[0])
+        self.chunk, self.chunk_fed_tokens = chunk, chunk_fed_tokens
+        self.start_position = self.table.num_tokens - n
+        self.samples = n == self.unread_tokens and self.decode_budget > 0
+        self.logits_rows = "all" if self.spec.return_logits else (
+            "last" if self.samples else "none")
 
-    def consume(self, num_tokens: int) -> None:
-        while num_tokens > 0:
-            head = self.pending.popleft()
-            if num_tokens < len(head.data):
-                self.pending.appendleft(InputChunk(head.data[num_tokens:], head.submitted))
-                return
-            num_tokens -= len(head.data)
+    @property
+    def chunk_tokens(self) -> int:
+        return 0 if self.chunk is None else int(self.chunk.shape[0])
+
+    def consume(self) -> None:
+        """The planned chunk is in the KV."""
+        fed = self.chunk_fed_tokens
+        if self.chunk_tokens > fed:
+            self.feedback = None
+        self.read_tokens += fed
+        assert self.read_tokens <= self.fed_tokens, (self.read_tokens, self.fed_tokens)
+        self.chunk = None
 
     def rebound(self, policy: ResidencyPolicy, pool: BlockPool) -> int:
         """Switch to a bounded `policy` from now on; blocks no future query can see under it
@@ -103,7 +130,7 @@ class Session:
 
     def end(self) -> None:
         self.ended = True
-        self.pending.clear()
+        self.feedback = None
         self.decode_budget = 0
 
     def accept_token(self, token_id: int) -> None:
@@ -112,6 +139,6 @@ class Session:
         if token_id in self.stop_token_ids:
             self.decode_budget = 0
         if self.decode_budget > 0:
-            self.pending.append(InputChunk(torch.tensor([token_id], dtype=torch.int64), False))
+            self.feedback = token_id
         else:
-            self.carry = [token_id]
+            self.carry = token_id

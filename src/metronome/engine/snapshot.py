@@ -1,14 +1,17 @@
 """Snapshot and restore of one bounded session: its whole engine state as bytes.
 
 A bounded session's state is O(S + W) and constant (DESIGN, semantics 9): its resident KV
-blocks (sink blocks and window, every layer), its absolute token count, the input it has not
-consumed yet (including its own last sampled token when that is still to be fed back), its
-generation budget, its sampler's generator and its spec (policy, sampling, limits). That is
-everything the next step reads, so a restored session continues token-exact.
+blocks (sink blocks and window, every layer), its absolute token count, the input it was fed
+and has not read yet (from its stream) and its own last sampled token when that is still to
+be written, its generation budget, its sampler's generator and its spec (policy, sampling,
+limits). That is everything the next step reads, so a restored session continues
+token-exact.
 
     snapshot = take(engine, session)             # engine thread, between steps
     data = snapshot.to_bytes()                   # any thread; to a store that outlives the replica
-    sid = restore(other_engine, SessionSnapshot.from_bytes(data))   # None: pool exhausted
+    ok = restore(other_engine, SessionSnapshot.from_bytes(data), stream)  # False: pool exhausted
+
+A restored session's unread input goes into its new stream (which must be empty), fed.
 
 Ownership: this module reads and writes a session's blocks in `KVCache` and sets up the
 `Session` and `BlockTable` of a restored one; the pool still owns which ids are free.
@@ -27,13 +30,12 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections import deque
 from dataclasses import asdict, dataclass
 
 import torch
 
 from metronome.engine.sampling import SamplingParams
-from metronome.engine.session import InputChunk, Session, SessionSpec
+from metronome.engine.session import Session, SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 
 MAGIC = b"METRONOME-SNAPSHOT"
@@ -66,8 +68,9 @@ class SessionSnapshot:
     logical_blocks: tuple[int, ...]  # resident logical block indices, increasing
     k: torch.Tensor  # (layers, kv_heads, blocks, block_size, head_dim)
     v: torch.Tensor  # same
-    pending: tuple[InputChunk, ...]  # unconsumed input, head first
-    carry: tuple[int, ...]  # last sampled token, fed before the next submitted input
+    pending: tuple[torch.Tensor, ...]  # fed input not read yet, head first
+    feedback: tuple[int, ...]  # its own sampled token, written before that input
+    carry: tuple[int, ...]  # last sampled token, written with the next input
     decode_budget: int
     generator_state: torch.Tensor  # (n,) uint8: the sampler's torch.Generator
     ended: bool
@@ -87,7 +90,7 @@ class SessionSnapshot:
         """
         tensors = {"k": self.k, "v": self.v, "generator_state": self.generator_state}
         for i, chunk in enumerate(self.pending):
-            tensors[f"pending.{i}"] = chunk.data
+            tensors[f"pending.{i}"] = chunk
         layout, offset = {}, 0
         for name, tensor in tensors.items():
             offset = _aligned(offset)
@@ -100,7 +103,8 @@ class SessionSnapshot:
             "stop_token_ids": list(self.stop_token_ids),
             "num_tokens": self.num_tokens,
             "logical_blocks": list(self.logical_blocks),
-            "pending_submitted": [c.submitted for c in self.pending],
+            "pending": len(self.pending),
+            "feedback": list(self.feedback),
             "carry": list(self.carry),
             "decode_budget": self.decode_budget,
             "ended": self.ended,
@@ -137,15 +141,15 @@ class SessionSnapshot:
         buffer = data if isinstance(data, bytearray) else bytearray(data)
         raw = torch.frombuffer(buffer, dtype=torch.uint8)[start:]
         tensors = {name: _view(raw, entry) for name, entry in header["tensors"].items()}
-        pending = tuple(InputChunk(tensors[f"pending.{i}"], submitted)
-                        for i, submitted in enumerate(header["pending_submitted"]))
+        pending = tuple(tensors[f"pending.{i}"] for i in range(header["pending"]))
         return cls(
             geometry=KVGeometry(**header["geometry"]),
             spec=_spec_from_json(header["spec"]),
             stop_token_ids=tuple(header["stop_token_ids"]),
             num_tokens=header["num_tokens"],
             logical_blocks=tuple(header["logical_blocks"]),
-            k=tensors["k"], v=tensors["v"], pending=pending, carry=tuple(header["carry"]),
+            k=tensors["k"], v=tensors["v"], pending=pending,
+            feedback=tuple(header["feedback"]), carry=tuple(header["carry"]),
             decode_budget=header["decode_budget"],
             generator_state=tensors["generator_state"], ended=header["ended"],
         )
@@ -162,7 +166,7 @@ def take(engine, session: Session) -> SessionSnapshot:
     _check_engine_thread(engine)
     if not session.spec.policy.bounded:
         raise SnapshotError(
-            f"session {session.session_id} is unbounded: its KV grows with the conversation, "
+            f"session {session.id} is unbounded: its KV grows with the conversation, "
             "so it is not snapshotted and cannot be resumed elsewhere; open it under a bound "
             "(e.g. sinks_window:S:W) to make it resumable")
     table = session.table
@@ -173,43 +177,66 @@ def take(engine, session: Session) -> SessionSnapshot:
         geometry=geometry_of(engine), spec=session.spec,
         stop_token_ids=tuple(sorted(session.stop_token_ids)), num_tokens=table.num_tokens,
         logical_blocks=tuple(table.logical_to_block_id), k=k, v=v,
-        pending=tuple(InputChunk(c.data.clone(), c.submitted) for c in session.pending),
-        carry=tuple(session.carry), decode_budget=session.decode_budget,
+        pending=_unread(session), feedback=_one(session.feedback), carry=_one(session.carry),
+        decode_budget=session.decode_budget,
         generator_state=session.generator.get_state(), ended=session.ended,
     )
 
 
-def restore(engine, snapshot: SessionSnapshot, session_id: int | None = None) -> int | None:
-    """Open `snapshot` as a new session of `engine`, its blocks from `engine`'s own pool.
-    Returns the session id, or None when the pool cannot supply the blocks (nothing changed).
-    `SnapshotError` when the snapshot is for another model, dtype or block size."""
+def restore(engine, snapshot: SessionSnapshot, stream) -> bool:
+    """Open `snapshot` in `engine` as `stream` (a new `metronome.stream.Stream`, empty, with
+    the snapshot's spec), its blocks from `engine`'s own pool. False when the pool cannot
+    supply the blocks (nothing changed); `SnapshotError` when the snapshot is for another
+    model, dtype or block size."""
     _check_engine_thread(engine)
     here = geometry_of(engine)
     if snapshot.geometry != here:
         raise SnapshotError(f"snapshot of {snapshot.geometry} cannot be restored into an "
                             f"engine of {here}")
+    assert stream.received_tokens == 0, stream
     block_ids = engine.pool.allocate(len(snapshot.logical_blocks))
     if block_ids is None:
-        return None
+        return False
+    stream.spec = snapshot.spec
     try:
-        session_id = engine.open_session(snapshot.spec, session_id)
+        engine.open_session(stream)
     except Exception:
         engine.pool.free(block_ids)
         raise
     index = torch.tensor(block_ids, dtype=torch.int64)
     for store, saved in ((engine.cache.k, snapshot.k), (engine.cache.v, snapshot.v)):
         _by_block(store, here.block_size).index_copy_(2, index, saved)
-    session = engine.sessions[session_id]
+    session = engine.sessions[stream.id]
     session.table.num_tokens = snapshot.num_tokens
     session.table.logical_to_block_id = dict(zip(snapshot.logical_blocks, block_ids,
                                                   strict=True))
-    session.pending = deque(InputChunk(c.data.clone(), c.submitted) for c in snapshot.pending)
-    session.carry = list(snapshot.carry)
+    for chunk in snapshot.pending:
+        stream.append(chunk.clone())
+    stream.fed_tokens = session.fed_tokens = stream.received_tokens
+    session.feedback = snapshot.feedback[0] if snapshot.feedback else None
+    session.carry = snapshot.carry[0] if snapshot.carry else None
     session.decode_budget = snapshot.decode_budget
     session.stop_token_ids = frozenset(snapshot.stop_token_ids)
     session.generator.set_state(snapshot.generator_state.clone())
     session.ended = snapshot.ended
-    return session_id
+    return True
+
+
+def _unread(session: Session) -> tuple[torch.Tensor, ...]:
+    """Copies of the fed input the session has not read yet."""
+    unread = session.fed_tokens - session.read_tokens
+    if unread == 0:
+        return ()
+    parts, start = [], session.read_tokens
+    while start < session.fed_tokens:  # one kind per read: a run at a time
+        part = session.stream.read(start, session.fed_tokens - start).clone()
+        parts.append(part)
+        start += int(part.shape[0])
+    return tuple(parts)
+
+
+def _one(token: int | None) -> tuple[int, ...]:
+    return () if token is None else (token,)
 
 
 def _check_engine_thread(engine) -> None:

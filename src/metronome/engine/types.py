@@ -1,4 +1,4 @@
-"""What the engine reports: per-session outcome of one step, and pool occupancy."""
+"""What the engine reports: one step's output, and the pool's occupancy."""
 
 from __future__ import annotations
 
@@ -17,52 +17,14 @@ class WorkStatus(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class PreparedInput:
-    """Input the engine has validated (`Engine.prepare_input`): submitted as is, never checked
-    again. `data` is (n,) int64 token ids or (n, hidden) embeddings in the model's dtype."""
-
-    data: torch.Tensor | None  # None: no input (a request for generation only)
-
-    @property
-    def num_tokens(self) -> int:
-        return 0 if self.data is None else int(self.data.shape[0])
-
-
-@dataclass
-class SessionStep:
-    session_id: int
-    status: WorkStatus
-    input_tokens: int = 0  # positions processed this step (caller input or fed-back tokens)
-    submitted_tokens: int = 0  # of which caller-submitted input: the last ones (a session's
-    # fed-back sampled token, when the step carries one, comes first)
-    new_token_ids: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # (input_tokens, vocab) float32 when asked for
-    context_tokens: int = 0  # keys the chunk attended to at its last position (cost models)
-    generating: bool = False  # generation budget left after this step
-
-
-@dataclass(frozen=True)
 class Rebound:
     """An unbounded session switched to the engine's pressure bound during a step, because
     the pool could not otherwise supply a session's blocks (`EngineConfig.pressure_policy`)."""
 
-    session_id: int
+    session_id: str
     policy: ResidencyPolicy
     freed_blocks: int  # its middle blocks, back in the pool at once
     resident_tokens: int  # its live KV afterwards
-
-
-@dataclass
-class StepResult:
-    sessions: list[SessionStep]
-    rebounds: list[Rebound] = field(default_factory=list)
-
-    @property
-    def num_input_tokens(self) -> int:
-        return sum(s.input_tokens for s in self.sessions)
-
-    def by_session(self) -> dict[int, SessionStep]:
-        return {s.session_id: s for s in self.sessions}
 
 
 @dataclass(frozen=True)
@@ -72,3 +34,39 @@ class PoolStats:
     used_blocks: int
     free_blocks: int
     pinned_blocks: int  # sink blocks of bounded sessions (a subset of used)
+
+
+@dataclass
+class StepOutput:
+    """One engine step, by session id (each map holds the sessions it names, in step order):
+    the engine fills the work, its driver the times and the readings after it."""
+
+    status: dict[str, WorkStatus] = field(default_factory=dict)  # every session with work
+    input_tokens: dict[str, int] = field(default_factory=dict)  # positions it processed
+    consumed_tokens: dict[str, int] = field(default_factory=dict)  # of which fed input (its
+    # last ones: a sampled token written back comes first)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)  # tokens it sampled
+    generating: set[str] = field(default_factory=set)  # generation budget left after it
+    context_tokens: dict[str, int] = field(default_factory=dict)  # keys its last position
+    # attended to (the cost model's input)
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # (input_tokens, vocab)
+    # float32, for sessions that asked (`SessionSpec.return_logits`)
+    rebounds: list[Rebound] = field(default_factory=list)
+    # ---- the driver's --------------------------------------------------------------------
+    started_s: float = 0.0
+    finished_s: float = 0.0
+    pool: PoolStats | None = None  # after the step
+    resident_tokens: dict[str, int] = field(default_factory=dict)  # live KV of every open
+    # session after the step
+
+    @property
+    def num_input_tokens(self) -> int:
+        return sum(self.input_tokens.values())
+
+    @property
+    def num_stalled(self) -> int:
+        return sum(s is WorkStatus.STALLED_KV for s in self.status.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.finished_s - self.started_s

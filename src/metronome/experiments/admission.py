@@ -28,10 +28,10 @@ from metronome.results.context import RunContext
 from metronome.results.plots import plot_cap_history as plot_run
 from metronome.results.provenance import describe
 from metronome.results.tables import fmt
-from metronome.runtime.frame import FrameStatus
 from metronome.sim.admission import UNBOUNDED_SESSION_S, virtual_runs, workload_sentence
 from metronome.sim.scenario import Scenario, run_controlled
 from metronome.sim.search import largest_passing
+from metronome.stream import FrameStatus
 
 NAME = "admission"
 REQUIRED_FIELDS = ("bounded", "bounded_linear", "unbounded", "sweep", "memory_sweep", "paper")

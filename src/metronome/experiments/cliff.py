@@ -33,13 +33,13 @@ from metronome.model.weights import random_model
 from metronome.results.context import RunContext
 from metronome.results.provenance import describe
 from metronome.results.tables import fmt
-from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.runtime.ports import Listeners
 from metronome.sim.cost_model import StepCostModel
 from metronome.sim.recorder import RunRecorder
 from metronome.sim.scenario import Scenario
 from metronome.sim.workload import Workload, schedule
 from metronome.stats import percentile
+from metronome.stream import Frame, FrameStatus
 from metronome.workload_defaults import (
     BLOCK_SIZE_TOKENS,
     EXPERIMENT_POLICY_SPEC,
@@ -125,7 +125,7 @@ def condense(recorder: RunRecorder, policy: str, seed: int, end_s: float) -> dic
     results = recorder.results
     steps = [(s.finished_s, s.used_blocks / (s.used_blocks + s.free_blocks))
              for s in recorder.steps]  # (finished_s, pool used fraction)
-    by_session: dict[int, list[FrameResult]] = defaultdict(list)
+    by_session: dict[str, list[Frame]] = defaultdict(list)
     for r in sorted(results, key=lambda r: (r.session_id, r.index)):
         by_session[r.session_id].append(r)
     longest, walled_sessions = 0, 0

@@ -30,7 +30,7 @@ from statistics import fmean, median
 
 import torch
 
-from metronome.engine.types import WorkStatus
+from metronome.engine.types import StepOutput
 from metronome.experiments.common import STEP_COST_HELP, VIRTUAL_CLOCK, cost_model
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
@@ -38,9 +38,10 @@ from metronome.observe.forecast import SaturationForecaster
 from metronome.results.context import RunContext
 from metronome.results.provenance import describe
 from metronome.results.tables import fmt
-from metronome.runtime.ports import Listeners, StepReport
+from metronome.runtime.ports import Listeners
 from metronome.sim.scenario import Scenario
 from metronome.sim.workload import Workload, schedule
+from metronome.stream import Stream
 from metronome.workload_defaults import BLOCK_SIZE_TOKENS, OUTPUT_TOKENS_PER_FRAME
 
 NAME = "predict"
@@ -109,25 +110,21 @@ def run_config(model, cost, config: Trial) -> dict:
                         output_tokens=OUTPUT_TOKENS)
     first_stall: list[float] = []
 
-    def on_step(report: StepReport) -> None:
-        if not first_stall and any(s.status is WorkStatus.STALLED_KV
-                                   for s in report.result.sessions):
-            first_stall.append(report.started_s)
+    def on_step(out: StepOutput) -> None:
+        if not first_stall and out.num_stalled:
+            first_stall.append(out.started_s)
 
     engine, driver = scenario.driver(Listeners(on_step=on_step))
     num_blocks = engine.pool.num_blocks
     prior_blocks = round(config.prior_fraction * num_blocks)
     if prior_blocks:  # idle sessions that already hold rho0 of the pool and do not grow
-        idle = engine.open_session()
+        idle = engine.open_session(Stream.of())
         assert engine.fast_forward(idle, prior_blocks * BLOCK_SIZE)
     free_blocks = engine.pool.num_free_blocks
     ks = config.session_tokens_per_frame()
     vocab = model.config.vocab_size
 
-    ordinals: dict[int, int] = {}  # engine id -> the session's place in the workload
-
-    def source(sid: int, index: int):
-        n = ordinals.setdefault(sid, len(ordinals))
+    def source(n: int, index: int):  # n: the session's place in the workload
         return [(n * 131 + index * 17 + j) % (vocab - 1) + 1 for j in range(ks[n % len(ks)])], None
 
     session_s = 2 * config.nominal_t_sat_s + config.arrival_spread_s + 30
@@ -141,7 +138,7 @@ def run_config(model, cost, config: Trial) -> dict:
     while not first_stall and t < session_s:
         t += 1.0
         driver.run_until(t)
-        tokens = {sid: engine.resident_tokens(sid) for sid in driver.beat.sessions}
+        tokens = {sid: engine.resident_tokens(sid) for sid in driver.beat.streams}
         forecast = forecaster.observe(t, engine.pool.num_free_blocks, tokens)
         if online is None and engine.pool.num_used_blocks - prior_blocks >= free_blocks / 2 and (
                 math.isfinite(forecast.block_level_s)):

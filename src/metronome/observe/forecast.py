@@ -62,7 +62,7 @@ class SaturationForecaster:
         self.window_s = window_s
         self.forecast = NEVER
         # (time_s, session id -> resident tokens), oldest first, spanning at most window_s
-        self._history: deque[tuple[float, dict[int, int]]] = deque()
+        self._history: deque[tuple[float, dict[str, int]]] = deque()
 
     def observe(
         self, now_s: float, num_free_blocks: int, session_tokens: Mapping[int, int]
@@ -86,13 +86,13 @@ class SaturationForecaster:
 
     def _growth_rates_tokens_per_s(
         self, now_s: float, session_tokens: Mapping[int, int]
-    ) -> dict[int, float]:
+    ) -> dict[str, float]:
         """Growth rate of each session that gained at least one block's worth in the window."""
-        first_seen: dict[int, tuple[float, int]] = {}
+        first_seen: dict[str, tuple[float, int]] = {}
         for time_s, tokens in self._history:
             for sid, num_tokens in tokens.items():
                 first_seen.setdefault(sid, (time_s, num_tokens))
-        rates: dict[int, float] = {}
+        rates: dict[str, float] = {}
         for sid, num_tokens in session_tokens.items():
             since_s, tokens_then = first_seen[sid]
             if num_tokens - tokens_then >= self.block_size_tokens and now_s > since_s:

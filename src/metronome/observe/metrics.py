@@ -52,7 +52,7 @@ SESSION_AWAY_SECONDS = "metronome_session_away_seconds"
 
 # Statuses whose series exist from the start (at 0), so rate() works before the first event.
 # Other status values are accepted and get their own series.
-# runtime.frame.FrameStatus values (spelled out: this module does not import the runtime)
+# metronome.stream.FrameStatus values (spelled out: this module does not import the record)
 FRAME_STATUSES = ("ok", "late", "stalled_kv", "context_full", "rejected", "cancelled")
 POOL_STATES = ("used", "free", "pinned")  # pinned blocks are a subset of used
 
@@ -208,7 +208,7 @@ class Metrics:
 
     def observe_frame(self, status: str, latency_s: float, num_tokens: int, good: bool) -> None:
         """Record one answered frame; `status` is a frame status value (str or StrEnum) and
-        `good` is the frame's own verdict (`FrameResult.good`: one definition of goodput)."""
+        `good` is the frame's own verdict (`Frame.good`: one definition of goodput)."""
         self._frames.labels(str(status)).inc()
         self._frame_latency.observe(latency_s)
         self._frame_tokens.observe(num_tokens)

@@ -41,7 +41,7 @@ from metronome.observe.frame_window import FrameWindow, WindowFrame
 
 STALLED_KV_STATUS = "stalled_kv"
 # Frames that reached the engine and were answered by it or by their deadline (the values of
-# runtime.frame.FrameStatus, spelled out: observe does not import the runtime).
+# metronome.stream.FrameStatus, spelled out: observe does not import the record).
 ENGINE_STATUSES = frozenset({"ok", "late", STALLED_KV_STATUS})
 
 

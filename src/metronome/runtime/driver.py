@@ -1,54 +1,53 @@
-"""What every driver shares: it owns the beat, runs engine steps, builds their reports and
-applies the one idle rule. The wall and the virtual driver differ only in time: where a
-step runs (an engine thread, or inline) and how long it takes (the wall clock, or a cost
-model).
+"""The step loop every driver shares: it owns the beat, runs engine steps, completes their
+outputs (times, pool, resident KV) and applies the one idle rule. The wall and the virtual
+driver differ only in time: where a step runs (an engine thread, or inline) and how long it
+takes (the wall clock, or a cost model); each gives the beat its way to run an engine
+command (`run_on_engine`).
 
 The idle rule: after a step in which no session processed any input (every session with
 work was stalled on KV), nothing can change until the engine gets a command (a close frees
-blocks, a submit brings input), so the driver steps again only after the next command.
+blocks, a feed brings input), so the driver steps again only after the next command.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from metronome.engine.types import PreparedInput, StepResult
-from metronome.runtime.beat import Beat
-from metronome.runtime.feed import FeedPolicy
-from metronome.runtime.ports import (
-    EngineCommands,
-    EnginePort,
-    Listeners,
-    OverheadMeter,
-    StepReport,
-    Timer,
-)
+from metronome.engine.types import StepOutput
+from metronome.runtime.beat import Beat, RunOnEngine
+from metronome.runtime.ports import EnginePort, Listeners, Timer
 
 
-class EngineCommandsBase:
-    """What every `EngineCommands` proxy does alike: ids and validation go straight to the
-    engine (both are thread-safe); subclasses say how the other commands reach it."""
+@dataclass
+class OverheadMeter:
+    """The runtime's own cost next to the engine's: output completion, the beat's
+    attribution, observers. Written from the engine thread and the loop without a lock:
+    `+=` on a float is not atomic, so a rare update can be lost; fine for a share of time."""
 
-    def __init__(self, engine: EnginePort) -> None:
-        self.engine = engine
+    engine_s: float = 0.0
+    runtime_s: float = 0.0
+    steps: int = 0
 
-    def new_session_id(self) -> int:
-        return self.engine.new_session_id()
+    def timed(self, fn: Callable[[], object]) -> None:
+        """Run fn, counting its time as the runtime's."""
+        started = time.perf_counter()
+        fn()
+        self.runtime_s += time.perf_counter() - started
 
-    def prepare_input(self, token_ids, embeddings) -> PreparedInput:
-        return self.engine.prepare_input(token_ids, embeddings)
+    def summary(self) -> dict:
+        share = self.runtime_s / self.engine_s if self.engine_s else None
+        return {"steps": self.steps, "engine_step_s_total": self.engine_s,
+                "runtime_s_total": self.runtime_s, "runtime_share_of_step": share}
 
 
 class Driver:
-    def __init__(self, engine: EnginePort, commands: EngineCommands, timer: Timer,
+    def __init__(self, engine: EnginePort, run_on_engine: RunOnEngine, timer: Timer,
                  listeners: Listeners) -> None:
         self.engine = engine
         self.listeners = listeners
-        chunk_tokens = engine.config.max_chunk_tokens  # a session ahead: one step's chunk
-        self.beat = Beat(commands, timer, listeners, FeedPolicy(
-            ahead_tokens=chunk_tokens, free_engine_tokens=chunk_tokens,
-            alone_engine_tokens=max(chunk_tokens, engine.config.max_prefill_chunk_tokens)))
+        self.beat = Beat(engine, run_on_engine, timer, listeners)
         self.overhead = OverheadMeter()
         self._idle = False  # see the idle rule above
 
@@ -60,20 +59,22 @@ class Driver:
         """The engine got a command: the idle rule lets the next step run."""
         self._idle = False
 
-    def run_step(self, started_s: float, finished_at: Callable[[StepResult], float]) -> StepReport:
-        """One engine step and its report; `finished_at(result)` says when it ended."""
+    def run_step(self, started_s: float, finished_at: Callable[[StepOutput], float]
+                 ) -> StepOutput:
+        """One engine step, its output completed; `finished_at(out)` says when it ended."""
         t0 = time.perf_counter()
-        result = self.engine.step()
+        out = self.engine.step()
         t1 = time.perf_counter()
-        report = StepReport(result, started_s, finished_at(result), self.engine.pool_stats(),
-                            self.engine.resident_tokens_by_session())
+        out.started_s, out.finished_s = started_s, finished_at(out)
+        out.pool = self.engine.pool_stats()
+        out.resident_tokens = self.engine.resident_tokens_by_session()
         self.overhead.engine_s += t1 - t0
         self.overhead.runtime_s += time.perf_counter() - t1
         self.overhead.steps += 1
-        self._idle = result.num_input_tokens == 0
-        return report
+        self._idle = out.num_input_tokens == 0
+        return out
 
-    def deliver(self, report: StepReport) -> None:
+    def deliver(self, out: StepOutput) -> None:
         """Hand a finished step to the beat (on the beat's thread): frames are answered,
         then the listeners hear of the step."""
-        self.overhead.timed(lambda: self.beat.on_step(report))
+        self.overhead.timed(lambda: self.beat.on_step(out))

@@ -9,13 +9,12 @@ import math
 
 from prometheus_client import CollectorRegistry
 
-from metronome.engine.types import PoolStats, Rebound
+from metronome.engine.types import PoolStats, Rebound, StepOutput
 from metronome.observe.deadline_monitor import DeadlineMonitor
 from metronome.observe.forecast import SaturationForecaster
 from metronome.observe.metrics import Metrics
 from metronome.observe.stall_detector import Health, StallDetector
-from metronome.runtime.frame import FrameResult
-from metronome.runtime.ports import StepReport
+from metronome.stream import Frame
 
 
 class RuntimeObserver:
@@ -57,7 +56,7 @@ class RuntimeObserver:
             deadlines = DeadlineMonitor(**timed, self_paced_tokens=self_paced_tokens)
         return cls(Metrics(registry), detector, forecaster, deadlines=deadlines)
 
-    def on_result(self, result: FrameResult) -> None:
+    def on_result(self, result: Frame) -> None:
         num_tokens = len(result.token_ids)
         status = result.status.value
         self.metrics.observe_frame(status, result.latency_s, num_tokens, result.good)
@@ -78,11 +77,11 @@ class RuntimeObserver:
     def on_rebound(self, rebound: Rebound) -> None:
         self.metrics.session_bounded()
 
-    def on_step(self, report: StepReport) -> None:
-        self.metrics.observe_step(report.step_s, len(report.result.sessions))
-        self.observe_pool(report.finished_s, report.pool, report.resident_tokens)
+    def on_step(self, out: StepOutput) -> None:
+        self.metrics.observe_step(out.step_s, len(out.status))
+        self.observe_pool(out.finished_s, out.pool, out.resident_tokens)
 
-    def observe_pool(self, now_s: float, pool: PoolStats, resident_tokens: dict[int, int],
+    def observe_pool(self, now_s: float, pool: PoolStats, resident_tokens: dict[str, int],
                      force: bool = False) -> None:
         """A pool reading: after a step, or a probe after a close (an idle engine takes no
         steps, so without it the forecast would keep predicting for sessions long gone).

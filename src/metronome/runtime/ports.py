@@ -1,23 +1,22 @@
-"""The seams of the runtime: the engine it drives, the timer it asks for deadlines, the
-listeners it reports to, and what one engine step looks like to them.
+"""The seams of the runtime: the engine it drives, the timer it asks for deadlines and the
+listeners it reports to.
 
 `EnginePort` is the one interface an engine implements. The native `metronome.engine.Engine`
-does; a second engine (vLLM, say) needs nothing else to run under the beat, the admission
-controller, the observer and the server:
+and `metronome.vllm.engine.VllmEngine` (vLLM + the sinks+window plugin) do; the beat, the
+admission controller, the observer and the server need nothing else:
 
-    new_session_id()           issue an id (thread-safe: the wall driver reserves ids on the
-                               event loop and opens the session later on the engine thread)
-    prepare_input(ids, emb)    validate input, raise `SessionError` with the reason (pure,
-                               any thread); the result is submitted as is, never re-checked
-    open_session(spec, id)     open under an issued id; raise `SessionError` for a policy
-                               the engine does not allow
-    submit_prepared(id, input, max_new_tokens)
-                               queue input and a generation budget
-    cancel_generation(id)      drop the rest of the budget (queued input is still processed)
+    check_input(ids, emb)      validate input, raise `SessionError` with the reason (pure, any
+                               thread); the tensor it returns goes into the stream as is
+    open_session(stream)       serve a `Stream` (its id, its spec; its input is read there);
+                               raise `SessionError` for a spec the engine does not allow
+    feed(id, n, max_new_tokens)
+                               the stream's next n input positions are the engine's to
+                               process, then up to max_new_tokens new tokens
+    cancel_generation(id)      drop the rest of the budget (fed input is still processed)
     close(id)                  end the session; every one of its blocks goes back at once
-    has_work / step()          one batched step over every session with work -> StepResult
+    has_work / step()          one batched step over every session with work -> `StepOutput`
                                (per session: ok | stalled_kv | context_full, tokens, counts);
-                               running out of KV is a status in the result, never an error
+                               running out of KV is a status in the output, never an error
     pool_stats()               the block pool now (blocks used, free, pinned, block size)
     resident_tokens_by_session()
                                live KV tokens of every open session (the forecast's input)
@@ -27,16 +26,12 @@ controller, the observer and the server:
     config                     an `EngineConfig` the server and observer size things by
     warm_up() / shutdown()     before the first user; when the server stops
 
-Two engines implement it: `metronome.engine.Engine` (native) and
-`metronome.vllm.engine.VllmEngine` (vLLM + the sinks+window plugin).
-
-Threading: a driver calls every method but the first two from one thread, never two at
-once (the wall driver: its engine thread; the virtual driver: its only thread).
+Threading: a driver calls every method but `check_input` from one thread, never two at once
+(the wall driver: its engine thread; the virtual driver: its only thread).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,48 +39,38 @@ from typing import Protocol
 import torch
 
 from metronome.engine.engine import EngineConfig
-from metronome.engine.session import SessionSpec
-from metronome.engine.types import PoolStats, PreparedInput, Rebound, StepResult
+from metronome.engine.types import PoolStats, Rebound, StepOutput
 from metronome.kv.residency import ResidencyPolicy
-from metronome.runtime.frame import FrameResult
+from metronome.stream import Frame, Stream
 
 
-class EngineCommands(Protocol):
-    """What the beat asks of an engine: the session commands of `EnginePort`. A driver
-    hands the beat either the engine itself or a proxy that applies each command later on
-    the engine's thread."""
-
-    def new_session_id(self) -> int: ...
-
-    def prepare_input(self, token_ids: list[int] | torch.Tensor | None,
-                      embeddings: torch.Tensor | None) -> PreparedInput: ...
-
-    def open_session(self, spec: SessionSpec, session_id: int | None = None) -> int: ...
-
-    def submit_prepared(self, session_id: int, prepared: PreparedInput,
-                        max_new_tokens: int = 0) -> None: ...
-
-    def cancel_generation(self, session_id: int) -> None: ...
-
-    def close(self, session_id: int) -> None: ...
-
-
-class EnginePort(EngineCommands, Protocol):
+class EnginePort(Protocol):
     """The one seam an engine implements (see the module docstring)."""
+
+    accepts_embeddings: bool
+    config: EngineConfig
+
+    def check_input(self, token_ids: list[int] | torch.Tensor | None,
+                    embeddings: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def open_session(self, stream: Stream) -> str: ...
+
+    def feed(self, session_id: str, num_tokens: int, max_new_tokens: int = 0) -> None: ...
+
+    def cancel_generation(self, session_id: str) -> None: ...
+
+    def close(self, session_id: str) -> None: ...
 
     @property
     def has_work(self) -> bool: ...
 
-    def step(self) -> StepResult: ...
+    def step(self) -> StepOutput: ...
 
     def pool_stats(self) -> PoolStats: ...
 
-    def resident_tokens_by_session(self) -> dict[int, int]: ...
+    def resident_tokens_by_session(self) -> dict[str, int]: ...
 
     def memory_ceiling(self, policy: ResidencyPolicy) -> int | None: ...
-
-    accepts_embeddings: bool
-    config: EngineConfig
 
     def warm_up(self) -> None: ...
 
@@ -95,21 +80,6 @@ class EnginePort(EngineCommands, Protocol):
 class Timer(Protocol):
     def call_at(self, at_s: float, callback: Callable[[float], None]) -> None:
         """Run callback(now_s) at time at_s (or as soon after as possible)."""
-
-
-@dataclass
-class StepReport:
-    """One engine step as the runtime sees it: outcome, timing, pool afterwards."""
-
-    result: StepResult
-    started_s: float
-    finished_s: float
-    pool: PoolStats
-    resident_tokens: dict[int, int]  # live KV tokens of every open session after the step
-
-    @property
-    def step_s(self) -> float:
-        return self.finished_s - self.started_s
 
 
 def _ignore(_value) -> None:
@@ -122,8 +92,8 @@ class Listeners:
     result, each step, tokens that arrived after their frame had been answered, and sessions
     the engine bound under KV pressure."""
 
-    on_result: Callable[[FrameResult], None] = _ignore
-    on_step: Callable[[StepReport], None] = _ignore
+    on_result: Callable[[Frame], None] = _ignore
+    on_step: Callable[[StepOutput], None] = _ignore
     on_late_tokens: Callable[[int], None] = _ignore
     on_rebound: Callable[[Rebound], None] = _ignore
 
@@ -142,25 +112,3 @@ class Listeners:
             return call if callbacks else _ignore
 
         return cls(fan("on_result"), fan("on_step"), fan("on_late_tokens"), fan("on_rebound"))
-
-
-@dataclass
-class OverheadMeter:
-    """The runtime's own cost next to the engine's: report building, the beat's attribution,
-    observers. Written from the engine thread and the loop without a lock: `+=` on a float
-    is not atomic, so a rare update can be lost; fine for a share-of-time estimate."""
-
-    engine_s: float = 0.0
-    runtime_s: float = 0.0
-    steps: int = 0
-
-    def timed(self, fn: Callable[[], object]) -> None:
-        """Run fn, counting its time as the runtime's."""
-        started = time.perf_counter()
-        fn()
-        self.runtime_s += time.perf_counter() - started
-
-    def summary(self) -> dict:
-        share = self.runtime_s / self.engine_s if self.engine_s else None
-        return {"steps": self.steps, "engine_step_s_total": self.engine_s,
-                "runtime_s_total": self.runtime_s, "runtime_share_of_step": share}

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from metronome.engine.sampling import SamplingParams
+from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.workload_defaults import (
     DEADLINE_FRACTION,
@@ -47,6 +48,12 @@ class SessionProfile:
         if self.max_queued_input_tokens is not None and self.max_queued_input_tokens < 1:
             raise ValueError(f"max_queued_input_tokens must be >= 1, got "
                              f"{self.max_queued_input_tokens}")
+
+    @property
+    def spec(self) -> SessionSpec:
+        """What the engine serves a session of this profile with."""
+        return SessionSpec(policy=self.policy, sampling=self.sampling,
+                           max_session_tokens=self.max_session_tokens)
 
     @property
     def deadline_s(self) -> float:

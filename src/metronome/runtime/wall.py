@@ -1,9 +1,9 @@
 """Wall-clock driver: the engine on its own thread, the beat on the asyncio event loop.
 
-Engine commands (open, submit, cancel, close) go from the loop to the engine thread through
+Engine commands (open, feed, cancel, close) go from the loop to the engine thread through
 a queue and run between steps; each step's report comes back to the loop with
 `call_soon_threadsafe`. So model math never runs on the loop (what else runs there, the
-server's own work, is the server's business: see `serve.state`). Deadlines are loop
+server's own work, is the server's business: see `serve.serving`). Deadlines are loop
 timers. Both sides read `time.monotonic()` (the asyncio loop's clock), in seconds since the
 driver started.
 """
@@ -19,41 +19,14 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from metronome.engine.engine import SessionError
-from metronome.engine.session import SessionSpec
-from metronome.engine.types import PreparedInput
 from metronome.runtime.cores import enter_engine_thread
-from metronome.runtime.driver import Driver, EngineCommandsBase
+from metronome.runtime.driver import Driver
 from metronome.runtime.ports import EnginePort, Listeners
 
 log = logging.getLogger(__name__)
 
 Command = Callable[[], None]
 T = TypeVar("T")
-
-
-class QueuedCommands(EngineCommandsBase):
-    """`EngineCommands` for the loop: ids and validation at once (both thread-safe), every
-    other command queued for the engine thread."""
-
-    def __init__(self, engine: EnginePort, commands: queue.SimpleQueue[Command]) -> None:
-        super().__init__(engine)
-        self.commands = commands
-
-    def open_session(self, spec: SessionSpec, session_id: int | None = None) -> int:
-        assert session_id is not None, "the loop must reserve the id: new_session_id()"
-        self.commands.put(lambda: self.engine.open_session(spec, session_id))
-        return session_id
-
-    def submit_prepared(self, session_id: int, prepared: PreparedInput,
-                        max_new_tokens: int = 0) -> None:
-        self.commands.put(lambda: self.engine.submit_prepared(session_id, prepared,
-                                                              max_new_tokens))
-
-    def cancel_generation(self, session_id: int) -> None:
-        self.commands.put(lambda: self.engine.cancel_generation(session_id))
-
-    def close(self, session_id: int) -> None:
-        self.commands.put(lambda: self.engine.close(session_id))
 
 
 class LoopTimer:
@@ -77,7 +50,7 @@ class WallDriver(Driver):
         self.loop = asyncio.get_running_loop()
         self.timer = LoopTimer(self.loop, self.loop.time())
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        super().__init__(engine, QueuedCommands(engine, self._commands), self.timer, listeners)
+        super().__init__(engine, self.call_on_engine, self.timer, listeners)
         self.error: str | None = None  # set if a step ever failed: health reports it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metronome-engine", daemon=True)
@@ -87,8 +60,8 @@ class WallDriver(Driver):
         return self.timer.now_s()
 
     def call_on_engine(self, fn: Command) -> None:
-        """Run fn on the engine thread after the commands queued so far (e.g. read the pool
-        right after a close); fn must not block."""
+        """Run fn on the engine thread after the commands queued so far (the beat's engine
+        commands; a pool reading right after a close); fn must not block."""
         self._commands.put(fn)
 
     def run_on_engine(self, fn: Callable[[], T]) -> asyncio.Future[T]:

@@ -1,7 +1,7 @@
 """The FastAPI app: `GET /healthz`, `GET /metrics`, `GET /v1/sessions`, `WS /v1/realtime`.
 
 The lifespan builds the serving state inside the running loop (the wall driver needs it):
-model (loaded from the config unless injected), engine, `ServerState`. With an API key
+model (loaded from the config unless injected), engine, `Serving`. With an API key
 configured, every HTTP path but `/healthz` needs it (`serve.edge.auth.KeyGuard`: the docs and the
 OpenAPI schema too), and `/healthz` without it tells only `{"status": ...}`; the WebSocket is
 refused before the upgrade by its connection.
@@ -19,11 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from metronome.engine.engine import Engine
 from metronome.model.llama import LlamaModel
-from metronome.serve.checkpoint import CheckpointStore
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
 from metronome.serve.edge.auth import KeyGuard, request_has_key
-from metronome.serve.state import ServerState
+from metronome.serve.resume.checkpoint import CheckpointStore
+from metronome.serve.serving import Serving
 from metronome.serve.status import STATUS_PAGE_PATH, add_status_routes
 
 OPEN_PATHS = frozenset({"/healthz", STATUS_PAGE_PATH})  # /healthz: its status only without
@@ -38,7 +38,7 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
     comes with its tokenizer (None: audio only). Metrics go to `registry` (default: a new
     one per app, never the process-global registry). With `checkpoint_store` (a cluster's)
     bounded sessions are checkpointed there as `server_name`, and sessions other servers
-    checkpointed resume here (`serve.checkpointing`)."""
+    checkpointed resume here (`serve.resume.takeover`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -50,7 +50,7 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
             # the loop and the engine thread for long enough to make frames late.
             gc.collect()
             gc.freeze()
-            state = ServerState(config, engine, tok, registry or CollectorRegistry(),
+            state = Serving(config, engine, tok, registry or CollectorRegistry(),
                                 model_name=model_name, checkpoint_store=checkpoint_store,
                                 server_name=server_name)
             app.state.serving = state

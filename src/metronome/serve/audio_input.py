@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -34,15 +33,6 @@ def decode_pcm16(audio_b64: str) -> bytes:
         raise ClientError(ErrorCode.INVALID_AUDIO, f"audio/pcm needs whole 16-bit samples; got "
                           f"{len(pcm)} bytes", "audio")
     return pcm
-
-
-@dataclass(frozen=True)
-class PcmCut:
-    """The bytes of one frame, cut on the loop, not yet encoded."""
-
-    pcm: bytes
-    audio_end_ms: float  # input stream position of the frame's last byte
-    final: bool = False  # a commit: pad the last token period with silence
 
 
 class AudioFramer:
@@ -75,8 +65,9 @@ class AudioFramer:
         return self._ms(self.received_bytes)
 
     # ---- on the loop ---------------------------------------------------------------------
-    def cut(self, pcm: bytes) -> list[PcmCut]:
-        """Whole PCM16 samples in; every frame completed by them out (as bytes)."""
+    def cut(self, pcm: bytes) -> list[tuple[bytes, float]]:
+        """Whole PCM16 samples in; every frame completed by them out: its bytes and the input
+        stream's position at its last byte (ms)."""
         assert len(pcm) % PCM16_BYTES_PER_SAMPLE == 0, len(pcm)
         self._pending += pcm
         self.received_bytes += len(pcm)
@@ -85,11 +76,11 @@ class AudioFramer:
             chunk = bytes(self._pending[: self.frame_bytes])
             del self._pending[: self.frame_bytes]
             end_bytes = self.received_bytes - len(self._pending)
-            cuts.append(PcmCut(chunk, self._ms(end_bytes)))
+            cuts.append((chunk, self._ms(end_bytes)))
         return cuts
 
     def saved(self) -> dict:
-        """The framing and the encoder's stream state, for a checkpoint (`serve.checkpoint`):
+        """The framing and the encoder's stream state, for a checkpoint (`serve.resume.checkpoint`):
         only between frames, when no encode is under way."""
         return {"received_bytes": self.received_bytes,
                 "pending": base64.b64encode(self._pending).decode(),
@@ -105,18 +96,19 @@ class AudioFramer:
         """Drop the partial frame (`input_audio_buffer.clear`); the stream position stays."""
         self._pending.clear()
 
-    def cut_rest(self) -> PcmCut:
-        """The partial frame (a commit): encoded padded to a whole token."""
+    def cut_rest(self) -> tuple[bytes, float]:
+        """The partial frame (a commit): encode it `final`, padded to a whole token."""
         chunk = bytes(self._pending)
         self._pending.clear()
-        return PcmCut(chunk, self._ms(self.received_bytes), final=True)
+        return chunk, self._ms(self.received_bytes)
 
     # ---- on the encoder thread -------------------------------------------------------------
-    def encode(self, cut: PcmCut) -> torch.Tensor:
-        """(num_tokens, hidden) embeddings of a cut; may be empty (a final cut of nothing)."""
-        embeddings = self._encoder.push(cut.pcm)
+    def encode(self, pcm: bytes, final: bool = False) -> torch.Tensor:
+        """(num_tokens, hidden) embeddings of a frame's bytes; `final` (a commit): the last
+        token period padded with silence. May be empty (a final frame of nothing)."""
+        embeddings = self._encoder.push(pcm)
         carry = self._encoder.pending_samples
-        if cut.final and carry:
+        if final and carry:
             silence = torch.zeros(self._samples_per_token - carry)
             embeddings = torch.cat([embeddings, self._encoder.push(silence)])
         return embeddings

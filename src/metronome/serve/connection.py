@@ -6,17 +6,17 @@ with its limits, the outbox to the client, and the close.
            rate limit ─► size ─► bounded JSON ─► typed event ─► session.handle
               │  any ClientError ─► `error` event; the session lives on
               └─ idle timeout / max duration / rate limit / slow reader / disconnect ─► end
-    end ─► nothing more is read; a client that dropped (no close frame) and was given a
-           resume token: the session is leased for the grace (`serve.resume`), else the
-           engine session is closed at once (blocks back), owed frames
-           answered `cancelled`; queued events flushed (≤ 1 s) unless the client does not
-           read; the close frame with code and reason (≤ 1 s) and the client's reply (≤ 1 s),
-           or else the transport is dropped. A draining server (`ServerState.drain`) refuses
-           new sessions at the upgrade and, at its drain timeout, ends the open ones 1001.
+    end ─► nothing more is read; the server releases the session (`Serving.release`: a
+           client that dropped, no close frame, may have it leased for a resume, else its
+           stream is closed at once, blocks back, owed frames answered `cancelled`); queued
+           events flushed (≤ 1 s) unless the client does not read; the close frame with code
+           and reason (≤ 1 s) and the client's reply (≤ 1 s), or else the transport is
+           dropped. A draining server (`Serving.drain`) refuses new sessions at the upgrade.
 
 `?resume=<session id>` with the session's resume token: no admission (the session is still
-counted), the session attached to this connection, `metronome.session.resumed`, the events
-the client missed, then on as above; refused before the upgrade (404, or 503 when draining).
+counted); the session is the one `serve.resume` attaches to this connection, then on as
+above; refused before the upgrade (404, or 503 when draining). Whoever ends a connection
+from outside (a drain, a resume elsewhere) says how with `end`.
 
 Server events go through a bounded outbox (events and bytes) drained by a writer task, so
 frame results, delivered from the beat's callbacks, never wait on a socket. A full outbox
@@ -30,7 +30,6 @@ import contextlib
 import enum
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
@@ -48,20 +47,10 @@ from metronome.serve.edge.guard import ABORT_EXTENSION
 from metronome.serve.edge.rate_limit import RateLimit, Verdict
 from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
-from metronome.serve.protocol.schema import ResumeOut
-from metronome.serve.protocol.server import MetronomeSessionResumed, ResumedOut
-from metronome.serve.replay import Replay, held_events
-from metronome.serve.resume import (
-    LAST_EVENT_QUERY,
-    MIGRATED_CLOSE_CODE,
-    MIGRATED_REASON,
-    RESUME_QUERY,
-    TAKEN_OVER_CLOSE_CODE,
-    TOKEN_HEADER,
-    offered_token,
-)
+from metronome.serve.resume.lease import RESUME_QUERY, TOKEN_HEADER, offered_token
+from metronome.serve.resume.resumer import ResumeRefused
+from metronome.serve.serving import Serving
 from metronome.serve.session import RealtimeSession
-from metronome.serve.state import ResumeRefused, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +64,15 @@ FLUSH_TIMEOUT_S = 1.0  # queued events, the close frame, the closing handshake: 
 
 class CloseCode(enum.IntEnum):
     NORMAL = 1000
-    GOING_AWAY = 1001  # the server drains (a cluster replica being removed): drain timeout
     POLICY_VIOLATION = 1008  # bad API key, a client that does not read, over the rate limit
     INTERNAL_ERROR = 1011
     TRY_AGAIN_LATER = 1013  # refused by admission after the upgrade
-    HANDED_OVER = TAKEN_OVER_CLOSE_CODE  # the session was resumed on another connection
-    MIGRATED = MIGRATED_CLOSE_CODE  # the server drains: resume the session (another server)
 
 
 @dataclass(frozen=True)
 class Ending:
     outcome: str  # metronome_sessions_total{outcome}
-    code: CloseCode | None = None  # None: the client is gone, nothing to send
+    code: int | None = None  # None: the client is gone, nothing to send
     reason: str = ""
     error: ClientError | None = None  # told to the client before the close frame
     flush: bool = True  # False: the client does not read; nothing more is queued
@@ -99,36 +85,39 @@ class Ending:
 
 
 class Connection:
-    def __init__(self, websocket: WebSocket, state: ServerState) -> None:
+    def __init__(self, websocket: WebSocket, serving: Serving) -> None:
         self.ws = websocket
-        self.state = state
-        self.config = state.config
+        self.serving = serving
+        self.config = serving.config
         self.outbox = Outbox(self.config.max_outbox_events, self.config.max_outbox_bytes)
         self.subprotocols: list[str] = websocket.scope.get("subprotocols", [])
         self._ending: asyncio.Future[Ending] = asyncio.get_running_loop().create_future()
-        self._attached_seq = 0  # the first session event this connection was to deliver
+        self.attached_seq = 0  # the first session event this connection was to deliver
+        key = self.config.api_key  # the key it is authorized with (the server has one, or
+        self.api_key = "" if key is None else key.get_secret_value()  # none)
 
     async def serve(self) -> None:
         if not await self._authorized():
             return
-        resume_id = self.ws.query_params.get(RESUME_QUERY)
+        resume_id = self.query(RESUME_QUERY)
         if resume_id is not None:
-            await self._serve_resumed(resume_id)
-            return
-        if not await self._admitted():
-            return
-        session = RealtimeSession(self.state, self._sink, self._on_failure,
-                                  extensions=self._wants_extensions())
-        self.state.add(session, self)  # before any await: admission counts it
-        self._grant(session)
-        await self._run(session, lambda: self._start(session))
+            token = offered_token(self.ws.headers.get(TOKEN_HEADER), self.subprotocols)
+            try:
+                session, on_accepted = await self.serving.resume.attach(resume_id, token, self)
+            except ResumeRefused as refused:
+                await self._refuse(refused, refused.http_status, CloseCode.POLICY_VIOLATION,
+                                   "resume refused")
+                return
+        else:
+            if not await self._admitted():
+                return
+            session = RealtimeSession(self.serving, self.sink, self.fail, self.refuse,
+                                      extensions=self._wants_extensions())
+            self.serving.add(session, self)  # before any await: admission counts it
+            on_accepted = lambda: self.serving.start(session)  # noqa: E731
+        await self._run(session, on_accepted)
 
-    def _start(self, session: RealtimeSession) -> None:
-        session.start()
-        if self.state.checkpoints is not None and session.resume is not None:
-            self.state.checkpoints.opened(session)  # resumable elsewhere from here on
-
-    async def _run(self, session: RealtimeSession, on_accepted: Callable[[], None]) -> None:
+    async def _run(self, session: RealtimeSession, on_accepted) -> None:
         ending = Ending("error", CloseCode.INTERNAL_ERROR, "internal error")
         writer = None
         try:
@@ -140,126 +129,17 @@ class Connection:
             log.exception("session %s failed", session.id)
         finally:
             self._end(ending)  # first: events of a gone client are dropped, not queued
-            self._release(session, ending)  # blocks back (or leased) before any await
+            # blocks back (or the session leased) before any await
+            self.serving.release(session, self, ending.outcome, ending.dropped)
             await self._finish(ending, writer)
 
-    def _release(self, session: RealtimeSession, ending: Ending) -> None:
-        if not self.state.owns(session, self):
-            return  # resumed on another connection, which has it now
-        if ending.dropped and session.channel.attached and self.state.lease(
-                session, self._resume_from()):
-            return  # held for its client to resume
-        self.state.remove(session, ending.outcome)
+    def query(self, name: str) -> str | None:
+        return self.ws.query_params.get(name)
 
-    # ---- resuming (serve.resume) ------------------------------------------------------------
-    def _api_key(self) -> str:
-        """The key this connection was authorized with (the server has one, or none)."""
-        key = self.config.api_key
-        return "" if key is None else key.get_secret_value()
-
-    def _grant(self, session: RealtimeSession) -> None:
-        """A new resume token for a client that can read it (it opted in to the extensions)."""
-        resumption = self.state.resumption
-        if resumption.enabled and session.extensions:
-            session.resume = ResumeOut(token=resumption.grant(session.id, self._api_key()),
-                                       grace_s=resumption.grace_s)
-            if self.state.checkpoints is not None:
-                self.state.checkpoints.regranted(session.id)
-
-    def _resume_from(self) -> int:
+    def resume_from(self) -> int:
         """The first session event this connection did not hand to the transport."""
         delivered = self.outbox.delivered_seq
-        return self._attached_seq if delivered is None else delivered + 1
-
-    def hand_over(self) -> int:
-        """`SessionOwner`: the session was resumed elsewhere; close 4001, send nothing more,
-        and say where the new connection's replay starts."""
-        resume_from = self._resume_from()
-        self._end(Ending("handed_over", CloseCode.HANDED_OVER, "session resumed on another "
-                         "connection", flush=False))
-        return resume_from
-
-    async def _serve_resumed(self, session_id: str) -> None:
-        loop = asyncio.get_running_loop()
-        arrived_s = loop.time()
-        token = offered_token(self.ws.headers.get(TOKEN_HEADER), self.subprotocols)
-        state = self.state
-        if state.checkpoints is not None and state.resumption.enabled and not state.draining:
-            if session_id in state.sessions and await state.checkpoints.claimed_away(
-                    session_id):
-                state.moved(session_id)  # resumed on another server since: not here
-            if session_id not in state.sessions:
-                await self._serve_taken_over(session_id, token, arrived_s)
-                return
-        try:
-            session, away_s = self.state.take_for_resume(session_id, token, self._api_key(),
-                                                         self)
-        except ResumeRefused as refused:
-            await self._refuse(refused, refused.http_status, CloseCode.POLICY_VIOLATION,
-                               "resume refused")
-            return
-        assert isinstance(session, RealtimeSession)
-        last_event_id = self.ws.query_params.get(LAST_EVENT_QUERY)
-
-        def resumed() -> None:
-            replay = session.channel.attach(self._sink, self._on_failure, last_event_id)
-            self._attached_seq = replay.first_seq
-            self._grant(session)
-            owed = self.state.replays.get(session.id)  # still replaying a take-over's events
-            held, last_id = held_events(session.client_seq, session.last_client_event_id,
-                                        [] if owed is None else owed.owed)
-            self._emit(MetronomeSessionResumed(session=session.describe(), resumed=ResumedOut(
-                away_s=round(away_s, 3), replayed_events=len(replay.texts),
-                missed_events=replay.missed_events, client_events=held,
-                last_client_event_id=last_id)))
-            for offset, text in enumerate(replay.texts):
-                self._queue(text, replay.first_seq + offset)
-            self.state.metrics.observe_resume(loop.time() - arrived_s)
-            log.info("session %s resumed after %.3f s: %d events replayed, %d missed",
-                     session.id, away_s, len(replay.texts), replay.missed_events)
-
-        await self._run(session, resumed)
-
-    async def _serve_taken_over(self, session_id: str, token: str | None,
-                                arrived_s: float) -> None:
-        """A session another server held (`serve.checkpointing`): claimed from the store,
-        opened here from its checkpoint, its client's events since replayed; the client gets
-        `metronome.session.resumed` (`from_checkpoint`), then the events the replay makes
-        (they supersede what it had after the checkpoint), then the live ones."""
-        state = self.state
-        try:
-            restored = await state.take_over(session_id, token, self._api_key())
-        except ResumeRefused as refused:
-            await self._refuse(refused, refused.http_status, CloseCode.POLICY_VIOLATION,
-                               "resume refused")
-            return
-        saved = restored.saved
-        session = RealtimeSession(state, self._sink, self._on_failure, saved["extensions"],
-                                  saved=saved, engine_session_id=restored.engine_session_id)
-        state.add(session, self)
-        state.checkpoints.adopted(session, restored)
-        self._attached_seq = session.channel.stream.next_seq  # its channel is ours already
-        loop = asyncio.get_running_loop()
-
-        def resumed() -> None:
-            self._grant(session)
-            held, last_id = held_events(session.client_seq, session.last_client_event_id,
-                                        [text for _, text in restored.events])
-            self._emit(MetronomeSessionResumed(session=session.describe(), resumed=ResumedOut(
-                away_s=0.0, replayed_events=0, missed_events=0, from_checkpoint=True,
-                replayed_client_events=len(restored.events), client_events=held,
-                last_client_event_id=last_id)))
-            replay = Replay(restored.events,
-                            lambda text, logged: self._apply(session, text, logged))
-            replay.due(lambda: session.record.frames_answered,  # the rest after replayed
-                       lambda: session.quiescent)  # frames
-            if replay.pending:
-                state.replays[session.id] = replay
-            state.metrics.observe_resume(loop.time() - arrived_s)
-            log.info("session %s taken over from a checkpoint: %d client events replayed",
-                     session.id, len(restored.events))
-
-        await self._run(session, resumed)
+        return self.attached_seq if delivered is None else delivered + 1
 
     # ---- before the upgrade ---------------------------------------------------------------
     async def _authorized(self) -> bool:
@@ -276,7 +156,7 @@ class Connection:
         return False
 
     async def _admitted(self) -> bool:
-        decision = self.state.admit()
+        decision = self.serving.admit()
         if decision.admitted:
             return True
         retry_after_s = max(1, math.ceil(decision.retry_after_s))
@@ -314,7 +194,7 @@ class Connection:
     async def _receive_loop(self, session: RealtimeSession) -> Ending:
         loop = asyncio.get_running_loop()
         config = self.config
-        age_s = self.state.now_s() - session.opened_at_s  # a resumed session's too
+        age_s = self.serving.now_s() - session.opened_at_s  # a resumed session's too
         expires_at = loop.time() + config.max_session_s - age_s
         limit = RateLimit(config.rate_limit_messages_per_s, config.rate_limit_burst_messages,
                           config.rate_limit_bytes_per_s, config.rate_limit_burst_bytes,
@@ -360,33 +240,7 @@ class Connection:
                                     f"exceeds {max_bytes} bytes; split the audio"),
                         p.readable_event_id(text))
             return
-        replay = self.state.replays.get(session.id)
-        if replay is not None and replay.pending:
-            replay.offer(text)  # sent after every event the replay still owes: applied after
-            return
-        self._apply(session, text, logged=False)
-
-    def _apply(self, session: RealtimeSession, text: str, logged: bool) -> None:
-        """Apply one client event; `logged`: replayed from the store's log (numbered and
-        logged already), else logged now if it applies."""
-        try:
-            event = p.parse_client_event(text, self.config.max_message_values,
-                                         self.config.max_message_depth)
-        except ClientError as err:
-            self._error(err, err.event_id)
-            return
-        if logged:  # counted where it was first applied, whatever happens to it here
-            session.client_seq += 1
-            session.last_client_event_id = event.event_id
-        try:
-            session.handle(event)
-        except ClientError as err:
-            self._error(err, event.event_id)
-            return
-        if not logged:
-            session.client_seq += 1
-            session.last_client_event_id = event.event_id
-            self.state.applied(session, text)
+        session.receive(text)
 
     def _on_refused(self, verdict: Verdict, limit: RateLimit, text: str | None) -> None:
         """One error per run of refused messages, echoing the first one's event_id (read
@@ -404,15 +258,23 @@ class Connection:
                              error))
 
     def _error(self, err: ClientError, client_event_id: str | None = None) -> None:
-        self._emit(p.ErrorEvent.of(err, client_event_id))
+        self.send(p.ErrorEvent.of(err, client_event_id))
+
+    def refuse(self, err: ClientError) -> None:
+        """A client event the session refused: an `error` echoing its `event_id`."""
+        self._error(err, err.event_id)
 
     # ---- the outbox -------------------------------------------------------------------------
-    def _emit(self, event: p.ServerEvent) -> None:
+    def send(self, event: p.ServerEvent) -> None:
         """The connection's own events (errors about messages, the resume's)."""
         self._queue(event.to_json(), None)
 
-    def _sink(self, event: p.ServerEvent, text: str, seq: int) -> None:
-        """The session's events, numbered in its stream."""
+    def sink(self, event: p.ServerEvent, text: str, seq: int) -> None:
+        """The session's events, numbered in its event log."""
+        self._queue(text, seq)
+
+    def send_numbered(self, text: str, seq: int) -> None:
+        """A session event sent again (a resume's replay), with its number."""
         self._queue(text, seq)
 
     def _queue(self, text: str, seq: int | None) -> None:
@@ -425,19 +287,14 @@ class Connection:
         self._end(Ending("slow_consumer", CloseCode.POLICY_VIOLATION,
                          "client does not read its events", flush=False))
 
-    def go_away(self) -> None:
-        """`SessionOwner`: the drain timeout passed."""
-        error = ClientError(ErrorCode.SERVER_DRAINING, "this server is being removed and its "
-                            "drain timeout has passed: reconnect to continue elsewhere",
-                            error_type=ErrorType.SERVER)
-        self._end(Ending("drained", CloseCode.GOING_AWAY, "server draining: drain timeout",
-                         error))
+    def end(self, outcome: str, code: int | None, reason: str,
+            error: ClientError | None = None, flush: bool = True) -> None:
+        """End this connection from outside (a drain, a resume elsewhere): `error` told to the
+        client and the close frame `code` (`flush`: queued events still go out first)."""
+        self._end(Ending(outcome, code, reason, error, flush))
 
-    def migrate(self) -> None:
-        """`SessionOwner`: draining, the session is checkpointed: resume it elsewhere."""
-        self._end(Ending("migrated", CloseCode.MIGRATED, MIGRATED_REASON))
-
-    def _on_failure(self) -> None:
+    def fail(self) -> None:
+        """The session failed (a bug): close 1011."""
         self._end(Ending("error", CloseCode.INTERNAL_ERROR, "internal error"))
 
     def _end(self, ending: Ending) -> None:

@@ -50,7 +50,7 @@ class Conversation:
         return previous
 
     def saved(self) -> dict:
-        """Its items and last item id, as JSON (a checkpoint: `serve.checkpoint`)."""
+        """Its items and last item id, as JSON (a checkpoint: `serve.resume.checkpoint`)."""
         return {"items": [item.model_dump(mode="json") for item in self._items.values()],
                 "last_item_id": self.last_item_id}
 

@@ -1,34 +1,38 @@
-"""One Realtime session: client events in, frames to the beat, frame results out as events.
+"""One Realtime session: client events in, frames into its `Stream`, frame results out as
+events.
 
-Owns what the client's events do to the session (items, commits, responses; the limits on
-its input are `serve.edge.input_limits`') and its frames on the server side: each is accepted in
-the beat's session record (`Beat.accept`: the record counts it and its input from then on,
-and the limits read the record, never a count of their own), its input made on the encoder
-thread, then submitted; what it belongs to (its `FrameOrigin`) is kept here by frame index until its
-result comes back and is rendered into events (`serve.events`). Its settings are
+Owns what the client's events do to the session (items, commits, responses) and the
+session's `Stream` (`metronome.stream`: the one record of its input and frames, which the
+beat and the engine advance). A frame is accepted in the stream at once (`Beat.accept`: the
+stream counts it and its input from then on, and the limits of `serve.edge.input_limits`
+read the stream, never a count of their own), its input is made on the encoder thread, then
+submitted; the response it belongs to travels on the frame (`Frame.tag`) and its result
+comes back as the same frame, rendered into events (`serve.responses`). Its settings are
 `serve.settings`, its audio framing `serve.audio_input`, its server VAD
-`serve.turn_detection`. No socket here: events come in through `handle` (already parsed),
-go out through `emit`, and `ClientError` means "answer with an error, the session is
-unchanged". The host (`serve.state`) provides the beat, the clock and the encoder
-thread: audio is cut into frames on the loop and encoded there, off the loop; text is
-tokenized there, its room checked first against the most tokens it can make.
+`serve.turn_detection`. No socket here: client messages come in through `receive` (text,
+within the size limit), events go out through `emit`, and a `ClientError` goes to
+`on_error` (answered with an `error`, the session unchanged). The server (`serve.serving`)
+provides the beat, the clock and the worker threads: audio is cut into frames on the loop
+and encoded off it; text is tokenized there, its room checked first against the most
+tokens it can make.
 
-Responses: a frame whose profile asks for output is one response (opened at submit, closed
-when the beat answers it: `serve.events` has the events and their order). In duplex mode
-that is every frame, so text streams back per frame with no commit; in turn mode audio
-frames only prefill (no response) and a reply is the frame that `response.create` submits.
-Mode and input rate are fixed once input has started: the engine session's profile is.
-With server VAD, a turn's end commits the buffer and, in turn mode with
-`create_response`, creates a response, as the client's events would. `response.cancel`
-cancels a response's frame in the beat (`client_cancelled`); items only join the
-conversation at its end (`serve.conversation`); what the GA API has and the server cannot do
-(deleting or truncating an item already in the KV, audio output) is refused by name.
-`metronome.*` events go only to a client that opted in (`extensions`).
+Responses: a frame whose profile asks for output is one response (opened when its input is
+ready, closed when the beat answers it). In duplex mode that is every frame, so text streams
+back per frame with no commit; in turn mode audio frames only prefill (no response) and a
+reply is the frame that `response.create` submits. Mode and input rate are fixed once input
+has started: the stream's profile is. With server VAD, a turn's end commits the buffer and,
+in turn mode with `create_response`, creates a response, as the client's events would.
+`response.cancel` cancels a response's frame in the beat (`client_cancelled`); items only
+join the conversation at its end (`serve.conversation`); what the GA API has and the server
+cannot do (deleting or truncating an item already in the KV, audio output) is refused by
+name (`UNSUPPORTED_EVENT_TYPES`). `metronome.*` events go only to a client that opted in
+(`extensions`).
 
-Every event the session emits goes through its `EventChannel`: numbered and kept, then to
-the connection, so a client that drops and resumes (`serve.resume`) gets what it missed: a
-dropped session is detached (the state leases it) and a resume attaches it to the new
-connection.
+Every event the session emits goes through its `EventChannel` (`resume.event_log`):
+numbered and kept, then to the connection, so a client that drops and resumes gets what it
+missed. What resuming keeps of a session is on it: its grant (token and lease), its
+checkpointing, a take-over's replay, the client events it applied (`client_seq`) and its
+saved state (`saved`).
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
 
 from metronome.engine.types import Rebound
-from metronome.runtime.frame import Frame, FrameResult
 from metronome.runtime.profile import SessionMode
-from metronome.runtime.record import Accepted, SessionRecord
 from metronome.serve import protocol as p
-from metronome.serve.audio_input import AudioFramer, PcmCut, decode_pcm16
+from metronome.serve.audio_input import AudioFramer, decode_pcm16
 from metronome.serve.conversation import Conversation
 from metronome.serve.edge.input_limits import (
     check_audio_room,
@@ -50,108 +55,165 @@ from metronome.serve.edge.input_limits import (
     check_room_for_a_frame,
     check_text_length,
 )
-from metronome.serve.event_stream import EventChannel, EventStream, Sink
-from metronome.serve.events import (
+from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.protocol import server as se
+from metronome.serve.protocol.schema import ResumeOut
+from metronome.serve.responses import (
     CLIENT_CANCELLED,
     TURN_DETECTED,
-    FrameKind,
-    FrameOrigin,
-    ResponseHandle,
+    Response,
     assistant_item,
     response_opened,
     result_events,
 )
-from metronome.serve.protocol import ClientError, ErrorCode
-from metronome.serve.protocol import server as se
-from metronome.serve.protocol.schema import ResumeOut
-from metronome.serve.protocol.server import BoundOut, MetronomeSessionBounded
-from metronome.serve.refusals import unsupported
-from metronome.serve.session_checkpoint import load_state
-from metronome.serve.session_host import Input, SessionHost
-from metronome.serve.session_view import summary
+from metronome.serve.resume.event_log import EventChannel, EventLog, Sink
+from metronome.serve.resume.lease import Grant
+from metronome.serve.resume.takeover import CheckpointState, LoggedEvents
 from metronome.serve.settings import SessionSettings
 from metronome.serve.text import ChatText
 from metronome.serve.turn_detection import TurnDetection
+from metronome.stream import Frame, Stream
+
+if TYPE_CHECKING:
+    from metronome.serve.serving import Serving
 
 log = logging.getLogger(__name__)
 
+# The GA client events this server parses and cannot carry out, each refused by name
+# (`ErrorCode.UNSUPPORTED`) with why (docs/serving.md's protocol table lists the same).
+_UNSUPPORTED = {
+    "conversation.item.delete": (
+        "an item cannot leave the model's context once it is in the session's KV (written "
+        "in order; it leaves as the window slides past it)", "item_id"),
+    "conversation.item.truncate": (
+        "the served model produces no audio, so there is no played position to truncate at: "
+        "every word of the item was sent to the client and stays in its context",
+        "audio_end_ms"),
+    "output_audio_buffer.clear": (
+        "no audio is produced, so there is no output audio buffer (OpenAI has it on WebRTC "
+        "and SIP only)", None),
+}
+UNSUPPORTED_EVENT_TYPES = frozenset(_UNSUPPORTED)
+
+
+def unsupported(event: p.ClientEvent) -> ClientError:
+    message, param = _UNSUPPORTED[event.type]
+    return ClientError(ErrorCode.UNSUPPORTED, f"{event.type} is not supported here: {message}",
+                       param)
+
 
 class RealtimeSession:
-    def __init__(self, host: SessionHost, sink: Sink, on_failure: Callable[[], None],
-                 extensions: bool = False, saved: dict | None = None,
-                 engine_session_id: int | None = None) -> None:
-        """A new session; or, with `saved` (`saved_state`, from a checkpoint), the one it
-        describes, continuing the engine session `engine_session_id` the host restored."""
-        self.id, self.host = p.new_id("sess") if saved is None else saved["id"], host
-        config = host.config
+    def __init__(self, serving: Serving, sink: Sink, on_failure: Callable[[], None],
+                 on_error: Callable[[ClientError], None], extensions: bool = False,
+                 saved: dict | None = None, stream: Stream | None = None) -> None:
+        """A new session; or, with `saved` (`saved()`, from a checkpoint), the one it
+        describes, continuing `stream`, which the server restored in its engine."""
+        self.id = p.new_id("sess") if saved is None else saved["id"]
+        self.serving = serving
+        config = serving.config
         # Its events, numbered and kept for a resume, to its client's connection; a bug in
         # this session (`on_failure`): the connection ends it (1011), or its lease ends.
-        self.channel = EventChannel(EventStream(config.max_outbox_events,
-                                                config.max_outbox_bytes), sink, on_failure)
+        self.channel = EventChannel(EventLog(config.max_outbox_events, config.max_outbox_bytes),
+                                    sink, on_failure)
         self.emit = self.channel.emit
         self.on_failure = self.channel.fail
+        self.on_error = on_error  # a client event refused: the connection's `error` event
         self.extensions = extensions  # the client opted in to `metronome.*` events
-        self.resume: ResumeOut | None = None  # how its client resumes it (`serve.resume`)
         self.settings = SessionSettings.defaults(config) if saved is None else (
             SessionSettings.load(saved["settings"]))
-        self.profile = config.profile(self.settings.mode)
-        self.opened_at_s = host.now_s() - (0.0 if saved is None else saved["age_s"])
-        self.client_seq = 0  # client events applied (`serve.checkpoint` logs them by it)
+        self.opened_at_s = serving.now_s() - (0.0 if saved is None else saved["age_s"])
+        # ---- what resuming keeps of it (`serve.resume`) -------------------------------------
+        self.connection = None  # its client's connection; None while it is leased
+        self.resume: ResumeOut | None = None  # how its client resumes it (shown to it)
+        self.grant: Grant | None = None  # its token and lease
+        self.checkpointing = CheckpointState()
+        self.replay: LoggedEvents | None = None  # a take-over's client events still to apply
+        self.client_seq = 0  # client events applied (a checkpoint's log numbers them)
         self.last_client_event_id: str | None = None  # the last one's
+        # ---- its stream ----------------------------------------------------------------------
         if saved is None:
-            self.engine_session_id = self._open_engine_session()
+            self.stream = self.new_stream()
+            serving.beat.add(self.stream)
         else:
-            assert engine_session_id is not None
-            self.engine_session_id = engine_session_id
-            host.adopt_session(self.profile, self.id, engine_session_id, self._on_result_guarded,
-                               self._on_rebound, saved["frames_submitted"], saved["bound"])
-        self.framer = AudioFramer(host.frontend(self.settings.sample_rate_hz),
+            assert stream is not None and stream.id == self.id
+            self.stream = stream
+            stream.on_result, stream.on_rebound = self._on_result_guarded, self._on_rebound
+            serving.beat.adopt(stream)
+        self.framer = AudioFramer(serving.frontend(self.settings.sample_rate_hz),
                                   config.frame_period_s)
-        self.decoder = host.chat.decoder() if host.chat else None
-        self.started = False  # input has reached the engine: mode and rate are fixed
+        self.decoder = serving.chat.decoder() if serving.chat else None
+        self.started = False  # input has reached the stream: mode and rate are fixed
         self.closed = False
-        self._origins: dict[int, FrameOrigin] = {}  # frame index -> its origin, until answered
         self.appended_since_commit_bytes = 0
         self.committed_ms = 0.0  # input stream position of the last commit
         self.conversation = Conversation()
-        self._client_response: ResponseHandle | None = None
-        self._client_response_index: int | None = None  # its frame, once in the beat
-        self._cancel_pending: str | None = None  # cancel it (this reason) once in the beat
+        self._client_response: Response | None = None  # `response.create`'s, one at a time
+        self._client_response_frame: Frame | None = None  # the frame that answers it
         self.told_not_honored: set[str] = set()  # logged once per session
         self.instructions: str | None = None
         self.turns: TurnDetection | None = None  # server VAD; None: the client commits
         if saved is not None:
-            load_state(self, saved)
+            self._load(saved)
+
+    def new_stream(self, settings: SessionSettings | None = None) -> Stream:
+        """This session's stream for its settings (or `settings`), opened now."""
+        mode = (settings or self.settings).mode
+        return Stream(self.id, self.serving.config.profile(mode), self.serving.now_s(),
+                      on_result=self._on_result_guarded, on_rebound=self._on_rebound)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         self.emit(se.SessionCreated(session=self.describe()))
 
     def close(self) -> None:
-        """Answer what is owed (`cancelled`) and give the engine session's blocks back now;
-        audio still being encoded is dropped when it comes back."""
+        """Answer what is owed (`cancelled`) and give the stream's blocks back now; audio
+        still being encoded is dropped when it comes back."""
         self.closed = True
         if self.turns is not None:
             self.turns.stop()
-        self.host.close_session(self.engine_session_id)
-
-    def _open_engine_session(self) -> int:
-        return self.host.open_session(self.profile, self.id, self._on_result_guarded,
-                                      self._on_rebound)
+        self.serving.beat.close(self.stream, self.serving.now_s())
 
     def _on_rebound(self, rebound: Rebound) -> None:
         """The engine bound this session under KV pressure: tell a client that opted in."""
         if self.extensions:
-            self.emit(MetronomeSessionBounded(session_id=self.id, bound=BoundOut(
+            self.emit(se.MetronomeSessionBounded(session_id=self.id, bound=se.BoundOut(
                 policy=str(rebound.policy), freed_blocks=rebound.freed_blocks,
                 resident_kv_tokens=rebound.resident_tokens)))
 
-    @property
-    def record(self) -> SessionRecord:
-        """The beat's record of this session: its frames and their input, counted there."""
-        return self.host.record(self.engine_session_id)
+    # ---- client messages ---------------------------------------------------------------
+    def receive(self, text: str) -> None:
+        """A client message (JSON text within the size limit): applied, or queued behind the
+        client events a take-over still replays (the client sent it after all of them)."""
+        if self.replay is not None and self.replay.pending:
+            self.replay.offer(text)
+            return
+        self.apply(text, logged=False)
 
-    # ---- client events -----------------------------------------------------------------
+    def apply(self, text: str, logged: bool) -> None:
+        """Apply one client event; `logged`: replayed from the store's log (numbered and
+        logged already), else logged now if it applies. A refusal goes to `on_error`."""
+        try:
+            event = p.parse_client_event(text, self.serving.config.max_message_values,
+                                         self.serving.config.max_message_depth)
+        except ClientError as err:
+            self.on_error(err)
+            return
+        if logged:  # counted where it was first applied, whatever happens to it here
+            self._count_client_event(event)
+        try:
+            self.handle(event)
+        except ClientError as err:
+            err.event_id = event.event_id
+            self.on_error(err)
+            return
+        if not logged:
+            self._count_client_event(event)
+            self.serving.resume.applied(self, text)
+
+    def _count_client_event(self, event: p.ClientEvent) -> None:
+        self.client_seq += 1
+        self.last_client_event_id = event.event_id
+
     def handle(self, event: p.ClientEvent) -> None:
         match event:
             case p.SessionUpdate():
@@ -177,18 +239,18 @@ class RealtimeSession:
                 self._cancel_response(event.response_id)
 
     def _update(self, update: p.SessionIn) -> None:
-        settings = self.settings.updated(update, self.host.config, self.host.chat is not None)
+        config = self.serving.config
+        settings = self.settings.updated(update, config, self.serving.chat is not None)
         instructions = update.instructions
         new_instructions = instructions is not None and instructions != self.instructions
         if new_instructions:  # refused before anything changes
-            check_text_length(instructions, self.host.config.max_text_chars,
-                              "session.instructions")
+            check_text_length(instructions, config.max_text_chars, "session.instructions")
         current = self.settings
         if (settings.mode, settings.sample_rate_hz) != (current.mode, current.sample_rate_hz):
             self._reconfigure(settings)
         not_honored = update.not_honored()
         if new_instructions:
-            if self.host.chat is None:
+            if self.serving.chat is None:
                 not_honored.append("instructions (the model has no tokenizer)")
             else:
                 self._instruct(instructions)
@@ -219,34 +281,35 @@ class RealtimeSession:
         if current is not None:
             current.stop()
         self.turns = None if turns is None else TurnDetection(
-            turns, self.host, rate_hz, self.framer.received_ms, self, self.on_failure)
+            turns, self.serving, rate_hz, self.framer.received_ms, self, self.on_failure)
 
     def _reconfigure(self, settings: SessionSettings) -> None:
         if self.started or self.framer.received_bytes:
             raise ClientError(ErrorCode.SESSION_LOCKED,
                               "mode and input format are fixed once input has started",
                               "session")
-        if settings.mode is not self.settings.mode:  # nothing submitted: a fresh session
-            self.host.close_session(self.engine_session_id)
-            self.profile = self.host.config.profile(settings.mode)
-            self.engine_session_id = self._open_engine_session()
-        self.framer = AudioFramer(self.host.frontend(settings.sample_rate_hz),
-                                  self.host.config.frame_period_s)
+        serving = self.serving
+        if settings.mode is not self.settings.mode:  # nothing submitted: a fresh stream
+            serving.beat.close(self.stream, serving.now_s())
+            self.stream = self.new_stream(settings)
+            serving.beat.add(self.stream)
+        self.framer = AudioFramer(serving.frontend(settings.sample_rate_hz),
+                                  serving.config.frame_period_s)
 
     def _append(self, audio_b64: str) -> None:
-        if not self.host.accepts_audio:
+        if not self.serving.accepts_audio:
             raise ClientError(ErrorCode.AUDIO_UNSUPPORTED, "this server's engine takes text "
                               "only (vLLM's streaming input refuses embeddings): send text "
                               "items with conversation.item.create", "audio")
         # what it decodes to, at least: a chunk that cannot fit is refused before decoding
         # (~3 ms of loop time per MiB)
-        framer, config = self.framer, self.host.config
-        check_audio_room(self.record, framer, config, max(0, len(audio_b64) // 4 * 3 - 2))
+        framer, config = self.framer, self.serving.config
+        check_audio_room(self.stream, framer, config, max(0, len(audio_b64) // 4 * 3 - 2))
         pcm = decode_pcm16(audio_b64)
-        check_audio_room(self.record, framer, config, len(pcm))
+        check_audio_room(self.stream, framer, config, len(pcm))
         self.appended_since_commit_bytes += len(pcm)
-        for cut in framer.cut(pcm):
-            self._encode_then_submit(cut)
+        for chunk, audio_end_ms in framer.cut(pcm):
+            self._encode_then_submit(chunk, audio_end_ms, final=False)
         if self.turns is not None:
             self.turns.push(pcm)
 
@@ -257,7 +320,7 @@ class RealtimeSession:
             raise ClientError(ErrorCode.COMMIT_EMPTY, "no audio appended since the last commit")
         self.appended_since_commit_bytes = 0
         self.committed_ms = self.framer.received_ms
-        self._encode_then_submit(self.framer.cut_rest())
+        self._encode_then_submit(*self.framer.cut_rest(), final=True)
         # a commit mid-speech takes the turn's item id with it
         turn_item_id = self.turns.take_item_id() if self.turns is not None else None
         item_id = item_id or turn_item_id or p.new_id("item")
@@ -268,8 +331,8 @@ class RealtimeSession:
         self._add_item(item)
 
     def _clear_buffer(self) -> None:
-        """Audio appended and not yet cut into a frame is dropped; frames already in the beat
-        are the conversation's (a KV is written in order)."""
+        """Audio appended and not yet cut into a frame is dropped; frames already in the
+        stream are the conversation's (a KV is written in order)."""
         self.framer.clear_pending()
         self.appended_since_commit_bytes = 0
         if self.turns is not None:
@@ -298,22 +361,21 @@ class RealtimeSession:
         `content_type` is None (instructions: in the context, not a conversation item, as
         OpenAI keeps them), an item."""
         chat = self._chat()
-        config = self.host.config
+        config = self.serving.config
         check_text_length(text, config.max_text_chars, param)
-        check_room_for_a_frame(self.record, config.frame_period_s, config.max_buffered_audio_s)
+        check_room_for_a_frame(self.stream, config.frame_period_s, config.max_buffered_audio_s)
         # Nothing is tokenized on the loop: the room is checked against the most tokens the
         # text can make (`ChatText.max_item_tokens`, from its UTF-8 size: O(1) for ASCII),
-        # which is reserved in the session's queued input until the encoder thread has
+        # which is reserved in the stream's queued input until the encoder thread has
         # tokenized it. So a text that may not fit costs no tokenizer time at all, and one
         # session's tokenizing is bounded by what the engine takes of its own input.
         max_tokens = chat.max_item_tokens(role, text)
-        check_input_room(self.record, max_tokens, "text item", ErrorCode.TOO_MANY_PENDING,
+        check_input_room(self.stream, max_tokens, "text item", ErrorCode.TOO_MANY_PENDING,
                          param, upper_bound=True)
         if content_type is not None:
             self._add_item(se.ItemOut(id=item_id or p.new_id("item"), role=role,
                                       content=[se.ContentOut(type=content_type, text=text)]))
-        self._queue_frame("text", lambda: Input.of_tokens(chat.item_ids(role, text)),
-                          max_tokens)
+        self._queue_frame("text", lambda: _ids(chat.item_ids(role, text)), max_tokens)
 
     def _create_response(self, params: p.ResponseParamsIn) -> None:
         chat = self._chat()
@@ -331,11 +393,12 @@ class RealtimeSession:
         # no frame-count check: one client response at a time bounds these frames already
         # (audio appended and committed just before, as clients do, must not refuse it)
         token_ids = chat.response_prefix_ids
-        check_input_room(self.record, len(token_ids), "response", ErrorCode.TOO_MANY_PENDING)
+        check_input_room(self.stream, len(token_ids), "response", ErrorCode.TOO_MANY_PENDING)
         response = self._new_response(params.metadata)
         self._client_response = response
-        self._queue_frame("response", lambda: Input.of_tokens(token_ids), len(token_ids),
-                          respond=True, response=response)
+        self._client_response_frame = self._queue_frame(
+            "response", lambda: _ids(token_ids), len(token_ids), respond=True,
+            response=response)
 
     def _cancel_response(self, response_id: str | None) -> None:
         """Cancel a response under way: the client's (`response.create`, or server VAD's), or,
@@ -344,24 +407,22 @@ class RealtimeSession:
         if client is not None and response_id in (None, client.response_id):
             self._cancel_client_response(CLIENT_CANCELLED)
             return
-        for index, origin in self._origins.items():
-            if origin.response is not None and origin.response.response_id == response_id:
-                self.host.cancel_frame(self.engine_session_id, index, CLIENT_CANCELLED)
+        for frame in self.stream.frames:
+            if frame.tag is not None and frame.tag.response_id == response_id:
+                self.serving.beat.cancel(frame, self.serving.now_s(), CLIENT_CANCELLED)
                 return
         raise ClientError(ErrorCode.RESPONSE_NOT_ACTIVE, "no response in progress" + (
             f" with id {response_id!r}" if response_id else ""), "response_id")
 
     def _cancel_client_response(self, reason: str) -> None:
-        if self._client_response_index is None:
-            self._cancel_pending = reason  # its input is still on the encoder thread
-            return
-        self.host.cancel_frame(self.engine_session_id, self._client_response_index, reason)
+        """In the beat now, or, its input still on the encoder thread, once it arrives."""
+        self.serving.beat.cancel(self._client_response_frame, self.serving.now_s(), reason)
 
     def _chat(self) -> ChatText:
-        if self.host.chat is None:
+        if self.serving.chat is None:
             raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer: "
                               "text items and text responses are not available")
-        return self.host.chat
+        return self.serving.chat
 
     def _add_item(self, item: se.ItemOut) -> None:
         """A complete item (the client's): added and done at once."""
@@ -391,81 +452,73 @@ class RealtimeSession:
             self._cancel_client_response(TURN_DETECTED)
 
     # ---- frames ------------------------------------------------------------------------
-    def _encode_then_submit(self, cut: PcmCut) -> None:
+    def _encode_then_submit(self, pcm: bytes, audio_end_ms: float, final: bool) -> None:
         framer = self.framer
-        self._queue_frame("audio", lambda: Input(embeddings=framer.encode(cut)),
-                          framer.tokens(len(cut.pcm)),
+        self._queue_frame("audio", lambda: framer.encode(pcm, final), framer.tokens(len(pcm)),
                           respond=self.settings.mode is SessionMode.DUPLEX,
-                          audio_end_ms=cut.audio_end_ms)
+                          audio_end_ms=audio_end_ms)
 
-    def _queue_frame(self, kind: FrameKind, make_input: Callable[[], Input], num_tokens: int,
-                     respond: bool = False, audio_end_ms: float | None = None,
-                     response: ResponseHandle | None = None) -> None:
+    def _queue_frame(self, kind: str, make_input: Callable[[], torch.Tensor],
+                     num_tokens: int, respond: bool = False,
+                     audio_end_ms: float | None = None,
+                     response: Response | None = None) -> Frame:
         """Every frame passes the encoder thread's queue (audio to be encoded there, text as
-        it is), so frames reach the beat in the order the client sent them and no encoding
-        runs on the loop. It is accepted in the beat's record now (its input was checked
-        against the session's bound) and arrives now (audio: when its last byte did), so
-        encoding time counts in its latency."""
+        it is), so frames reach the stream in the order the client sent them and no encoding
+        runs on the loop. It is accepted in the stream now (its input was checked against
+        the session's bound) and arrives now (audio: when its last byte did), so encoding
+        time counts in its latency."""
         self.started = True
-        accepted = self.host.accept(self.engine_session_id, num_tokens)
-        arrival_s = self.host.now_s()
-        self.host.encode(make_input).add_done_callback(lambda done: self._on_input_ready(
-            done, accepted, kind, respond, audio_end_ms, response, arrival_s))
+        frame = Frame(self.id, self.serving.now_s(), respond, kind, response, audio_end_ms,
+                      input_tokens=num_tokens)
+        self.serving.beat.accept(self.stream, frame)
+        self.serving.encode(make_input).add_done_callback(
+            lambda done: self._on_input_ready(done, frame))
+        return frame
 
-    def _on_input_ready(self, done: asyncio.Future, accepted: Accepted, kind: FrameKind,
-                        respond: bool, audio_end_ms: float | None,
-                        response: ResponseHandle | None, arrival_s: float) -> None:
+    def _on_input_ready(self, done: asyncio.Future, frame: Frame) -> None:
         if self.closed or done.cancelled():
-            return  # the session ended (its record with it) or the server is stopping
+            return  # the session ended (its stream with it) or the server is stopping
+        beat = self.serving.beat
         if done.exception() is not None:
             log.error("session %s: preparing a frame failed", self.id,
                       exc_info=done.exception())
-            self.host.withdraw(accepted)
+            beat.withdraw(frame)
             self.on_failure()
             return
-        frame_input: Input = done.result()
-        if frame_input.num_tokens == 0 and kind == "audio":
-            self.host.withdraw(accepted)  # a commit with less than a token of audio left
+        data: torch.Tensor = done.result()
+        if frame.kind == "audio" and len(data) == 0:
+            beat.withdraw(frame)  # a commit with less than a token of audio left
             return
-        if response is None and self.profile.output_tokens_for(respond) > 0:
-            response = self._new_response()
-        index = self.record.frames_submitted  # frames are numbered as they reach the beat
-        assert index not in self._origins, (index, self._origins)
-        self._origins[index] = FrameOrigin(kind, frame_input.num_tokens, response,
-                                           audio_end_ms)
-        if kind == "response":
-            self._client_response_index = index
-        self.host.submit(Frame(self.engine_session_id, index, arrival_s, frame_input.token_ids,
-                               frame_input.embeddings, respond), accepted)  # may answer at once
-        if kind == "response" and self._cancel_pending is not None:
-            reason, self._cancel_pending = self._cancel_pending, None
-            self.host.cancel_frame(self.engine_session_id, index, reason)
+        if frame.tag is None and frame.expects_output:
+            frame.tag = self._new_response()
+        audio = data.is_floating_point()
+        beat.submit(frame, self.serving.now_s(), token_ids=None if audio else data,
+                    embeddings=data if audio else None)  # may answer it at once
 
-    def _new_response(self, metadata: dict[str, str] | None = None) -> ResponseHandle:
-        response = ResponseHandle(p.new_id("resp"), p.new_id("item"),
-                                  self.conversation.last_item_id, metadata)
+    def _new_response(self, metadata: dict[str, str] | None = None) -> Response:
+        response = Response(p.new_id("resp"), p.new_id("item"),
+                            self.conversation.last_item_id, metadata)
         self.conversation.add(assistant_item(response, "in_progress", None))
         for event in response_opened(response):
             self.emit(event)
         return response
 
-    def _on_result_guarded(self, result: FrameResult) -> None:
+    def _on_result_guarded(self, frame: Frame) -> None:
         try:
-            self.on_result(result)
+            self.on_result(frame)
         except Exception:  # one session's failure must not stop the beat for the others
             log.exception("session %s failed on a frame result", self.id)
             self.on_failure()
 
-    def on_result(self, result: FrameResult) -> None:
-        origin = self._origins.pop(result.index)  # every frame is answered exactly once
-        text = self._text_of(result.token_ids, flush=origin.kind == "response")
-        for event in result_events(result, origin, text, self.extensions):
+    def on_result(self, frame: Frame) -> None:
+        text = self._text_of(frame.token_ids, flush=frame.kind == "response")
+        for event in result_events(frame, text, self.extensions):
             if isinstance(event, se.ResponseOutputItemDone):
                 self.conversation.update(event.item)
             self.emit(event)
-        if origin.kind == "response":
-            self._client_response = self._client_response_index = None
-        self.host.settled(self)
+        if frame is self._client_response_frame:
+            self._client_response = self._client_response_frame = None
+        self.serving.resume.settled(self)
 
     def _text_of(self, token_ids: list[int], flush: bool) -> str:
         if self.decoder is None:
@@ -473,28 +526,81 @@ class RealtimeSession:
         text = self.decoder.push(token_ids)
         return text + self.decoder.flush() if flush else text
 
-    # ---- checkpoints (serve.checkpoint) ---------------------------------------------------
+    # ---- checkpoints (serve.resume) -------------------------------------------------------
     @property
     def quiescent(self) -> bool:
         """Nothing of it under way on the loop, encoder or beat: a checkpoint may be taken
         (the engine side is checked on the engine thread: nothing still generating)."""
-        record = self.record
-        return (not self.closed and not self._origins and record.unanswered_frames == 0
-                and record.queued_input_tokens == 0 and self._client_response is None
-                and self._cancel_pending is None and not record.ended_reason)
+        stream = self.stream
+        return (not self.closed and not stream.frames and stream.queued_input_tokens == 0
+                and self._client_response is None and not stream.ended_reason)
+
+    def saved(self) -> dict:
+        """Everything a server needs, beside the engine's snapshot of its stream, to go on
+        with this session another server held: its settings, conversation items, frame
+        numbering (and KV bound, if pressure imposed one), event numbering, audio framing
+        and the encoder's stream context, the text decoder's held tokens, instructions.
+        Taken only while quiescent, so nothing in flight is lost by leaving it out. Server
+        VAD is not carried: it listens afresh from the restored position."""
+        assert self.quiescent
+        stream = self.stream
+        return {
+            "id": self.id, "extensions": self.extensions, "settings": self.settings.saved(),
+            "age_s": self.serving.now_s() - self.opened_at_s, "started": self.started,
+            "frames_submitted": stream.frames_submitted,
+            "bound": None if stream.bound is None else str(stream.bound),
+            "next_event_seq": self.channel.log.next_seq,
+            "conversation": self.conversation.saved(), "framer": self.framer.saved(),
+            "committed_ms": self.committed_ms,
+            "appended_since_commit_bytes": self.appended_since_commit_bytes,
+            "decoder_held_ids": [] if self.decoder is None else self.decoder.held_ids,
+            "instructions": self.instructions,
+            "told_not_honored": sorted(self.told_not_honored),
+            "last_client_event_id": self.last_client_event_id,
+        }
+
+    def _load(self, saved: dict) -> None:
+        """`saved()`'s state onto this session, just built (its id, settings and stream
+        set: the stream's frame numbering and bound are the restorer's)."""
+        self.started = saved["started"]
+        self.channel.log.next_seq = saved["next_event_seq"]
+        self.conversation = Conversation.load(saved["conversation"])
+        self.framer.load(saved["framer"])
+        self.committed_ms = saved["committed_ms"]
+        self.appended_since_commit_bytes = saved["appended_since_commit_bytes"]
+        if self.decoder is not None:
+            self.decoder.hold(saved["decoder_held_ids"])
+        self.instructions = saved["instructions"]
+        self.told_not_honored = set(saved["told_not_honored"])
+        self.last_client_event_id = saved.get("last_client_event_id")  # older checkpoints
+        self.set_turns(self.settings.turns)  # server VAD listens afresh from here
 
     # ---- descriptions --------------------------------------------------------------------
     def describe(self) -> p.SessionOut:
-        return self.settings.describe(self.id, self.host.model_name, self.profile,
-                                      self._policy(), self.host.config.token_rate_hz,
+        return self.settings.describe(self.id, self.serving.model_name, self.stream.profile,
+                                      self.stream.policy, self.serving.config.token_rate_hz,
                                       self.instructions, self.extensions, self.resume)
 
-    def _policy(self):
-        """The KV bound in force: the profile's, or the one KV pressure imposed."""
-        if self.closed:
-            return self.profile.policy
-        return self.record.policy
+    def summary(self, now_s: float) -> dict:
+        """What `GET /v1/sessions` shows of this session (the server adds its connection)."""
+        stream = self.stream
+        last = stream.last_status
+        return {
+            "id": self.id, "status": "ended" if stream.ended_reason else "active",
+            "ended_reason": stream.ended_reason or None, "mode": self.settings.mode.value,
+            "policy": str(stream.policy), "sample_rate_hz": self.settings.sample_rate_hz,
+            "age_s": round(now_s - self.opened_at_s, 3),
+            "resident_kv_tokens": stream.resident_tokens,
+            "frames_submitted": stream.frames_submitted,
+            "frames_answered": stream.frames_answered,
+            "last_frame_status": None if last is None else last.value,
+            "unanswered_frames": stream.unanswered_frames,
+            "queued_input_tokens": stream.queued_input_tokens,
+        }
 
-    def summary(self, now_s: float, resident_kv_tokens: int | None) -> dict:
-        """What `GET /v1/sessions` shows of this session (`serve.session_view`)."""
-        return summary(self, now_s, resident_kv_tokens)
+
+def _ids(token_ids: list[int]) -> torch.Tensor:
+    """Token ids as an int64 tensor, made on the encoder thread: the loop's check of a frame
+    (`check_token_ids`) is then a min and a max, not a conversion of each id (~0.3-0.9 ms on
+    the loop for a 4,000-character text's ~2,600 ids)."""
+    return torch.tensor(token_ids, dtype=torch.int64)

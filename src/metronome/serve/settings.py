@@ -36,7 +36,7 @@ class SessionSettings:
         return cls(config.mode, config.default_sample_rate_hz)
 
     def saved(self) -> dict:
-        """As JSON, for a checkpoint (`serve.checkpoint`)."""
+        """As JSON, for a checkpoint (`serve.resume.checkpoint`)."""
         return {"mode": self.mode.value, "sample_rate_hz": self.sample_rate_hz,
                 "turns": None if self.turns is None else self.turns.model_dump(mode="json")}
 

@@ -19,7 +19,7 @@ from collections import deque
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
-from metronome.runtime.frame import FrameResult
+from metronome.stream import Frame
 
 STRIP_FRAMES = 40  # frames per session shown: 40 s at 1 s frames
 STATUS_PAGE_PATH = "/status"
@@ -27,21 +27,21 @@ STATUS_DATA_PATH = "/v1/status"
 
 
 class StatusBoard:
-    """The last STRIP_FRAMES frame statuses of each session, by engine session id."""
+    """The last STRIP_FRAMES frame statuses of each session, by session id."""
 
     def __init__(self, strip_frames: int = STRIP_FRAMES) -> None:
         self.strip_frames = strip_frames
-        self._strips: dict[int, deque[str]] = {}
+        self._strips: dict[str, deque[str]] = {}
         self._frames = 0
         self._deadline_met = 0
 
-    def on_result(self, result: FrameResult) -> None:
+    def on_result(self, result: Frame) -> None:
         strip = self._strips.setdefault(result.session_id, deque(maxlen=self.strip_frames))
         strip.append(result.status.value)
         self._frames += 1
         self._deadline_met += result.deadline_met
 
-    def strips(self, open_session_ids: set[int]) -> dict[int, list[str]]:
+    def strips(self, open_session_ids: set[str]) -> dict[str, list[str]]:
         """Strips of the sessions still open; the others are forgotten here."""
         for gone in set(self._strips) - open_session_ids:
             del self._strips[gone]
@@ -58,14 +58,11 @@ class StatusBoard:
 
 
 def status_snapshot(serving, board: StatusBoard) -> dict:
-    """What the page shows, as JSON (`serving` is the server's `ServerState`)."""
+    """What the page shows, as JSON (`serving` is the server's `Serving`)."""
     health = serving.health()
-    records = serving.driver.beat.sessions
-    strips = board.strips(set(records))
-    sessions = []
-    for item in serving.session_list()["data"]:
-        sid = item["engine_session_id"]
-        sessions.append(item | {"strip": strips.get(sid, [])})
+    strips = board.strips(set(serving.beat.streams))
+    sessions = [item | {"strip": strips.get(item["id"], [])}
+                for item in serving.session_list()["data"]]
     pool = serving.pool
     observer = serving.observer
     return {

@@ -16,8 +16,8 @@ import torch
 from metronome.admission.limits import AIMDLimit, SlowStartLimit
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import random_model
-from metronome.runtime.frame import FrameStatus
 from metronome.sim.scenario import Scenario, run_controlled, sweep_n_star
+from metronome.stream import FrameStatus
 from metronome.workload_defaults import EXPERIMENT_POLICY_SPEC
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from metronome.engine.types import StepResult
+from metronome.engine.types import StepOutput
+from metronome.stream import Stream
 
 PACKAGED_STEP_COST = Path(__file__).with_name("step_cost.json")
 
@@ -55,9 +56,9 @@ class StepCostModel:
     per_token_s: float = 0.0008
     per_context_token_s: float = 2e-6
 
-    def step_s(self, result: StepResult) -> float:
-        tokens = sum(s.input_tokens for s in result.sessions)
-        context = sum(s.context_tokens for s in result.sessions)
+    def step_s(self, out: StepOutput) -> float:
+        tokens = out.num_input_tokens
+        context = sum(out.context_tokens.values())
         return self.fixed_s + self.per_token_s * tokens + self.per_context_token_s * context
 
     @classmethod
@@ -95,7 +96,7 @@ def calibrate(engine, batch_sizes=(1, 8), lengths=(64, 512), chunks=(1, 16), rep
 
 
 def _time_shape(engine, batch: int, length: int, chunk: int, repeats: int):
-    sids = [engine.open_session() for _ in range(batch)]
+    sids = [engine.open_session(Stream(f"calibrate-{i}")) for i in range(batch)]
     for sid in sids:
         engine.fast_forward(sid, length)
     timed = []
@@ -103,11 +104,9 @@ def _time_shape(engine, batch: int, length: int, chunk: int, repeats: int):
         for sid in sids:
             engine.submit(sid, [1] * chunk)
         started = time.perf_counter()
-        result = engine.step()
+        out = engine.step()
         step_s = time.perf_counter() - started
-        tokens = sum(s.input_tokens for s in result.sessions)
-        context = sum(s.context_tokens for s in result.sessions)
-        timed.append((tokens, context, step_s))
+        timed.append((out.num_input_tokens, sum(out.context_tokens.values()), step_s))
     for sid in sids:
         engine.close(sid)
     return min(timed[1:], key=lambda sample: sample[2])  # timed[0] warmed up

@@ -24,8 +24,9 @@ from metronome.engine.engine import ENGINE_PATHS, Engine, EngineConfig, for_engi
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.dtypes import AUTO_DTYPE, resolve_dtype
 from metronome.results.tables import fmt
+from metronome.runtime.driver import OverheadMeter
 from metronome.runtime.observer import RuntimeObserver
-from metronome.runtime.ports import Listeners, OverheadMeter
+from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.runtime.wall import WallDriver
 from metronome.sim.cost_model import StepCostModel, calibrate

@@ -12,9 +12,9 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metronome.runtime.frame import FrameResult, FrameStatus
-from metronome.runtime.ports import StepReport
+from metronome.engine.types import StepOutput
 from metronome.stats import percentile
+from metronome.stream import Frame, FrameStatus
 
 CSV_FIELDS = ["session_id", "index", "status", "num_tokens", "late_tokens", "arrival_s",
               "start_s", "finish_s", "deadline_at_s", "latency_ms", "deadline_met", "good"]
@@ -34,18 +34,16 @@ class StepSample:
 
 @dataclass
 class RunRecorder:
-    results: list[FrameResult] = field(default_factory=list)
+    results: list[Frame] = field(default_factory=list)
     steps: list[StepSample] = field(default_factory=list)
 
-    def on_result(self, result: FrameResult) -> None:
+    def on_result(self, result: Frame) -> None:
         self.results.append(result)
 
-    def on_step(self, report: StepReport) -> None:
-        stalled = sum(1 for s in report.result.sessions if s.status == "stalled_kv")
+    def on_step(self, out: StepOutput) -> None:
         self.steps.append(StepSample(
-            report.finished_s, report.step_s, len(report.result.sessions),
-            report.result.num_input_tokens, report.pool.used_blocks, report.pool.free_blocks,
-            stalled,
+            out.finished_s, out.step_s, len(out.status), out.num_input_tokens,
+            out.pool.used_blocks, out.pool.free_blocks, out.num_stalled,
         ))
 
     def summary(self) -> dict:

@@ -15,7 +15,6 @@ from metronome.admission.limits import ConcurrencyLimit
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.llama import LlamaModel
-from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.runtime.ports import Listeners
 from metronome.runtime.profile import SessionProfile
 from metronome.sim.cost_model import StepCostModel
@@ -24,6 +23,7 @@ from metronome.sim.search import largest_passing
 from metronome.sim.virtual import VirtualDriver
 from metronome.sim.workload import Workload, schedule
 from metronome.stats import percentile
+from metronome.stream import Frame, FrameStatus
 from metronome.workload_defaults import (
     BLOCK_SIZE_TOKENS,
     FRAME_PERIOD_S,
@@ -65,7 +65,7 @@ class Scenario:
 def run_fixed(scenario: Scenario, sessions: int, duration_s: float = 40.0,
               warmup_s: float = 10.0) -> dict:
     """N sessions for the whole run (no admission): steady-state p95 of latency/deadline."""
-    results: list[FrameResult] = []
+    results: list[Frame] = []
     _, driver = scenario.driver(Listeners(on_result=results.append))
     workload = Workload(sessions, duration_s, arrival_spread_s=scenario.frame_period_s)
     schedule(workload, scenario.profile(), driver.beat, driver.clock, scenario.source())
@@ -91,7 +91,7 @@ def sweep_n_star(scenario: Scenario, n_max: int = 256, **run_args) -> tuple[int,
 @dataclass
 class ControlledRun:
     history: list[CapSample]
-    results: list[FrameResult]
+    results: list[Frame]
     counts: dict
     saturated_at_s: float | None = None  # first stalled_kv frame (unbounded runs)
 

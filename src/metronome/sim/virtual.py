@@ -12,37 +12,10 @@ import heapq
 import itertools
 from collections.abc import Callable
 
-from metronome.engine.session import SessionSpec
-from metronome.engine.types import PreparedInput
-from metronome.runtime.driver import Driver, EngineCommandsBase
-from metronome.runtime.ports import EnginePort, Listeners, StepReport
+from metronome.engine.types import StepOutput
+from metronome.runtime.driver import Driver
+from metronome.runtime.ports import EnginePort, Listeners
 from metronome.sim.cost_model import StepCostModel
-
-
-class DirectCommands(EngineCommandsBase):
-    """`EngineCommands` applied at once (the virtual driver owns the only thread); each
-    command tells the driver, for the idle rule."""
-
-    def __init__(self, engine: EnginePort, on_command: Callable[[], None]) -> None:
-        super().__init__(engine)
-        self.on_command = on_command
-
-    def open_session(self, spec: SessionSpec, session_id: int | None = None) -> int:
-        self.on_command()
-        return self.engine.open_session(spec, session_id)
-
-    def submit_prepared(self, session_id: int, prepared: PreparedInput,
-                        max_new_tokens: int = 0) -> None:
-        self.on_command()
-        self.engine.submit_prepared(session_id, prepared, max_new_tokens)
-
-    def cancel_generation(self, session_id: int) -> None:
-        self.on_command()
-        self.engine.cancel_generation(session_id)
-
-    def close(self, session_id: int) -> None:
-        self.on_command()
-        self.engine.close(session_id)
 
 
 class EventHeap:
@@ -70,13 +43,17 @@ class VirtualDriver(Driver):
                  listeners: Listeners) -> None:
         self.cost_model = cost_model
         self.clock = EventHeap()
-        super().__init__(engine, DirectCommands(engine, self.on_command), self.clock,
-                         listeners)
+        super().__init__(engine, self._run_now, self.clock, listeners)
         self._busy = False  # a step has started and its end is on the clock
 
     @property
     def now_s(self) -> float:
         return self.clock.now_s
+
+    def _run_now(self, command) -> None:
+        """An engine command, applied at once (this driver owns the only thread)."""
+        self.on_command()
+        command()
 
     def run_until(self, until_s: float) -> None:
         """Advance virtual time to `until_s`, stepping the engine whenever it may."""
@@ -91,10 +68,10 @@ class VirtualDriver(Driver):
 
     def _start_step(self) -> None:
         started_s = self.clock.now_s
-        report = self.run_step(started_s, lambda result: started_s + self.cost_model.step_s(result))
+        out = self.run_step(started_s, lambda out: started_s + self.cost_model.step_s(out))
         self._busy = True
-        self.clock.call_at(report.finished_s, lambda _t: self._finish_step(report))
+        self.clock.call_at(out.finished_s, lambda _t: self._finish_step(out))
 
-    def _finish_step(self, report: StepReport) -> None:
+    def _finish_step(self, out: StepOutput) -> None:
         self._busy = False
-        self.deliver(report)
+        self.deliver(out)

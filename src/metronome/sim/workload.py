@@ -6,16 +6,18 @@ runs on the virtual clock and on the wall clock.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from metronome.runtime.beat import Beat
-from metronome.runtime.frame import Frame
 from metronome.runtime.ports import Timer
 from metronome.runtime.profile import SessionMode, SessionProfile
+from metronome.stream import Frame, Stream
 
-# (session_id, frame_index) -> (token_ids, embeddings); one of the two is None
+# (session number, frame index) -> (token_ids, embeddings); one of the two is None. Sessions
+# are numbered from 0 in the order they open (their stream ids: "s0", "s1", ...).
 FrameSource = Callable[[int, int], tuple[list[int] | None, object]]
 
 
@@ -74,27 +76,32 @@ Gate = Callable[[float], object]
 def schedule(workload: Workload, profile: SessionProfile, beat: Beat, timer: Timer,
              source: FrameSource, gate: Gate | None = None) -> None:
     """Put every session's open, frames and close on the timer."""
+    numbers = itertools.count()
     for open_at_s, duration_s in workload.plan():
         timer.call_at(open_at_s, lambda now, d=duration_s: _start(
-            workload, profile, beat, timer, source, gate, now, d))
+            workload, profile, beat, timer, source, gate, now, d, numbers))
 
 
-def _start(workload, profile, beat, timer, source, gate, now_s: float, duration_s: float):
+def _start(workload, profile, beat, timer, source, gate, now_s: float, duration_s: float,
+           numbers: itertools.count) -> None:
     if gate is not None and not gate(now_s).admitted:
         return
-    session_id = beat.open_session(profile, now_s)
+    number = next(numbers)
+    stream = Stream(f"s{number}", profile, now_s)
+    beat.add(stream)
     offsets_s = frame_offsets_s(duration_s, profile.frame_period_s)
     for index, offset_s in enumerate(offsets_s):
         timer.call_at(now_s + offset_s, lambda t, i=index: _frame(workload, profile, beat,
-                                                                  source, session_id, i, t))
+                                                                  source, stream, number, i, t))
     end_s = now_s + offsets_s[-1] + profile.frame_period_s
-    timer.call_at(end_s, lambda t: beat.close_session(session_id, t))
+    timer.call_at(end_s, lambda t: beat.close(stream, t))
 
 
-def _frame(workload, profile, beat, source, session_id: int, index: int, now_s: float) -> None:
-    if session_id not in beat.sessions:
+def _frame(workload, profile, beat, source, stream: Stream, number: int, index: int,
+           now_s: float) -> None:
+    if beat.streams.get(stream.id) is not stream:
         return
-    token_ids, embeddings = source(session_id, index)
+    token_ids, embeddings = source(number, index)
     turn_ends = (index + 1) % workload.respond_every_frames == 0
     respond = profile.mode is SessionMode.DUPLEX or turn_ends
-    beat.submit_frame(Frame(session_id, index, now_s, token_ids, embeddings, respond), now_s)
+    beat.submit(Frame(stream.id, now_s, respond), now_s, token_ids, embeddings)

@@ -1,7 +1,8 @@
 """`VllmEngine`: vLLM behind Metronome's one engine seam (`metronome.runtime.ports.EnginePort`).
 
-One Metronome session is one resumable vLLM request (vLLM's streaming input): each frame's
-input is a new chunk of the same request, which keeps its KV between chunks. The beat, the
+One Metronome session is one resumable vLLM request (vLLM's streaming input): what the beat
+feeds of a session's stream is a new chunk of the same request, which keeps its KV between
+chunks (the input is read from the `Stream` when the chunk goes to vLLM). The beat, the
 admission controller, the observer and the server then drive vLLM exactly as they drive the
 native engine.
 
@@ -22,8 +23,8 @@ Semantics kept equal to the native engine:
   nor carried (as if never drawn).
 * `cancel_generation` lowers the running chunk's budget to what it has produced (vLLM can
   end a turn only at a step boundary: it may still sample one more token, which is hidden).
-* Chunks queue here, one at a time in vLLM: the next goes in when the running one ends (it
-  needs the carried token), in the same call as the step that ended it.
+* Feeds queue here, one chunk at a time in vLLM: the next goes in when the running one ends
+  (it needs the carried token), in the same call as the step that ended it.
 * A session is `stalled_kv` in a step where the pool kept it from running: vLLM preempted it
   (its KV freed, to be recomputed: input is then counted once, by a high-water mark), or it
   did not run while an allocation failed for good (vLLM's scheduler stops placing waiting
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,8 +55,9 @@ import torch
 
 from metronome.engine.engine import EngineConfig, SessionError, check_token_ids
 from metronome.engine.session import SessionSpec
-from metronome.engine.types import PoolStats, PreparedInput, SessionStep, StepResult, WorkStatus
+from metronome.engine.types import PoolStats, StepOutput, WorkStatus
 from metronome.kv.residency import PolicyKind, ResidencyPolicy
+from metronome.stream import Stream
 from metronome.vllm.config import HF_OVERRIDE_KEY, parse_bound
 
 REQUEST_PREFIX = "metronome-"
@@ -160,10 +161,11 @@ class _Chunk:
 
 @dataclass
 class _VllmSession:
-    session_id: int
+    stream: Stream  # its input, read when a chunk goes to vLLM
     spec: SessionSpec
     request_id: str
-    queued: deque[tuple[torch.Tensor | None, int]] = field(default_factory=deque)
+    queued: deque[tuple[int, int]] = field(default_factory=deque)  # (input tokens, budget)
+    read_tokens: int = 0  # stream input sent to vLLM
     running: _Chunk | None = None
     carry: int | None = None  # sampled token waiting to be fed before the next input
     started: bool = False  # a request exists in vLLM
@@ -192,9 +194,7 @@ class VllmEngine:
             allow_unbounded=not config.policy.bounded)
         self.num_blocks = num_blocks
         self.model = None  # no native model: no audio front end (token ids only)
-        self.sessions: dict[int, _VllmSession] = {}
-        self._next_session_id = 0
-        self._id_lock = threading.Lock()
+        self.sessions: dict[str, _VllmSession] = {}
         # What the scheduler could not do for lack of blocks, this step: requests whose last
         # allocation failed (one that later succeeded, after a preemption, is not denied)
         # and requests it preempted (their KV freed, to be recomputed).
@@ -266,53 +266,53 @@ class VllmEngine:
         self.llm.engine_core.shutdown()
 
     # ---- session lifecycle -----------------------------------------------------------------
-    def new_session_id(self) -> int:
-        with self._id_lock:
-            session_id = self._next_session_id
-            self._next_session_id += 1
-        return session_id
-
-    def open_session(self, spec: SessionSpec = SessionSpec(),
-                     session_id: int | None = None) -> int:
+    def open_session(self, stream: Stream) -> str:
+        spec = stream.spec
         if spec.policy != self.vllm_config.policy:
             raise SessionError(
                 f"this vLLM engine serves one residency policy, {self.vllm_config.policy} "
                 f"(the plugin's bound is per engine); the session asked for {spec.policy}")
         if spec.return_logits:
             raise SessionError("the vLLM engine does not return logits per position")
-        if session_id is None:
-            session_id = self.new_session_id()
-        if not 0 <= session_id < self._next_session_id:
-            raise SessionError(f"session id {session_id} was not issued by new_session_id()")
-        if session_id in self.sessions:
-            raise SessionError(f"session {session_id} is already open")
-        self.sessions[session_id] = _VllmSession(session_id, spec,
-                                                 f"{REQUEST_PREFIX}{session_id}")
-        return session_id
+        if stream.id in self.sessions:
+            raise SessionError(f"session {stream.id} is already open")
+        self.sessions[stream.id] = _VllmSession(stream, spec, f"{REQUEST_PREFIX}{stream.id}")
+        return stream.id
 
-    def prepare_input(self, token_ids, embeddings) -> PreparedInput:
+    def check_input(self, token_ids, embeddings) -> torch.Tensor | None:
         if embeddings is not None:
             raise SessionError("the vLLM engine takes token ids only: vLLM 0.32's streaming "
                                "input refuses prompt embeddings (audio needs the native "
                                "engine)")
         if token_ids is None:
-            return PreparedInput(None)
-        return PreparedInput(check_token_ids(token_ids, self.vocab_size))
+            return None
+        return check_token_ids(token_ids, self.vocab_size)
 
-    def submit_prepared(self, session_id: int, prepared: PreparedInput,
-                        max_new_tokens: int = 0) -> None:
+    def feed(self, session_id: str, num_tokens: int, max_new_tokens: int = 0) -> None:
         session = self._get(session_id)
         if session.end_reason:
             raise SessionError(f"session {session_id} has ended ({session.end_reason})")
-        if max_new_tokens < 0:
-            raise SessionError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        session.queued.append((prepared.data, max_new_tokens))
+        if max_new_tokens < 0 or num_tokens < 0:
+            raise SessionError(f"num_tokens and max_new_tokens must be >= 0, got "
+                               f"{num_tokens} and {max_new_tokens}")
+        session.queued.append((num_tokens, max_new_tokens))
         if session.running is None:
             self._dispatch(session)
 
-    def cancel_generation(self, session_id: int) -> None:
+    def submit(self, session_id: str, token_ids=None, embeddings=None,
+               max_new_tokens: int = 0) -> None:
+        """Used directly (no beat): append input to the session's stream and feed it."""
+        stream = self._get(session_id).stream
+        data = self.check_input(token_ids, embeddings)
+        if data is not None and len(data):
+            stream.append(data)
+        num_tokens = stream.received_tokens - stream.fed_tokens
+        self.feed(session_id, num_tokens, max_new_tokens)
+        stream.fed_tokens = stream.received_tokens
+
+    def cancel_generation(self, session_id: str) -> None:
         session = self._get(session_id)
-        session.queued = deque((data, 0) for data, _ in session.queued)
+        session.queued = deque((tokens, 0) for tokens, _ in session.queued)
         chunk = session.running
         if chunk is None:
             return
@@ -321,7 +321,7 @@ class VllmEngine:
         if request is not None:  # stops at the next token vLLM samples for it
             request.max_tokens = max(1, request.num_output_tokens)
 
-    def close(self, session_id: int) -> None:
+    def close(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise SessionError(f"unknown session {session_id}")
@@ -333,7 +333,7 @@ class VllmEngine:
     def has_work(self) -> bool:
         return any(s.running is not None for s in self.sessions.values())
 
-    def step(self) -> StepResult:
+    def step(self) -> StepOutput:
         self._denied.clear()
         self._preempted.clear()
         ended = [s for s in self.sessions.values() if s.end_reason and s.running is not None]
@@ -341,13 +341,15 @@ class VllmEngine:
         new_tokens: dict[str, list[int]] = {}
         for out in outputs:
             new_tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        steps = [self._context_full(s) for s in ended]
+        step = StepOutput()
+        for session in ended:
+            self._context_full(session, step)
         for session in list(self.sessions.values()):
             if session.running is not None and not session.end_reason:
-                steps.append(self._advance(session, new_tokens.get(session.request_id, [])))
-        return StepResult(sorted(steps, key=lambda s: s.session_id))
+                self._advance(session, new_tokens.get(session.request_id, []), step)
+        return step
 
-    def _advance(self, session: _VllmSession, tokens: list[int]) -> SessionStep:
+    def _advance(self, session: _VllmSession, tokens: list[int], step: StepOutput) -> None:
         """Account one step's progress of the session's running chunk."""
         from vllm.v1.request import RequestStatus
 
@@ -371,9 +373,11 @@ class VllmEngine:
         status = WorkStatus.OK
         if not finished and self._blocked(session, request, previous, computed, ran, tokens):
             status = WorkStatus.STALLED_KV
-        outcome = SessionStep(session.session_id, status, input_tokens=ran,
-                              submitted_tokens=submitted, new_token_ids=list(visible),
-                              generating=not finished and chunk.max_new_tokens > 0)
+        sid = session.stream.id
+        step.status[sid], step.input_tokens[sid] = status, ran
+        step.consumed_tokens[sid], step.new_token_ids[sid] = submitted, list(visible)
+        if not finished and chunk.max_new_tokens > 0:
+            step.generating.add(sid)
         if finished:
             session.running = None
             # the last token stays in the context only if the caller saw it (as native)
@@ -381,7 +385,6 @@ class VllmEngine:
             session.carry = chunk.last_token if shown else None
             if session.queued:
                 self._dispatch(session)
-        return outcome
 
     def _blocked(self, session: _VllmSession, request, previous: int, computed: int,
                  ran: int, tokens: list[int]) -> bool:
@@ -398,27 +401,29 @@ class VllmEngine:
         return bool(self._preempted) and (request is None
                                           or request.status != RequestStatus.RUNNING)
 
-    def _context_full(self, session: _VllmSession) -> SessionStep:
+    def _context_full(self, session: _VllmSession, step: StepOutput) -> None:
         session.running = None
         session.queued.clear()
         if session.started:
             self.llm.engine_core.abort_requests([session.request_id])
             session.started = False
-        return SessionStep(session.session_id, WorkStatus.CONTEXT_FULL)
+        step.status[session.stream.id] = WorkStatus.CONTEXT_FULL
 
     def _dispatch(self, session: _VllmSession) -> None:
         """Send the queued input (merged) to vLLM as the request's next chunk."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        parts = [data for data, _ in session.queued if data is not None and len(data)]
+        fed = sum(tokens for tokens, _ in session.queued)
         budget = sum(tokens for _, tokens in session.queued)
         carry = [] if session.carry is None else [session.carry]
-        ids = carry + (torch.cat(parts).tolist() if parts else [])
+        ids = carry + (session.stream.read(session.read_tokens, fed).tolist() if fed else [])
         if not ids:  # nothing to feed: keep the budget for the next input (as native)
-            session.queued = deque([(None, budget)]) if budget else deque()
+            session.queued = deque([(0, budget)]) if budget else deque()
             return
         session.queued.clear()
+        session.read_tokens += fed
+        session.stream.trim(session.read_tokens)
         session.carry = None
         chunk = _Chunk(len(carry), len(ids) - len(carry), budget,
                        start_position=session.computed)
@@ -463,7 +468,7 @@ class VllmEngine:
         return PoolStats(self.num_blocks, self.vllm_config.block_size,
                          self.num_blocks - free, free, pinned)
 
-    def resident_tokens_by_session(self) -> dict[int, int]:
+    def resident_tokens_by_session(self) -> dict[str, int]:
         bs = self.vllm_config.block_size
         return {sid: min(s.computed, self._live_blocks(s.request_id) * bs)
                 for sid, s in self.sessions.items()}
@@ -485,13 +490,14 @@ class VllmEngine:
     def warm_up(self) -> None:
         """One short session through every path (vLLM compiles nothing in eager mode, but
         its first steps allocate)."""
-        sid = self.open_session(SessionSpec(policy=self.vllm_config.policy))
-        self.submit_prepared(sid, self.prepare_input(list(range(1, 33)), None), 4)
+        sid = self.open_session(Stream("metronome-warm-up",
+                                       spec=SessionSpec(policy=self.vllm_config.policy)))
+        self.submit(sid, list(range(1, 33)), max_new_tokens=4)
         while self.sessions[sid].running is not None:
             self.step()
         self.close(sid)
 
-    def _get(self, session_id: int) -> _VllmSession:
+    def _get(self, session_id: str) -> _VllmSession:
         session = self.sessions.get(session_id)
         if session is None:
             raise SessionError(f"unknown session {session_id}")

@@ -12,7 +12,7 @@ import torch
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.sampling import SamplingParams
 from metronome.engine.session import SessionSpec
-from metronome.engine.types import SessionStep, WorkStatus
+from metronome.engine.types import StepOutput, WorkStatus
 from metronome.experiments.quality.plan import (
     BLOCK_SIZE,
     FRAME_TOKENS,
@@ -28,6 +28,7 @@ from metronome.experiments.quality.plan import (
 )
 from metronome.model.llama import LlamaModel
 from metronome.results.context import RunContext
+from metronome.stream import Stream
 
 PositionNll = list[tuple[int, float]]  # (stream position, NLL nats) per scored token
 
@@ -76,11 +77,12 @@ class NllRecorder:
     def expect(self, token_ids: list[int], positions: list[int | None]) -> None:
         self.expected.extend(zip(token_ids, positions, strict=True))
 
-    def on_step(self, step: SessionStep) -> None:
-        logits = step.logits  # (input_tokens, vocab) float32
-        carried = step.input_tokens - step.submitted_tokens  # fed-back tokens, first
-        assert 0 <= carried <= 1, step
-        items = [self.expected.popleft() for _ in range(step.submitted_tokens)]
+    def on_step(self, out: StepOutput, session_id: str) -> None:
+        logits = out.logits[session_id]  # (input_tokens, vocab) float32
+        consumed = out.consumed_tokens[session_id]
+        carried = out.input_tokens[session_id] - consumed  # its own token written back, first
+        assert 0 <= carried <= 1, out
+        items = [self.expected.popleft() for _ in range(consumed)]
         scored = [(carried + i, tok, pos) for i, (tok, pos) in enumerate(items)
                   if pos is not None and (carried + i > 0 or self.last_row is not None)]
         if scored:
@@ -91,20 +93,19 @@ class NllRecorder:
         self.last_row = logits[-1].clone()
 
 
-def drain(engine: Engine, recorders: dict[int, NllRecorder],
-          new_ids: dict[int, list[int]], until_sampled: int | None = None) -> None:
+def drain(engine: Engine, recorders: dict[str, NllRecorder],
+          new_ids: dict[str, list[int]], until_sampled: str | None = None) -> None:
     """Step until the engine is idle (or until a step in which session `until_sampled`
     sampled a token)."""
     while engine.has_work:
-        sampled = False
-        for s in engine.step().sessions:
-            if s.status is not WorkStatus.OK:  # pools are sized for every session: a bug
-                raise RuntimeError(f"session {s.session_id}: {s.status}")
-            if s.session_id in recorders:
-                recorders[s.session_id].on_step(s)
-            new_ids[s.session_id].extend(s.new_token_ids)
-            sampled |= s.session_id == until_sampled and bool(s.new_token_ids)
-        if sampled:
+        out = engine.step()
+        for sid, status in out.status.items():
+            if status is not WorkStatus.OK:  # pools are sized for every session: a bug
+                raise RuntimeError(f"session {sid}: {status}")
+            if sid in recorders:
+                recorders[sid].on_step(out, sid)
+            new_ids[sid].extend(out.new_token_ids[sid])
+        if until_sampled is not None and out.new_token_ids.get(until_sampled):
             return
 
 
@@ -133,13 +134,14 @@ def turn_based(ctx: RunContext, model: LlamaModel, setup: Config,
                                     w + FRAME_TOKENS)
     nll: dict[str, PositionNll] = {name: [] for name in POLICIES}
     # each engine's recorders by its own session ids (ids of the two engines may coincide)
-    dense_recorders: dict[int, NllRecorder] = {}
-    bounded_recorders: dict[int, NllRecorder] = {}
-    sessions: list[tuple[Engine, int, NllRecorder]] = []
+    dense_recorders: dict[str, NllRecorder] = {}
+    bounded_recorders: dict[str, NllRecorder] = {}
+    sessions: list[tuple[Engine, str, NllRecorder]] = []
     for name, policy in engine_policies(w).items():
         engine, recorders = ((bounded_engine, bounded_recorders) if policy.bounded
                              else (dense_engine, dense_recorders))
-        sid = engine.open_session(SessionSpec(policy, return_logits=True, stop_token_ids=()))
+        sid = engine.open_session(Stream.of(SessionSpec(policy, return_logits=True,
+                                                        stop_token_ids=())))
         recorders[sid] = NllRecorder(nll[name])
         sessions.append((engine, sid, recorders[sid]))
     history: list[int] = []  # recompute_window's own stream: text and its own replies
@@ -151,11 +153,12 @@ def turn_based(ctx: RunContext, model: LlamaModel, setup: Config,
                 engine.submit(sid, chunk, max_new_tokens=REPLY_TOKENS)
                 recorder.expect(chunk, positions)
             tail = history[-w:]
-            rid = bounded_engine.open_session(SessionSpec(return_logits=True, stop_token_ids=()))
+            rid = bounded_engine.open_session(Stream.of(SessionSpec(return_logits=True,
+                                                                    stop_token_ids=())))
             bounded_engine.submit(rid, tail + chunk, max_new_tokens=REPLY_TOKENS)
             bounded_recorders[rid] = NllRecorder(nll[RECOMPUTE])
             bounded_recorders[rid].expect(tail + chunk, [None] * len(tail) + positions)
-            replies: dict[int, list[int]] = defaultdict(list)
+            replies: dict[str, list[int]] = defaultdict(list)
             drain(bounded_engine, bounded_recorders, replies)
             drain(dense_engine, dense_recorders, defaultdict(list))
             history += chunk + replies[rid]
@@ -180,15 +183,16 @@ def free_running(ctx: RunContext, model: LlamaModel, setup: Config,
                             max(w, len(prompt)))
     sampling = SamplingParams(setup.temperature, setup.top_p, seed=ctx.seed)
     # common random numbers: every engine session draws from the same seeded stream
-    sids = {name: engine.open_session(SessionSpec(policy, sampling, stop_token_ids=()))
+    sids = {name: engine.open_session(Stream.of(SessionSpec(policy, sampling,
+                                                            stop_token_ids=())))
             for name, policy in engine_policies(w).items()}
-    generated: dict[int, list[int]] = defaultdict(list)
+    generated: dict[str, list[int]] = defaultdict(list)
     recomputed: list[int] = []
     with ctx.progress("quality (ii) free-running segments", num_segments) as advance:
         for seg in range(num_segments):
             seed = ctx.seed * 10_000 + seg  # a fresh session's generator restarts: new seed
-            rid = engine.open_session(SessionSpec(sampling=replace(sampling, seed=seed),
-                                                  stop_token_ids=()))
+            rid = engine.open_session(Stream.of(SessionSpec(
+                sampling=replace(sampling, seed=seed), stop_token_ids=())))
             engine.submit(rid, (prompt + recomputed)[-w:], max_new_tokens=SEGMENT_TOKENS)
             drain(engine, {}, generated, until_sampled=rid)
             for sid in sids.values():
@@ -217,7 +221,8 @@ def reference_nll(ctx: RunContext, model: LlamaModel, streams: dict[str, list[in
                 stream = streams[name]
                 context = stream[start - window_tokens:start]
                 chunk = stream[start:start + SCORE_CHUNK_TOKENS]
-                sid = engine.open_session(SessionSpec(return_logits=True, stop_token_ids=()))
+                sid = engine.open_session(Stream.of(SessionSpec(return_logits=True,
+                                                                stop_token_ids=())))
                 engine.submit(sid, context + chunk)
                 recorders[sid] = NllRecorder(nll[name])
                 recorders[sid].expect(context + chunk, [None] * len(context)

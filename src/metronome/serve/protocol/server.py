@@ -271,7 +271,7 @@ class ResumedOut(BaseModel):
     away_s: float  # since the old connection dropped (0: it was taken over while open)
     replayed_events: int  # the missed events that follow, in order
     missed_events: int  # owed but no longer held (the session's event stream moved on)
-    # Taken over on another server from its last checkpoint (`serve.checkpointing`): the
+    # Taken over on another server from its last checkpoint (`serve.resume.takeover`): the
     # events that follow are made anew by replaying the client's events since the checkpoint
     # (`replayed_client_events`); they supersede what the client had after the checkpoint.
     from_checkpoint: bool = False

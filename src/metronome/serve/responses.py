@@ -1,5 +1,5 @@
 """What a response and a frame's result become on the wire: server events rendered from the
-runtime's `FrameResult` and the server's `FrameOrigin` (what the frame belongs to).
+runtime's `Frame` (its result) and the `Response` it belongs to (the frame's `tag`).
 
 A frame that asked for output is one response. It opens (`response_opened`) when it is
 created: `response.created`, its assistant item added (`response.output_item.added`,
@@ -17,36 +17,23 @@ between, to a client that opted in. A frame without output (turn-mode prefill) i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from metronome.runtime.frame import FrameResult, FrameStatus
 from metronome.serve import protocol as p
 from metronome.serve.protocol import server as se
+from metronome.stream import Frame, FrameStatus
 
-FrameKind = Literal["audio", "text", "response"]
 TURN_DETECTED = "turn_detected"  # a response cancelled because the user spoke (OpenAI's)
 CLIENT_CANCELLED = "client_cancelled"  # a response cancelled by `response.cancel` (OpenAI's)
 
 
 @dataclass(frozen=True)
-class ResponseHandle:
-    """A response's ids, fixed when it opens."""
+class Response:
+    """A response's ids, fixed when it opens; the frame that answers it carries it (`tag`)."""
 
     response_id: str
     item_id: str  # its assistant item
     previous_item_id: str | None  # the conversation's last item when it opened
     metadata: dict[str, str] | None = None
-
-
-@dataclass(frozen=True)
-class FrameOrigin:
-    """What a frame belongs to, for the events its result becomes (kept by the session,
-    by frame index: the runtime's `Frame` carries none of it)."""
-
-    kind: FrameKind
-    num_input_tokens: int
-    response: ResponseHandle | None  # None: no output asked for (turn-mode prefill)
-    audio_end_ms: float | None
 
 
 _RESPONSE_STATUS = {  # frame status -> response status
@@ -56,7 +43,7 @@ _RESPONSE_STATUS = {  # frame status -> response status
 }
 
 
-def response_opened(response: ResponseHandle) -> list[p.ServerEvent]:
+def response_opened(response: Response) -> list[p.ServerEvent]:
     item = assistant_item(response, "in_progress", None)
     return [
         se.ResponseCreated(response=se.ResponseOut(id=response.response_id,
@@ -69,22 +56,21 @@ def response_opened(response: ResponseHandle) -> list[p.ServerEvent]:
     ]
 
 
-def result_events(result: FrameResult, origin: FrameOrigin, text: str,
-                  extensions: bool) -> list[p.ServerEvent]:
+def result_events(frame: Frame, text: str, extensions: bool) -> list[p.ServerEvent]:
     """The events of one frame's result, in the order they go out; `text`: its output,
     decoded; `extensions`: the client opted in to `metronome.*` events."""
     events: list[p.ServerEvent] = []
-    response = origin.response
+    response = frame.tag
     if response is not None and text:
         events.append(se.ResponseOutputTextDelta(response_id=response.response_id,
                                                  item_id=response.item_id, delta=text))
     if extensions:
         events.append(se.MetronomeFrame(
             response_id=response.response_id if response else None,
-            frame=_frame_out(result, origin)))
+            frame=_frame_out(frame)))
     if response is None:
         return events
-    status = _RESPONSE_STATUS.get(result.status, "failed")
+    status = _RESPONSE_STATUS.get(frame.status, "failed")
     item = assistant_item(response, "completed" if status == "completed" else "incomplete", text)
     rid, item_id = response.response_id, response.item_id
     events += [
@@ -92,41 +78,40 @@ def result_events(result: FrameResult, origin: FrameOrigin, text: str,
         se.ResponseContentPartDone(response_id=rid, item_id=item_id, part=se.PartOut(text=text)),
         se.ResponseOutputItemDone(response_id=rid, item=item),
         se.ConversationItemDone(previous_item_id=response.previous_item_id, item=item),
-        se.ResponseDone(response=_response_out(result, origin, status, item)),
+        se.ResponseDone(response=_response_out(frame, status, item)),
     ]
     return events
 
 
-def assistant_item(response: ResponseHandle, status: str, text: str | None) -> se.ItemOut:
+def assistant_item(response: Response, status: str, text: str | None) -> se.ItemOut:
     """A response's output item; `text` None: no content yet (in progress)."""
     content = [] if text is None else [se.ContentOut(type="output_text", text=text)]
     return se.ItemOut(id=response.item_id, role="assistant", status=status, content=content)
 
 
-def _frame_out(result: FrameResult, origin: FrameOrigin) -> se.FrameOut:
+def _frame_out(frame: Frame) -> se.FrameOut:
     return se.FrameOut(
-        index=result.index, kind=origin.kind, status=result.status.value, reason=result.reason,
-        num_input_tokens=origin.num_input_tokens, num_tokens=len(result.token_ids),
-        arrival_s=result.arrival_s, start_s=result.start_s, finish_s=result.finish_s,
-        deadline_at_s=result.deadline_at_s, latency_ms=result.latency_s * 1e3,
-        deadline_met=result.deadline_met, good=result.good, audio_end_ms=origin.audio_end_ms,
+        index=frame.index, kind=frame.kind, status=frame.status.value, reason=frame.reason,
+        num_input_tokens=frame.input_tokens, num_tokens=len(frame.token_ids),
+        arrival_s=frame.arrival_s, start_s=frame.start_s, finish_s=frame.finish_s,
+        deadline_at_s=frame.deadline_at_s, latency_ms=frame.latency_s * 1e3,
+        deadline_met=frame.deadline_met, good=frame.good, audio_end_ms=frame.audio_end_ms,
     )
 
 
-def _response_out(result: FrameResult, origin: FrameOrigin, status: str,
-                  item: se.ItemOut) -> se.ResponseOut:
+def _response_out(frame: Frame, status: str, item: se.ItemOut) -> se.ResponseOut:
     reason = None
-    if status == "cancelled" and result.reason in (TURN_DETECTED, CLIENT_CANCELLED):
-        reason = result.reason
+    if status == "cancelled" and frame.reason in (TURN_DETECTED, CLIENT_CANCELLED):
+        reason = frame.reason
     error = None
     if status == "failed":
-        error = {"type": p.ErrorType.SERVER.value, "code": result.status.value,
-                 "message": result.reason}
-    num_output = len(result.token_ids)
+        error = {"type": p.ErrorType.SERVER.value, "code": frame.status.value,
+                 "message": frame.reason}
+    num_output, response = len(frame.token_ids), frame.tag
     return se.ResponseOut(
-        id=origin.response.response_id, status=status,
+        id=response.response_id, status=status,
         status_details=se.StatusDetails(type=status, reason=reason, error=error),
-        output=[item], metadata=origin.response.metadata,
-        usage=se.Usage(total_tokens=origin.num_input_tokens + num_output,
-                       input_tokens=origin.num_input_tokens, output_tokens=num_output),
+        output=[item], metadata=response.metadata,
+        usage=se.Usage(total_tokens=frame.input_tokens + num_output,
+                       input_tokens=frame.input_tokens, output_tokens=num_output),
     )

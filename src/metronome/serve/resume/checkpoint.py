@@ -17,7 +17,7 @@ state is in the snapshot). The store drops the logged events a newer checkpoint 
 The store is shared (`CheckpointStore`): `MemoryCheckpointStore` in one process (two
 servers in a test), `cluster.session_store` on Ray, owned by a detached actor that outlives
 any replica. It checks a resume's token itself, in constant time, against the token's and
-the API key's SHA-256 (`serve.resume`), so a claim with a wrong token changes nothing. A
+the API key's SHA-256 (`resume.lease`), so a claim with a wrong token changes nothing. A
 session has one owner at a time: a claim moves it to the claiming server, and the old
 owner's later writes are refused (a replica that was only slow, not dead, stops there).
 
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from metronome.serve.resume import Credentials, verify
+from metronome.serve.resume.lease import Credentials, verify
 
 MAGIC = b"METRONOME-CHECKPOINT"
 VERSION = 1

@@ -1,5 +1,5 @@
-"""When a server checkpoints its sessions, logs their input, and takes over one another
-server held (`serve.checkpoint` has the format and the store).
+"""Take-over: when a server checkpoints its sessions, logs their input, and continues a
+session another server held (`resume.checkpoint` has the format and the store).
 
 * **Checkpoints.** A session is checkpointed when it opens and then, after a frame result,
   at most once every `interval_s` (`--checkpoint-interval-s`), and only if something
@@ -23,8 +23,18 @@ server held (`serve.checkpoint` has the format and the store).
 * **Moves.** A put or append the store refuses because another server claimed the session
   means the session lives there now: `on_moved` ends it here.
 * **Take-over** (`restore`): a claimed checkpoint is opened in this engine (its own pool:
-  None when it cannot hold it) and the session rebuilt from it; the caller replays the
-  logged events, each at its place (`serve.replay`).
+  None when it cannot hold it) and the session rebuilt from it; the logged events are
+  applied again, each at its place (`LoggedEvents`): every logged event carries how many
+  frames the session had answered when it was first applied, and the new server applies it
+  once the restored session has answered as many. So a client that waited for a response
+  before its next message (the turn protocol: item, then `response.create`, then
+  `response.done`, then the next item) is replayed exactly: every event lands after the
+  replayed response it followed. Events the client sends on the new connection while a
+  replay is pending queue behind it. (A duplex audio stream is replayed at the new server's
+  pace: its frames are cut where the appends land there.)
+
+A session's checkpointing state (its lane of store calls, its last checkpoint, a retry due)
+is kept on the session (`RealtimeSession.checkpointing`, a `CheckpointState`).
 """
 
 from __future__ import annotations
@@ -34,39 +44,46 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from metronome.engine.snapshot import SessionSnapshot, SnapshotError
 from metronome.observe.metrics import Metrics
-from metronome.runtime.record import SessionRecord
-from metronome.serve.checkpoint import Checkpoint, CheckpointStore, Claim
-from metronome.serve.replay import log_entry, read_entry
-from metronome.serve.resume import Credentials
-from metronome.serve.session_checkpoint import saved_state
+from metronome.serve.resume.checkpoint import Checkpoint, CheckpointStore, Claim
+from metronome.serve.resume.lease import Credentials, Grant
+from metronome.stream import Stream
 
 log = logging.getLogger(__name__)
 
 StoreCall = Callable[[], Awaitable[object]]
 
 
-class Checkpointable:
+class Checkpointable(Protocol):
     """What the checkpointer needs of a session (`serve.session.RealtimeSession`)."""
 
     id: str
-    engine_session_id: int
     client_seq: int
     quiescent: bool
-    record: SessionRecord  # frames answered
+    stream: Stream  # its frames answered
+    grant: Grant | None  # its resume credentials (None: it cannot be resumed)
+    checkpointing: CheckpointState
+
+    def saved(self) -> dict: ...
 
 
 @dataclass(frozen=True)
 class Restored:
     saved: dict  # the session's own state, for `RealtimeSession(saved=...)`
-    engine_session_id: int
+    stream: Stream  # its stream, open in this engine
     events: list[tuple[int, str]]  # client events to replay, in order, each with the frames
-    # the session had answered when it was first applied (`serve.replay`)
+    # the session had answered when it was first applied (`LoggedEvents`)
     client_seq: int  # the checkpoint's: the events replayed are numbered on from it
+
+
+def _credentials(session: Checkpointable) -> Credentials | None:
+    return None if session.grant is None else session.grant.credentials
 
 
 class _Lane:
@@ -84,24 +101,28 @@ class _Lane:
                 log.warning("checkpoint store call failed", exc_info=True)
 
 
+@dataclass
+class CheckpointState:
+    """One session's checkpointing, kept on the session."""
+
+    lane: _Lane | None = None  # its store calls, once a checkpoint was put (or queued)
+    last: tuple[float, int, int] | None = None  # at_s, client_seq, frames answered
+    never: bool = False  # unbounded: not checkpointed
+    deferred: asyncio.TimerHandle | None = None  # a checkpoint due later
+
+
 class Checkpointer:
     def __init__(self, store: CheckpointStore, owner: str, interval_s: float, engine,
-                 run_on_engine: Callable[[Callable], asyncio.Future],
-                 credentials: Callable[[str], Credentials | None], metrics: Metrics,
+                 run_on_engine: Callable[[Callable], asyncio.Future], metrics: Metrics,
                  on_moved: Callable[[str], None], now_s: Callable[[], float]) -> None:
         self.store = store
         self.owner = owner  # this server's name in the store
         self.interval_s = interval_s
         self.engine = engine
         self.run_on_engine = run_on_engine
-        self.credentials = credentials
         self.metrics = metrics
         self.on_moved = on_moved
         self.now_s = now_s
-        self._lanes: dict[str, _Lane] = {}  # sessions with a checkpoint put (or queued)
-        self._last: dict[str, tuple[float, int, int]] = {}  # at_s, client_seq, frames
-        self._never: set[str] = set()  # unbounded: not checkpointed
-        self._deferred: dict[str, asyncio.TimerHandle] = {}  # a checkpoint due later
 
     # ---- checkpoints -----------------------------------------------------------------------
     def opened(self, session: Checkpointable) -> None:
@@ -113,57 +134,57 @@ class Checkpointer:
         """Checkpoint `session` if it is quiescent, its interval has passed and it changed
         (or `force`: a drain's migration, a new session); the future resolves to True once
         the store holds it."""
-        sid = session.id
-        if sid in self._never or self.credentials(sid) is None:
+        state = session.checkpointing
+        if state.never or _credentials(session) is None:
             return None
         if not session.quiescent:  # e.g. an answer's tail still going into its context,
             if not force:  # which no result follows: try again when its interval has passed
                 self._defer(session, self.interval_s)
             return None
         now_s = self.now_s()
-        at_s, seq, frames = self._last.get(sid, (-math.inf, -1, -1))
+        at_s, seq, frames = state.last or (-math.inf, -1, -1)
         if not force and (session.client_seq, frames_answered) == (seq, frames) and (
-                sid in self._lanes):
+                state.lane is not None):
             return None  # nothing new since the last one
         if not force and now_s - at_s < self.interval_s:  # too soon: when it is due, if
             self._defer(session, at_s + self.interval_s - now_s)  # no result comes first
             return None
-        self._last[sid] = (now_s, session.client_seq, frames_answered)
+        state.last = (now_s, session.client_seq, frames_answered)
         # a deep copy now (KBs): the loop changes the session while a worker serializes
-        saved, client_seq = json.loads(json.dumps(saved_state(session))), session.client_seq
-        engine, engine_sid = self.engine, session.engine_session_id
+        saved, client_seq = json.loads(json.dumps(session.saved())), session.client_seq
+        engine, sid = self.engine, session.id
 
         def take() -> tuple[SessionSnapshot | None, float]:  # engine thread, between steps
             start = time.perf_counter()
-            snapshot = engine.snapshot_session(engine_sid)  # a copy: serialized elsewhere
+            snapshot = engine.snapshot_session(sid)  # a copy: serialized elsewhere
             if snapshot.decode_budget > 0:
                 return None, 0.0  # still generating: its state is not the loop's
             return snapshot, time.perf_counter() - start
 
         taken = self.run_on_engine(take)  # queued now: before any later input
         done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._lane(sid).calls.put_nowait(
+        self._lane(session).calls.put_nowait(
             lambda: self._put(session, taken, saved, client_seq, done))
         return done
 
     async def _put(self, session: Checkpointable, taken: asyncio.Future, saved: dict,
                    client_seq: int, done: asyncio.Future) -> None:
-        sid, stored, data = session.id, False, None
+        sid, stored, data, state = session.id, False, None, session.checkpointing
         try:
             snapshot, seconds = await taken
         except SnapshotError:
-            self._never.add(sid)  # unbounded: its resume elsewhere is refused
+            state.never = True  # unbounded: its resume elsewhere is refused
             self.metrics.checkpoint("unbounded")
         else:
             if snapshot is None:
-                self._last.pop(sid, None)  # try again at its next result, or when its
+                state.last = None  # try again at its next result, or when its
                 self.metrics.checkpoint("generating")  # interval has passed if none comes
-                if sid in self._lanes:
+                if state.lane is not None:
                     self._defer(session, self.interval_s)
             else:  # the MBs are copied on a worker thread: neither the loop nor the engine
                 data = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: Checkpoint(saved, snapshot.to_bytes(), client_seq).to_bytes())
-        credentials = self.credentials(sid)
+        credentials = _credentials(session)
         if data is not None and credentials is not None:
             stored = await self.store.put(sid, self.owner, data, client_seq, credentials)
             self.metrics.checkpoint("stored" if stored else "refused", len(data), seconds)
@@ -174,61 +195,63 @@ class Checkpointer:
 
     def applied(self, session: Checkpointable, event_text: str, frames_answered: int) -> None:
         """`session` applied a client event (numbered already: `client_seq` counts it) with
-        `frames_answered` frames answered: log it (with that count: `serve.replay`) once the
+        `frames_answered` frames answered: log it (with that count: `LoggedEvents`) once the
         session has a checkpoint."""
         seq = session.client_seq - 1
-        if session.id in self._lanes:
+        if session.checkpointing.lane is not None:
             sid, owner, entry = session.id, self.owner, log_entry(frames_answered, event_text)
-            self._lane(sid).calls.put_nowait(lambda: self._append(sid, owner, seq, entry))
+            self._lane(session).calls.put_nowait(lambda: self._append(sid, owner, seq, entry))
 
     async def _append(self, sid: str, owner: str, seq: int, event_text: str) -> None:
         if not await self.store.append(sid, owner, seq, event_text):
             self.on_moved(sid)
 
-    def regranted(self, session_id: str) -> None:
+    def regranted(self, session: Checkpointable) -> None:
         """The session's resume token changed: the store checks the new one from now on."""
-        credentials = self.credentials(session_id)
-        if session_id in self._lanes and credentials is not None:
-            self._lane(session_id).calls.put_nowait(
-                lambda: self.store.regrant(session_id, self.owner, credentials))
+        credentials, sid = _credentials(session), session.id
+        if session.checkpointing.lane is not None and credentials is not None:
+            self._lane(session).calls.put_nowait(
+                lambda: self.store.regrant(sid, self.owner, credentials))
 
     def _defer(self, session: Checkpointable, delay_s: float) -> None:
         """Try again in `delay_s`: a session quiet after its answer (a turn waiting for its
         user) is checkpointed then, not only at its next result, so a take-over replays
         from there instead of making that answer anew. One retry pending per session."""
-        if session.id in self._deferred:
+        state = session.checkpointing
+        if state.deferred is not None:
             return
 
         def due() -> None:
-            self._deferred.pop(session.id, None)
-            self.maybe(session, frames_answered=session.record.frames_answered)
+            state.deferred = None
+            self.maybe(session, frames_answered=session.stream.frames_answered)
 
-        self._deferred[session.id] = asyncio.get_running_loop().call_later(delay_s, due)
+        state.deferred = asyncio.get_running_loop().call_later(delay_s, due)
 
-    def ended(self, session_id: str, keep: bool) -> None:
+    def ended(self, session: Checkpointable, keep: bool) -> None:
         """The session ended here: the store forgets it unless `keep` (it moves on: a drain
         migrates it, or another server claimed it)."""
-        if (deferred := self._deferred.pop(session_id, None)) is not None:
-            deferred.cancel()
-        lane = self._lanes.pop(session_id, None)
-        self._last.pop(session_id, None)
-        self._never.discard(session_id)
+        state, sid = session.checkpointing, session.id
+        if state.deferred is not None:
+            state.deferred.cancel()
+        lane = state.lane
+        session.checkpointing = CheckpointState()
         if lane is None:
             return
         if not keep:
-            lane.calls.put_nowait(lambda: self.store.forget(session_id, self.owner))
+            lane.calls.put_nowait(lambda: self.store.forget(sid, self.owner))
         lane.calls.put_nowait(None)
 
-    def _lane(self, sid: str) -> _Lane:
-        lane = self._lanes.get(sid)
-        if lane is None:
-            lane = self._lanes[sid] = _Lane()
-        return lane
+    @staticmethod
+    def _lane(session: Checkpointable) -> _Lane:
+        state = session.checkpointing
+        if state.lane is None:
+            state.lane = _Lane()
+        return state.lane
 
-    async def claimed_away(self, session_id: str) -> bool:
+    async def claimed_away(self, session: Checkpointable) -> bool:
         """Did another server take the session over (a local resume must not)?"""
-        return session_id in self._lanes and await self.store.claimed_away(session_id,
-                                                                           self.owner)
+        return session.checkpointing.lane is not None and await self.store.claimed_away(
+            session.id, self.owner)
 
     # ---- take-over ---------------------------------------------------------------------------
     async def claim(self, session_id: str, token: str | None, api_key: str) -> Claim | None:
@@ -240,18 +263,77 @@ class Checkpointer:
         if token is not None:
             await self.store.regrant(session_id, self.owner, Credentials.of(token, api_key))
 
-    async def restore(self, claim: Claim) -> Restored | None:
-        """Open the claimed checkpoint in this engine; None when its pool cannot hold it."""
+    async def restore(self, claim: Claim, make_stream: Callable[[dict], Stream]
+                      ) -> Restored | None:
+        """Open the claimed checkpoint in this engine as the stream `make_stream(saved state)`
+        gives; None when its pool cannot hold it."""
         checkpoint = Checkpoint.from_bytes(claim.checkpoint)
         snapshot = SessionSnapshot.from_bytes(checkpoint.engine)
-        engine = self.engine
-        engine_sid = await self.run_on_engine(lambda: engine.restore_session(snapshot))
-        if engine_sid is None:
+        engine, stream = self.engine, make_stream(checkpoint.state)
+        if not await self.run_on_engine(lambda: engine.restore_session(snapshot, stream)):
             return None
-        return Restored(checkpoint.state, engine_sid, [read_entry(e) for e in claim.events],
+        return Restored(checkpoint.state, stream, [read_entry(e) for e in claim.events],
                         checkpoint.client_seq)
 
     def adopted(self, session: Checkpointable, restored: Restored) -> None:
         """A session taken over here: its store entry is this server's now."""
         session.client_seq = restored.client_seq
-        self._lane(session.id)  # its appends go on to the entry it was claimed from
+        self._lane(session)  # its appends go on to the entry it was claimed from
+
+
+# ---- the logged client events, applied again ---------------------------------------------
+# apply(text, logged): logged events are in the store's log already; a live one is not
+Apply = Callable[[str, bool], None]
+
+
+def log_entry(frames_answered: int, event_text: str) -> str:
+    """An event as the store's log keeps it."""
+    return json.dumps([frames_answered, event_text])
+
+
+def read_entry(entry: str) -> tuple[int, str]:
+    frames_answered, event_text = json.loads(entry)
+    return int(frames_answered), event_text
+
+
+def held_events(client_seq: int, last_event_id: str | None,
+                owed: list[str]) -> tuple[int, str | None]:
+    """The client events a session holds, for `metronome.session.resumed`: the `client_seq`
+    it applied (the last one's id `last_event_id`) and the `owed` ones a replay will apply;
+    with the last one's `event_id`."""
+    if owed:
+        try:
+            last = json.loads(owed[-1])
+        except ValueError:  # a live event queued behind the replay, not parsed yet
+            last = None
+        last_event_id = last.get("event_id") if isinstance(last, dict) else None
+    return client_seq + len(owed), last_event_id
+
+
+class LoggedEvents:
+    def __init__(self, logged: list[tuple[int, str]], apply: Apply) -> None:
+        self.apply = apply
+        self._queue: deque[tuple[int, str, bool]] = deque(
+            (after, text, True) for after, text in logged)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._queue)
+
+    @property
+    def owed(self) -> list[str]:
+        """The events still to apply, in order."""
+        return [text for _, text, _ in self._queue]
+
+    def offer(self, text: str) -> None:
+        """A live event that arrived while the replay is pending: applied after it."""
+        self._queue.append((-1, text, False))
+
+    def due(self, frames_answered: Callable[[], int], quiescent: Callable[[], bool]) -> None:
+        """Apply every queued event whose place the session has reached; and the next ones
+        while the session is quiescent (no frame will come without input: a frame count
+        the replay does not reproduce, e.g. audio cut into frames at another pace, must
+        not hold the session's input back for good)."""
+        while self._queue and (self._queue[0][0] <= frames_answered() or quiescent()):
+            _, text, logged = self._queue.popleft()
+            self.apply(text, logged)

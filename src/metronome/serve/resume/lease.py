@@ -1,12 +1,11 @@
-"""Resuming a session whose connection dropped, on the same server: resume tokens, leases, and
-their metrics.
+"""Resume tokens and leases: a session whose connection dropped is held for the grace.
 
 A session whose client opted in to the extensions (`?metronome_events=true`) gets a resume
 token in `session.created` (`session.metronome.resume`: `token`, `grace_s`) when the server
 has a grace (`--resume-grace-s`, 0: off). If its socket then drops without a close frame
 (a network loss: close 1006, a reset, a failed send), the session is not ended: it is
 *leased* for the grace. Its KV stays resident, the frames it already submitted are answered
-and their events kept (`serve.event_stream`), no new frame is made (no input comes), and
+and their events kept (`resume.event_log`), no new frame is made (no input comes), and
 admission still counts it. Within the grace the client reconnects to the same URL with
 `resume=<session id>` (and `last_event_id=<the last event it received>`, optional) and the
 token (header `Metronome-Resume-Token`, or, from a browser, the subprotocol
@@ -19,7 +18,8 @@ every block goes back.
 
 A token is 256 random bits, kept only as its SHA-256, compared in constant time (an unknown
 session is compared against a dummy), and bound to its session and to the API key the
-session was opened with.
+session was opened with. A session's grant (its credentials and its lease) is kept on the
+session (`RealtimeSession.grant`); `Resumption` issues and checks them and runs the leases.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import hmac
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from metronome.observe.metrics import Metrics
 
@@ -87,76 +88,81 @@ class Grant:
     expiry: asyncio.TimerHandle | None = None
 
 
+class Resumable(Protocol):
+    """A session, as resumption sees it (`serve.session.RealtimeSession`)."""
+
+    id: str
+    grant: Grant | None  # None: it was never given a token
+
+
 class Resumption:
-    """The server's resume grants and leases; `expire(session_id, outcome)` ends a session
+    """The server's resume grants and leases; `expire(session, outcome)` ends a session
     whose lease ran out."""
 
     def __init__(self, grace_s: float, loop: asyncio.AbstractEventLoop, metrics: Metrics,
-                 expire: Callable[[str, str], None]) -> None:
+                 expire: Callable[[Resumable, str], None]) -> None:
         self.grace_s = grace_s
         self.loop = loop
         self.metrics = metrics
         self._expire = expire
-        self._grants: dict[str, Grant] = {}
+        self.num_leased = 0
 
     @property
     def enabled(self) -> bool:
         return self.grace_s > 0
 
-    def grant(self, session_id: str, api_key: str) -> str:
+    def grant(self, session: Resumable, api_key: str) -> str:
         """A new token for the session (its previous one, if any, no longer resumes it)."""
         assert self.enabled
         token = secrets.token_urlsafe(32)
-        grant = self._grants.get(session_id)
-        if grant is None:
-            self._grants[session_id] = Grant(Credentials.of(token, api_key))
+        if session.grant is None:
+            session.grant = Grant(Credentials.of(token, api_key))
         else:  # a resumed session's lease state stays as it is
-            grant.credentials = Credentials.of(token, api_key)
+            session.grant.credentials = Credentials.of(token, api_key)
         return token
 
-    def credentials(self, session_id: str) -> Credentials | None:
-        grant = self._grants.get(session_id)
-        return None if grant is None else grant.credentials
+    @staticmethod
+    def verify(session: Resumable | None, token: str | None, api_key: str) -> bool:
+        """Constant time in the token, whether or not the session exists (None: unknown)."""
+        grant = None if session is None else session.grant
+        return verify(None if grant is None else grant.credentials, token, api_key)
 
-    def verify(self, session_id: str, token: str | None, api_key: str) -> bool:
-        """Constant time in the token, whether or not the session exists."""
-        return verify(self.credentials(session_id), token, api_key)
+    @staticmethod
+    def resumable(session: Resumable) -> bool:
+        return session.grant is not None
 
-    @property
-    def num_leased(self) -> int:
-        return sum(grant.leased_at_s is not None for grant in self._grants.values())
-
-    def resumable(self, session_id: str) -> bool:
-        return session_id in self._grants
-
-    def lease(self, session_id: str, now_s: float) -> None:
+    def lease(self, session: Resumable, now_s: float) -> None:
         """The session's client dropped: hold it for the grace, then expire it."""
-        grant = self._grants[session_id]
-        assert grant.leased_at_s is None, session_id
+        grant = session.grant
+        assert grant is not None and grant.leased_at_s is None, session.id
         grant.leased_at_s = now_s
-        grant.expiry = self.loop.call_later(self.grace_s, self._expire, session_id,
+        grant.expiry = self.loop.call_later(self.grace_s, self._expire, session,
                                             "lease_expired")
+        self.num_leased += 1
         self.metrics.set_sessions_leased(self.num_leased)
 
-    def leased_for_s(self, session_id: str, now_s: float) -> float | None:
+    @staticmethod
+    def leased_for_s(session: Resumable, now_s: float) -> float | None:
         """How long the session has been leased; None: connected (or not resumable)."""
-        grant = self._grants.get(session_id)
+        grant = session.grant
         if grant is None or grant.leased_at_s is None:
             return None
         return now_s - grant.leased_at_s
 
-    def end_lease(self, session_id: str, outcome: str) -> None:
+    def end_lease(self, session: Resumable, outcome: str) -> None:
         """The leased session was resumed (or ended otherwise): stop its timer."""
-        grant = self._grants.get(session_id)
+        grant = session.grant
         if grant is None or grant.leased_at_s is None:
             return
         if grant.expiry is not None:
             grant.expiry.cancel()
         grant.leased_at_s = grant.expiry = None
+        self.num_leased -= 1
+        assert self.num_leased >= 0, self.num_leased
         self.metrics.set_sessions_leased(self.num_leased)
         self.metrics.lease_ended(outcome)
 
-    def forget(self, session_id: str, outcome: str) -> None:
+    def forget(self, session: Resumable, outcome: str) -> None:
         """The session ended: its lease (if any) ends with `outcome`, its token with it."""
-        self.end_lease(session_id, outcome)
-        self._grants.pop(session_id, None)
+        self.end_lease(session, outcome)
+        session.grant = None

@@ -1,5 +1,5 @@
 """One session's server events, numbered and kept (the last `max_events` / `max_bytes` of them),
-so a client that resumes the session (`serve.resume`) gets what it missed, in order.
+so a client that resumes the session (`resume.lease`) gets what it missed, in order.
 
 Every event the session emits gets the next sequence number and joins the tail; the oldest
 fall out when either bound would pass. While the session is leased (no connection), the
@@ -22,13 +22,13 @@ Sink = Callable[[ServerEvent, str, int], None]  # an event, its JSON, its number
 
 
 @dataclass(frozen=True)
-class Replay:
+class MissedEvents:
     texts: list[str]  # the events to send again, oldest first
     first_seq: int  # the number of texts[0]
     missed_events: int  # owed but no longer held (0 unless the tail had to move on)
 
 
-class EventStream:
+class EventLog:
     def __init__(self, max_events: int, max_bytes: int) -> None:
         assert max_events >= 1 and max_bytes >= 1, (max_events, max_bytes)
         self.max_events = max_events
@@ -68,23 +68,23 @@ class EventStream:
                 return self.next_seq - 1 - offset
         return None
 
-    def since(self, seq: int) -> Replay:
+    def since(self, seq: int) -> MissedEvents:
         """The held events numbered `seq` and later, and how many of those are gone."""
         seq = min(max(seq, 0), self.next_seq)
         start = max(seq, self.first_seq)
         skip = start - self.first_seq
         texts = [text for index, (_, text, _) in enumerate(self._events) if index >= skip]
-        return Replay(texts, start, start - seq)
+        return MissedEvents(texts, start, start - seq)
 
 
 class EventChannel:
-    """Where one session's events go: numbered and kept in its stream, then to the attached
+    """Where one session's events go: numbered and kept in its event log, then to the attached
     connection's sink; while detached (its client dropped, the session leased), only kept.
     A failure of the session goes to the connection (which ends it), or, detached, ends the
     lease."""
 
-    def __init__(self, stream: EventStream, sink: Sink, on_failure: Callable[[], None]) -> None:
-        self.stream = stream
+    def __init__(self, log: EventLog, sink: Sink, on_failure: Callable[[], None]) -> None:
+        self.log = log
         self._sink: Sink | None = sink
         self._failure = on_failure
         self._lost: Callable[[str], None] | None = None  # detached: ends the lease
@@ -95,9 +95,9 @@ class EventChannel:
 
     def emit(self, event: ServerEvent) -> None:
         text = event.to_json()
-        kept = self.stream.append(event.event_id, text)
+        kept = self.log.append(event.event_id, text)
         if self._sink is not None:
-            self._sink(event, text, self.stream.next_seq - 1)
+            self._sink(event, text, self.log.next_seq - 1)
         elif not kept and self._lost is not None:
             self._lost("lease_overflow")  # an event owed to the client would be lost
 
@@ -110,21 +110,21 @@ class EventChannel:
     def detach(self, resume_from_seq: int, on_lost: Callable[[str], None]) -> None:
         """The client is gone: events from `resume_from_seq` on are owed to it; `on_lost`
         ends the session when one cannot be kept, or the session fails."""
-        assert 0 <= resume_from_seq <= self.stream.next_seq, (resume_from_seq,
-                                                              self.stream.next_seq)
+        assert 0 <= resume_from_seq <= self.log.next_seq, (resume_from_seq,
+                                                              self.log.next_seq)
         self._sink, self._lost = None, on_lost
-        self.stream.hold_from = resume_from_seq
+        self.log.hold_from = resume_from_seq
 
     def attach(self, sink: Sink, on_failure: Callable[[], None],
-               last_event_id: str | None) -> Replay:
-        """A resumed client: the events it missed (after `last_event_id` when the stream
+               last_event_id: str | None) -> MissedEvents:
+        """A resumed client: the events it missed (after `last_event_id` when the log
         still holds it, else from where its old connection stopped); `sink` gets the rest."""
-        assert self._sink is None and self.stream.hold_from is not None
-        start = self.stream.hold_from
+        assert self._sink is None and self.log.hold_from is not None
+        start = self.log.hold_from
         if last_event_id is not None:
-            seq = self.stream.seq_of(last_event_id)
+            seq = self.log.seq_of(last_event_id)
             start = start if seq is None else seq + 1
-        replay = self.stream.since(start)
-        self.stream.hold_from = None
+        missed = self.log.since(start)
+        self.log.hold_from = None
         self._sink, self._failure, self._lost = sink, on_failure, None
-        return replay
+        return missed

@@ -1,0 +1,345 @@
+"""The server's side of resuming: it grants tokens, leases a session whose client dropped,
+resumes a session on a new connection (here, or taken over from another server's
+checkpoint), and moves sessions off a draining server.
+
+Owns the server's `Resumption` (`resume.lease`) and, with a checkpoint store, its
+`Checkpointer` (`resume.takeover`); a session's own resume state is on the session. The
+connection knows none of this: it asks `attach` for the session a `?resume=` connection
+continues, and `lease` whether a dropped session is held; everything here runs on the loop.
+
+    new session    grant (a token for a client that opted in) -> opened (first checkpoint)
+    dropped        lease: held for the grace, its events kept; expired: removed
+    ?resume=id     attach: its lease ended, the missed events replayed (or claimed from the
+                   store and restored, the logged client events replayed), then live
+    drain          migrate: checkpointed between frames, closed 4002, resumed elsewhere
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from metronome.kv.residency import ResidencyPolicy
+from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
+from metronome.serve.protocol import server as se
+from metronome.serve.protocol.schema import ResumeOut
+from metronome.serve.resume.checkpoint import CheckpointStore
+from metronome.serve.resume.event_log import Sink
+from metronome.serve.resume.lease import (
+    LAST_EVENT_QUERY,
+    MIGRATED_CLOSE_CODE,
+    MIGRATED_REASON,
+    TAKEN_OVER_CLOSE_CODE,
+    Resumption,
+)
+from metronome.serve.resume.takeover import Checkpointer, LoggedEvents, Restored, held_events
+from metronome.serve.settings import SessionSettings
+from metronome.stream import Stream
+
+if TYPE_CHECKING:
+    from metronome.serve.serving import Serving
+    from metronome.serve.session import RealtimeSession
+
+log = logging.getLogger(__name__)
+
+
+class ResumeRefused(ClientError):
+    """A resume that cannot be honoured, answered before the upgrade with `http_status`."""
+
+    def __init__(self, http_status: int, code: ErrorCode, message: str,
+                 error_type: ErrorType = ErrorType.INVALID_REQUEST) -> None:
+        super().__init__(code, message, error_type=error_type)
+        self.http_status = http_status
+
+
+class Client(Protocol):
+    """A session's connection, as resuming uses it (`serve.connection.Connection`)."""
+
+    api_key: str  # the key it was authorized with ("" for a server without one)
+    attached_seq: int  # the first session event it was to deliver
+    sink: Sink  # the session's events, numbered
+
+    def query(self, name: str) -> str | None: ...
+
+    def fail(self) -> None: ...
+
+    def refuse(self, error: ClientError) -> None: ...
+
+    def send(self, event: se.ServerEvent) -> None:
+        """A connection's own event (not in the session's numbered stream)."""
+
+    def send_numbered(self, text: str, seq: int) -> None: ...
+
+    def resume_from(self) -> int:
+        """The first session event it did not hand to the transport."""
+
+    def end(self, outcome: str, code: int | None, reason: str,
+            error: ClientError | None = None, flush: bool = True) -> None: ...
+
+
+class Resumer:
+    def __init__(self, serving: Serving, store: CheckpointStore | None,
+                 server_name: str) -> None:
+        self.serving = serving
+        config, driver = serving.config, serving.driver
+        self.resumption = Resumption(config.resume_grace_s, driver.loop, serving.metrics,
+                                     self._end_leased)
+        # Checkpoints to a store beyond this server (a cluster's), so another server resumes
+        # a session this one held; they need resume tokens and the engine's snapshots.
+        engine = serving.engine
+        self.checkpoints = Checkpointer(
+            store, server_name, config.checkpoint_interval_s, engine, driver.run_on_engine,
+            serving.metrics, self.moved, serving.now_s) if (
+            store is not None and config.checkpoint_interval_s > 0
+            and self.resumption.enabled and hasattr(engine, "snapshot_session")) else None
+        self._migrating: set[str] = set()  # draining: checkpoint under way, then closed 4002
+
+    # ---- a session's life ------------------------------------------------------------------
+    def grant(self, session: RealtimeSession, client: Client) -> None:
+        """A new resume token for a client that can read it (it opted in to the extensions)."""
+        if self.resumption.enabled and session.extensions:
+            session.resume = ResumeOut(token=self.resumption.grant(session, client.api_key),
+                                       grace_s=self.resumption.grace_s)
+            if self.checkpoints is not None:
+                self.checkpoints.regranted(session)
+
+    def opened(self, session: RealtimeSession) -> None:
+        """A new session has started: resumable elsewhere from here on."""
+        if self.checkpoints is not None and session.resume is not None:
+            self.checkpoints.opened(session)
+
+    def settled(self, session: RealtimeSession) -> None:
+        """A frame result of `session` was handled: a replay's events may be due, a
+        checkpoint may be taken (or, draining, the session moved)."""
+        if (replay := session.replay) is not None:  # taken over: events due?
+            replay.due(lambda: session.stream.frames_answered, lambda: session.quiescent)
+            if not replay.pending:
+                session.replay = None
+        if self.checkpoints is not None and self.serving.draining:
+            self.migrate(session)
+        elif self.checkpoints is not None:
+            self.checkpoints.maybe(session, frames_answered=session.stream.frames_answered)
+
+    def applied(self, session: RealtimeSession, event_text: str) -> None:
+        """The session applied a client event (`event_text`): logged for a take-over."""
+        if self.checkpoints is not None:
+            self.checkpoints.applied(session, event_text, session.stream.frames_answered)
+
+    def ended(self, session: RealtimeSession, outcome: str) -> None:
+        """The session ended here: its lease and token go; its checkpoint stays in the store
+        if it moved on (claimed by another server, or migrated by a drain)."""
+        session.replay = None
+        self.resumption.forget(session, outcome)
+        if self.checkpoints is not None:
+            self.checkpoints.ended(session, keep=outcome in ("moved", "migrated"))
+
+    # ---- a dropped client -----------------------------------------------------------------
+    def lease(self, session: RealtimeSession, resume_from_seq: int) -> bool:
+        """The session's client dropped: hold it for the grace if it can be resumed (False:
+        it cannot, and nothing changed; the caller removes it)."""
+        if self.serving.draining or not self.resumption.resumable(session):
+            return False
+        session.connection = None
+        session.channel.detach(resume_from_seq,
+                               lambda outcome: self._end_leased(session, outcome))
+        self.resumption.lease(session, self.serving.now_s())
+        log.info("session %s: client dropped; held %g s for a resume", session.id,
+                 self.resumption.grace_s)
+        return True
+
+    def _end_leased(self, session: RealtimeSession, outcome: str) -> None:
+        if self.serving.sessions.get(session.id) is session and session.connection is None:
+            log.info("session %s: lease ended (%s)", session.id, outcome)
+            self.serving.remove(session, outcome)
+
+    # ---- a resuming client ----------------------------------------------------------------
+    async def attach(self, session_id: str, token: str | None, client: Client
+                     ) -> tuple[RealtimeSession, Callable[[], None]]:
+        """The session a `?resume=` connection continues, now `client`'s, and what to do once
+        the connection is accepted; else `ResumeRefused` (the same answer for an unknown
+        session and a wrong token)."""
+        arrived_s = self.serving.driver.loop.time()
+        serving, checkpoints = self.serving, self.checkpoints
+        if checkpoints is not None and self.resumption.enabled and not serving.draining:
+            here = serving.sessions.get(session_id)
+            if here is not None and await checkpoints.claimed_away(here):
+                self.moved(session_id)  # resumed on another server since: not here
+            if session_id not in serving.sessions:
+                return await self._take_over(session_id, token, client, arrived_s)
+        session, away_s = self.take_for_resume(session_id, token, client)
+
+        def resumed() -> None:
+            missed = session.channel.attach(client.sink, client.fail,
+                                            client.query(LAST_EVENT_QUERY))
+            session.on_error = client.refuse
+            client.attached_seq = missed.first_seq
+            self.grant(session, client)
+            owed = [] if session.replay is None else session.replay.owed
+            held, last_id = held_events(session.client_seq, session.last_client_event_id,
+                                        owed)
+            client.send(se.MetronomeSessionResumed(
+                session=session.describe(), resumed=se.ResumedOut(
+                    away_s=round(away_s, 3), replayed_events=len(missed.texts),
+                    missed_events=missed.missed_events, client_events=held,
+                    last_client_event_id=last_id)))
+            for offset, text in enumerate(missed.texts):
+                client.send_numbered(text, missed.first_seq + offset)
+            serving.metrics.observe_resume(serving.driver.loop.time() - arrived_s)
+            log.info("session %s resumed after %.3f s: %d events replayed, %d missed",
+                     session.id, away_s, len(missed.texts), missed.missed_events)
+
+        return session, resumed
+
+    def take_for_resume(self, session_id: str, token: str | None, client: Client
+                         ) -> tuple[RealtimeSession, float]:
+        """The session a resume continues here, now `client`'s, and how long its client was
+        away (0: its old connection still looked open, and is told to hand it over)."""
+        resumption, metrics, serving = self.resumption, self.serving.metrics, self.serving
+        if not resumption.enabled:
+            metrics.resume_attempt("refused_off")
+            raise ResumeRefused(404, ErrorCode.RESUME_REFUSED, "this server does not resume "
+                                "sessions (--resume-grace-s 0)")
+        if serving.draining:
+            metrics.resume_attempt("refused_draining")
+            raise ResumeRefused(503, ErrorCode.SERVER_DRAINING, "this server is draining: "
+                                "it resumes no session", error_type=ErrorType.SERVER)
+        session = serving.sessions.get(session_id)
+        if not resumption.verify(session, token, client.api_key):
+            metrics.resume_attempt("refused_token")
+            raise _no_session(session_id)
+        away_s = resumption.leased_for_s(session, serving.now_s()) or 0.0
+        previous, session.connection = session.connection, client
+        if previous is not None:  # its old connection still looked open: it hands it over
+            resume_from = previous.resume_from()
+            previous.end("handed_over", TAKEN_OVER_CLOSE_CODE, "session resumed on another "
+                         "connection", flush=False)
+            session.channel.detach(resume_from, lambda outcome: None)
+        resumption.end_lease(session, "resumed")
+        metrics.resume_attempt("resumed", away_s)
+        return session, away_s
+
+    async def _take_over(self, session_id: str, token: str | None, client: Client,
+                         arrived_s: float) -> tuple[RealtimeSession, Callable[[], None]]:
+        """A session another server held: claimed from the store, opened here from its
+        checkpoint, its client's events since replayed; the client gets
+        `metronome.session.resumed` (`from_checkpoint`), then the events the replay makes
+        (they supersede what it had after the checkpoint), then the live ones."""
+        from metronome.serve.session import RealtimeSession
+
+        serving = self.serving
+        restored = await self._claim(session_id, token, client.api_key)
+        saved = restored.saved
+        session = RealtimeSession(serving, client.sink, client.fail, client.refuse,
+                                  saved["extensions"], saved=saved, stream=restored.stream)
+        serving.add(session, client)
+        self.checkpoints.adopted(session, restored)
+        client.attached_seq = session.channel.log.next_seq  # its channel is the client's
+
+        def resumed() -> None:
+            self.grant(session, client)
+            held, last_id = held_events(session.client_seq, session.last_client_event_id,
+                                        [text for _, text in restored.events])
+            client.send(se.MetronomeSessionResumed(
+                session=session.describe(), resumed=se.ResumedOut(
+                    away_s=0.0, replayed_events=0, missed_events=0, from_checkpoint=True,
+                    replayed_client_events=len(restored.events), client_events=held,
+                    last_client_event_id=last_id)))
+            replay = LoggedEvents(restored.events, session.apply)
+            replay.due(lambda: session.stream.frames_answered,  # the rest after replayed
+                       lambda: session.quiescent)  # frames
+            if replay.pending:
+                session.replay = replay
+            serving.metrics.observe_resume(serving.driver.loop.time() - arrived_s)
+            log.info("session %s taken over from a checkpoint: %d client events replayed",
+                     session.id, len(restored.events))
+
+        return session, resumed
+
+    async def _claim(self, session_id: str, token: str | None, api_key: str) -> Restored:
+        """Claim a session another server held from the checkpoint store and open its stream
+        here (`ResumeRefused`: no such checkpoint or token, or no room)."""
+        checkpoints, metrics = self.checkpoints, self.serving.metrics
+        if checkpoints is None:
+            metrics.resume_attempt("refused_token")
+            raise _no_session(session_id)
+        claim = await checkpoints.claim(session_id, token, api_key)
+        if claim is None:
+            metrics.resume_attempt("refused_token")
+            raise _no_session(session_id)
+        try:
+            restored = await checkpoints.restore(claim, self._stream_of)
+        except Exception:
+            await checkpoints.unclaim(session_id, token, api_key)
+            raise
+        if restored is None:
+            await checkpoints.unclaim(session_id, token, api_key)  # the token resumes it
+            metrics.resume_attempt("refused_pool")
+            raise ResumeRefused(503, ErrorCode.AT_CAPACITY, "this server's KV pool cannot "
+                                "hold the session now; retry (the session stays resumable)",
+                                error_type=ErrorType.SERVER)
+        metrics.resume_attempt("restored")
+        return restored
+
+    def _stream_of(self, saved: dict) -> Stream:
+        """The stream of a session saved elsewhere (`RealtimeSession.saved`): its profile,
+        its frame numbering and the bound KV pressure imposed on it."""
+        serving = self.serving
+        mode = SessionSettings.load(saved["settings"]).mode
+        stream = Stream(saved["id"], serving.config.profile(mode),
+                        serving.now_s() - saved["age_s"])
+        stream.frames_submitted = saved["frames_submitted"]
+        stream.bound = None if saved["bound"] is None else ResidencyPolicy.parse(saved["bound"])
+        return stream
+
+    def moved(self, session_id: str) -> None:
+        """Another server claimed the session (its client resumed there): end it here."""
+        session = self.serving.sessions.get(session_id)
+        if session is None:
+            return
+        log.info("session %s: resumed on another server; ended here", session_id)
+        if session.connection is not None:  # its connection still looked open
+            session.connection.end("handed_over", TAKEN_OVER_CLOSE_CODE,
+                                   "session resumed on another connection", flush=False)
+        self.serving.remove(session, "moved")
+
+    # ---- a draining server --------------------------------------------------------------
+    def migrate(self, session: RealtimeSession) -> None:
+        """Draining: checkpoint the connected session now if it is between frames, then
+        close 4002 so its client resumes it elsewhere (else: at its next result)."""
+        if (self.checkpoints is None or session.connection is None
+                or session.id in self._migrating
+                or self.serving.sessions.get(session.id) is not session):
+            return
+        stored = self.checkpoints.maybe(session, force=True,
+                                        frames_answered=session.stream.frames_answered)
+        if stored is None:
+            return
+        self._migrating.add(session.id)
+        stored.add_done_callback(lambda done: self._migrated(session, done.result()))
+
+    def _migrated(self, session: RealtimeSession, stored: bool) -> None:
+        self._migrating.discard(session.id)
+        connection = session.connection
+        if not stored or self.serving.sessions.get(session.id) is not session or (
+                connection is None):
+            return  # not checkpointed (unbounded, store full): closed at the drain timeout
+        connection.end("migrated", MIGRATED_CLOSE_CODE, MIGRATED_REASON)
+        self.serving.remove(session, "migrated")
+        self.serving.metrics.session_migrated()
+
+    def describe(self, session: RealtimeSession, now_s: float) -> dict:
+        """Its connection as `GET /v1/sessions` shows it: connected, or leased (for how
+        much longer)."""
+        leased_for_s = self.resumption.leased_for_s(session, now_s)
+        return {"connection": "connected" if leased_for_s is None else "leased",
+                "lease_expires_in_s": None if leased_for_s is None else round(max(
+                    0.0, self.resumption.grace_s - leased_for_s), 3)}
+
+
+def _no_session(session_id: str) -> ResumeRefused:
+    return ResumeRefused(404, ErrorCode.RESUME_REFUSED, f"no resumable session {session_id!r} "
+                         "with this token: it ended, its lease expired, the token is not its "
+                         "latest (each resume issues a new one), or it was unbounded and its "
+                         "server is gone (only bounded sessions are checkpointed)")
+

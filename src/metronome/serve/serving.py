@@ -1,0 +1,294 @@
+"""The server's serving state, one per process, created inside the running loop.
+
+Owns the runtime (the wall driver: the engine thread and the beat, which holds every
+session's `Stream`), admission (the AIMD controller and the memory ceiling), observability
+(metrics on an injected registry, the stall detector, the forecast, the loop's lag probe),
+the worker threads that prepare input (the encoder: audio encoding and text tokenizing) and
+detect turns (VAD, its Silero network loaded there on first use), the registry of admitted
+sessions (`serve.session.RealtimeSession`, by id; the connection that owns one is on it,
+None while it is leased) and resuming (`resume.resumer`). Every method runs on the event
+loop thread; `probe` hands a reading to the engine thread, which sends it back to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from metronome.admission.controller import AdmissionController, CapSample, Decision
+from metronome.admission.limits import make_limit
+from metronome.audio.frontend import AudioFrontEnd
+from metronome.audio.silero import SileroVad
+from metronome.engine.types import PoolStats, StepOutput
+from metronome.kv.residency import ResidencyPolicy
+from metronome.runtime.beat import Beat
+from metronome.runtime.cores import single_threaded
+from metronome.runtime.observer import RuntimeObserver
+from metronome.runtime.ports import EnginePort, Listeners
+from metronome.runtime.wall import WallDriver
+from metronome.serve.config import ServerConfig
+from metronome.serve.edge.loop_lag import LoopLagProbe
+from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
+from metronome.serve.resume.checkpoint import CheckpointStore
+from metronome.serve.resume.resumer import Client, Resumer
+from metronome.serve.status import StatusBoard
+from metronome.serve.text import ChatText
+
+if TYPE_CHECKING:
+    from metronome.serve.session import RealtimeSession
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+GOING_AWAY_CLOSE_CODE = 1001  # the drain timeout passed
+
+
+class Serving:
+    def __init__(self, config: ServerConfig, engine: EnginePort, tokenizer,
+                 registry: CollectorRegistry, model_name: str,
+                 checkpoint_store: CheckpointStore | None = None,
+                 server_name: str = "local") -> None:
+        self.config = config
+        self.engine = engine
+        self.model_name = model_name
+        self.chat = ChatText(tokenizer) if tokenizer is not None else None
+        # Health covers one control interval, and frames slow by their own session's input
+        # (more than one step's chunk of it) are no sign of load: the controller's rules.
+        self_paced_tokens = engine.config.max_chunk_tokens
+        self.observer = RuntimeObserver.create(
+            engine.pool_stats().block_size, registry,
+            health_window_s=config.admission_interval_s, self_paced_tokens=self_paced_tokens)
+        self.metrics = self.observer.metrics
+        self.sessions: dict[str, RealtimeSession] = {}  # admitted, by id
+        self.draining = False  # set once (`drain`): no new session from then on
+        self._frontends: dict[int, AudioFrontEnd] = {}  # by sample rate
+        # One thread prepares every session's input, audio (log-mel + projection) and text
+        # (tokenizing): off the loop, so one session's input never delays another's deadline
+        # timers, and in submission order, so each session's stateful encoder sees its audio
+        # in sequence.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-audio",
+                                           initializer=single_threaded)
+        # Server VAD has a thread of its own: detecting a turn never delays a frame's
+        # encoding, and each session's VAD stream sees its audio in sequence. The network
+        # runs in ONNX Runtime on that one thread: the engine's torch threads are untouched.
+        self._vad = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-vad",
+                                       initializer=single_threaded)
+        self._silero: SileroVad | None = None  # the VAD thread's only
+        # An executor starts its thread on its first submit, on the caller's thread: the loop
+        # paid 1-4 ms of CPU for it on a session's first text or audio. Start them now.
+        for executor in (self._encoder, self._vad):
+            executor.submit(lambda: None).result()
+        self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
+        limit = make_limit(config.admission, config.admission_cap)
+        self.controller = AdmissionController(
+            limit, lambda: len(self.sessions), config.admission_interval_s,
+            on_update=self._on_admission_update,
+            memory_ceiling=engine.memory_ceiling(_ceiling_policy(config, engine)),
+            self_paced_tokens=self_paced_tokens, frame_period_s=config.frame_period_s,
+        )
+        # Health leaves out the frames the controller judged self-paced (more than one step's
+        # chunk of their own input, or input faster than real time), so the controller hears
+        # of each result before the observer does.
+        self.observer.deadlines.self_paced_session = self.controller.pacing.latest
+        self.observer.deadlines.steered = lambda: bool(
+            self.controller.history) and self.controller.history[-1].steered
+        self.status_board = StatusBoard()  # the status page's per-session frame strips
+        self.driver = WallDriver(engine, Listeners.of(self.controller, self.observer, self,
+                                                      self.status_board))
+        self.metrics.set_admission_cap(limit.cap)
+        self.metrics.set_memory_ceiling(self.controller.memory_ceiling)
+        for rate_hz in config.sample_rates_hz if self.accepts_audio else ():
+            frontend = self.frontend(rate_hz)  # first STFT/projection calls set up kernels:
+            frontend.encode(torch.zeros(2 * frontend.fmt.samples_per_token))  # pay it now
+        self.controller.start(self.driver.timer, self.driver.now_s())
+        self.loop_lag = LoopLagProbe(self.driver.loop, registry)  # the attack suite's gauge
+        self.loop_lag.start()
+        self.resume = Resumer(self, checkpoint_store, server_name)
+
+    @property
+    def beat(self) -> Beat:
+        return self.driver.beat
+
+    def now_s(self) -> float:
+        return self.driver.now_s()
+
+    # ---- admission and session lifecycle ---------------------------------------------------
+    def admit(self) -> Decision:
+        decision = Decision(False, "draining", self.config.admission_interval_s) if (
+            self.draining) else self.controller.try_admit(self.now_s())
+        label = "admitted" if decision.admitted else f"refused_{decision.reason}"
+        self.metrics.admission_decision(label)
+        if not decision.admitted:
+            self.metrics.session_closed(label)
+        return decision
+
+    def add(self, session: RealtimeSession, connection: Client) -> None:
+        """An admitted session, `connection`'s (admission counts it from now on)."""
+        self.sessions[session.id] = session
+        session.connection = connection
+
+    def start(self, session: RealtimeSession) -> None:
+        """A new session's connection is accepted: its resume token (for a client that
+        reads it), `session.created`, then resumable on another server."""
+        self.resume.grant(session, session.connection)
+        session.start()
+        self.resume.opened(session)
+
+    def release(self, session: RealtimeSession, connection: Client, outcome: str,
+                dropped: bool) -> None:
+        """`connection` ended: its session ends too, unless it was resumed on another
+        connection already or, its client dropped, it is leased for a resume."""
+        if session.connection is not connection:
+            return  # resumed on another connection, which has it now
+        if dropped and session.channel.attached and self.resume.lease(
+                session, connection.resume_from()):
+            return  # held for its client to resume
+        self.remove(session, outcome)
+
+    def remove(self, session: RealtimeSession, outcome: str) -> None:
+        """End the session: its stream closes at once (its blocks go back) and it is
+        forgotten (a session that moved to another server stays in the checkpoint store)."""
+        session.connection = None
+        self.resume.ended(session, outcome)
+        if self.sessions.pop(session.id, None) is None:
+            return
+        session.close()
+        self.probe()
+        self.metrics.session_closed(outcome)
+
+    def drain(self, timeout_s: float) -> None:
+        """Take no new session from now on (refused as at capacity, reason `draining`), and
+        close those still open after `timeout_s` (1001 going away); once set, for good."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("draining: %d sessions open, %s, closed in %g s if still open",
+                 len(self.sessions), "each moved to another server once it is between frames"
+                 if self.resume.checkpoints is not None else "none moved (no checkpoint store)",
+                 timeout_s)
+        self.driver.loop.call_later(timeout_s, self._drain_timeout)
+        for session in list(self.sessions.values()):
+            self.resume.migrate(session)
+
+    def _drain_timeout(self) -> None:
+        error = ClientError(ErrorCode.SERVER_DRAINING, "this server is being removed and its "
+                            "drain timeout has passed: reconnect to continue elsewhere",
+                            error_type=ErrorType.SERVER)
+        for session in list(self.sessions.values()):
+            if session.connection is not None:
+                session.connection.end("drained", GOING_AWAY_CLOSE_CODE,
+                                       "server draining: drain timeout", error)
+            else:
+                self.remove(session, "drained")
+
+    # ---- worker threads ---------------------------------------------------------------------
+    @property
+    def accepts_audio(self) -> bool:
+        """The engine takes the audio front end's embeddings (vLLM's streaming input: not)."""
+        return self.engine.accepts_embeddings
+
+    def frontend(self, sample_rate_hz: int) -> AudioFrontEnd:
+        if sample_rate_hz not in self._frontends:
+            fmt = self.config.audio_format(sample_rate_hz)
+            self._frontends[sample_rate_hz] = AudioFrontEnd.for_model(
+                self.engine.model.embed_tokens, fmt) if self.accepts_audio else (
+                AudioFrontEnd(fmt, hidden_size=1, embed_rms=1.0))  # framing only: never encodes
+        return self._frontends[sample_rate_hz]
+
+    def encode(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `work` (encoding audio, tokenizing text) on the encoder thread; its future
+        resolves on the loop, futures in the order of the calls."""
+        return self.driver.loop.run_in_executor(self._encoder, work)
+
+    def detect(self, work: Callable[[SileroVad], T]) -> asyncio.Future[T]:
+        """Run VAD `work` on the VAD thread with the shared Silero network; futures resolve
+        on the loop in the order of the calls."""
+        return self.driver.loop.run_in_executor(self._vad, lambda: work(self._silero_vad()))
+
+    def _silero_vad(self) -> SileroVad:
+        """On the VAD thread: the network, loaded by its first user (~0.1 s, off the loop)."""
+        if self._silero is None:
+            self._silero = SileroVad()
+        return self._silero
+
+    # ---- readings -------------------------------------------------------------------------
+    def on_step(self, out: StepOutput) -> None:
+        """A runtime listener: the pool after each step."""
+        self.pool = out.pool
+
+    def _on_admission_update(self, sample: CapSample) -> None:
+        self.metrics.set_admission_cap(sample.cap)
+        self.metrics.set_admission_signal(sample.percentile / 100, sample.latency_fraction)
+        self.observer.advance(sample.at_s)  # the health gauge recovers on an idle server too
+
+    def probe(self) -> None:
+        """Read the pool on the engine thread after the commands queued so far (a close),
+        so metrics show returned blocks at once, with no engine step to report them."""
+        engine, loop = self.engine, self.driver.loop
+
+        def read() -> None:
+            pool, resident = engine.pool_stats(), engine.resident_tokens_by_session()
+            with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
+                loop.call_soon_threadsafe(self._on_probe, pool, resident)
+
+        self.driver.call_on_engine(read)
+
+    def _on_probe(self, pool: PoolStats, resident_tokens: dict[str, int]) -> None:
+        self.pool = pool
+        # a close changes the forecast's sessions: re-forecast now, steps or not
+        self.observer.observe_pool(self.now_s(), pool, resident_tokens, force=True)
+
+    def health(self) -> dict:
+        """The server's verdict as of now (`status`: ok | degraded | critical) with its
+        reason, then the evidence: the KV-stall and overload verdicts over the last control
+        interval, admission (cap, memory ceiling) and the pool."""
+        summary = self.observer.health_summary(self.now_s())
+        engine_error = self.driver.error
+        controller = self.controller
+        return {
+            "status": "critical" if engine_error else summary["state"],
+            "reason": f"engine step failed: {engine_error}" if engine_error else (
+                summary["reason"]),
+            "engine_error": engine_error,
+            "stall_detector": summary["kv_stall"] | {
+                "saturation_predicted_at_s": summary["saturation_predicted_at_s"],
+                "forecast": summary["forecast"]},
+            "overload": summary["overload"], "goodput_ratio": summary["goodput_ratio"],
+            "sessions": len(self.sessions), "leased_sessions": self.num_leased,
+            "draining": self.draining, "admission": {
+                "kind": self.config.admission, "cap": controller.limit.cap,
+                "memory_ceiling": controller.memory_ceiling,
+                "effective_cap": controller.effective_cap, "counts": dict(controller.counts)},
+            "kv_pool": vars(self.pool) | {"block_size_tokens": self.config.block_size},
+        }
+
+    @property
+    def num_leased(self) -> int:
+        return sum(session.connection is None for session in self.sessions.values())
+
+    def session_list(self) -> dict:
+        now_s = self.now_s()
+        data = [session.summary(now_s) | self.resume.describe(session, now_s)
+                for session in self.sessions.values()]
+        return {"object": "list", "data": data, "kv_pool": vars(self.pool)}
+
+    def close(self) -> None:
+        self.loop_lag.stop()
+        self.driver.close()
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+        self._vad.shutdown(wait=False, cancel_futures=True)
+
+
+def _ceiling_policy(config: ServerConfig, engine: EnginePort) -> ResidencyPolicy:
+    """The bound that sizes sessions for the memory ceiling: the server's, or, for unbounded
+    sessions under graceful degradation, the bound they are switched to at the wall (so
+    every admitted session fits once bound: none is ever stuck)."""
+    policy = ResidencyPolicy.parse(config.policy)
+    pressure = engine.config.pressure_policy
+    return pressure if not policy.bounded and pressure is not None else policy
