@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import enum
 import logging
-import math
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
@@ -46,9 +45,8 @@ from metronome.serve.edge.auth import (
 from metronome.serve.edge.guard import ABORT_EXTENSION
 from metronome.serve.edge.rate_limit import RateLimit, Verdict
 from metronome.serve.outbox import Outbox
-from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
-from metronome.serve.resume.lease import RESUME_QUERY, TOKEN_HEADER, offered_token
-from metronome.serve.resume.resumer import ResumeRefused
+from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.protocol.errors import Refused
 from metronome.serve.serving import Serving
 from metronome.serve.session import RealtimeSession
 
@@ -66,7 +64,6 @@ class CloseCode(enum.IntEnum):
     NORMAL = 1000
     POLICY_VIOLATION = 1008  # bad API key, a client that does not read, over the rate limit
     INTERNAL_ERROR = 1011
-    TRY_AGAIN_LATER = 1013  # refused by admission after the upgrade
 
 
 @dataclass(frozen=True)
@@ -99,22 +96,12 @@ class Connection:
     async def serve(self) -> None:
         if not await self._authorized():
             return
-        resume_id = self.query(RESUME_QUERY)
-        if resume_id is not None:
-            token = offered_token(self.ws.headers.get(TOKEN_HEADER), self.subprotocols)
-            try:
-                session, on_accepted = await self.serving.resume.attach(resume_id, token, self)
-            except ResumeRefused as refused:
-                await self._refuse(refused, refused.http_status, CloseCode.POLICY_VIOLATION,
-                                   "resume refused")
-                return
-        else:
-            if not await self._admitted():
-                return
-            session = RealtimeSession(self.serving, self.sink, self.fail, self.refuse,
-                                      extensions=self._wants_extensions())
-            self.serving.add(session, self)  # before any await: admission counts it
-            on_accepted = lambda: self.serving.start(session)  # noqa: E731
+        try:
+            session, on_accepted = await self.serving.open(self)
+        except Refused as refused:
+            await self._refuse(refused, refused.http_status, refused.close_code,
+                               refused.close_reason, refused.headers)
+            return
         await self._run(session, on_accepted)
 
     async def _run(self, session: RealtimeSession, on_accepted) -> None:
@@ -136,6 +123,15 @@ class Connection:
     def query(self, name: str) -> str | None:
         return self.ws.query_params.get(name)
 
+    def header(self, name: str) -> str | None:
+        return self.ws.headers.get(name)
+
+    @property
+    def extensions(self) -> bool:
+        """`?metronome_events=true` on the URL: this client takes `metronome.*` events (and
+        the session's `metronome` block); every other client sees OpenAI's events only."""
+        return (self.query(p.EXTENSIONS_QUERY) or "").lower() in ("1", "true", "yes")
+
     def resume_from(self) -> int:
         """The first session event this connection did not hand to the transport."""
         delivered = self.outbox.delivered_seq
@@ -155,20 +151,7 @@ class Connection:
         await self.ws.close(CloseCode.POLICY_VIOLATION, "invalid api key")
         return False
 
-    async def _admitted(self) -> bool:
-        decision = self.serving.admit()
-        if decision.admitted:
-            return True
-        retry_after_s = max(1, math.ceil(decision.retry_after_s))
-        error = ClientError(ErrorCode.AT_CAPACITY,
-                            f"the server is at capacity ({decision.reason}); retry in "
-                            f"{retry_after_s} s", error_type=ErrorType.SERVER)
-        await self._refuse(error, 503, CloseCode.TRY_AGAIN_LATER,
-                           f"at capacity; retry in {retry_after_s} s",
-                           {"Retry-After": str(retry_after_s)})
-        return False
-
-    async def _refuse(self, error: ClientError, http_status: int, code: CloseCode,
+    async def _refuse(self, error: ClientError, http_status: int, code: int,
                       reason: str, headers: dict[str, str] | None = None) -> None:
         """Before the upgrade: HTTP `http_status` with the error; a server that cannot answer
         HTTP there: accept, the `error` event, close `code`."""
@@ -181,11 +164,6 @@ class Connection:
             await self.ws.accept(subprotocol=chosen_subprotocol(self.subprotocols))
             await self.ws.send_text(event.to_json())
             await self.ws.close(code, reason)
-
-    def _wants_extensions(self) -> bool:
-        """`?metronome_events=true` on the URL: this client takes `metronome.*` events (and the
-        session's `metronome` block); every other client sees OpenAI's events only."""
-        return self.ws.query_params.get(p.EXTENSIONS_QUERY, "").lower() in ("1", "true", "yes")
 
     def _can_deny(self) -> bool:
         return DENIAL_EXTENSION in self.ws.scope.get("extensions", {})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
@@ -36,7 +37,9 @@ from metronome.runtime.wall import WallDriver
 from metronome.serve.config import ServerConfig
 from metronome.serve.edge.loop_lag import LoopLagProbe
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
+from metronome.serve.protocol.errors import Refused
 from metronome.serve.resume.checkpoint import CheckpointStore
+from metronome.serve.resume.lease import RESUME_QUERY
 from metronome.serve.resume.resumer import Client, Resumer
 from metronome.serve.status import StatusBoard
 from metronome.serve.text import ChatText
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 GOING_AWAY_CLOSE_CODE = 1001  # the drain timeout passed
+TRY_AGAIN_LATER_CLOSE_CODE = 1013  # refused by admission (a client past the upgrade)
 
 
 class Serving:
@@ -119,6 +123,28 @@ class Serving:
         return self.driver.now_s()
 
     # ---- admission and session lifecycle ---------------------------------------------------
+    async def open(self, connection: Client) -> tuple[RealtimeSession, Callable[[], None]]:
+        """The session a new connection serves, and what to do once it is accepted: the one
+        it resumes (`?resume=`: `serve.resume`), or a new one if admission lets it in; else
+        `Refused` (before the upgrade)."""
+        from metronome.serve.session import RealtimeSession
+
+        resume_id = connection.query(RESUME_QUERY)
+        if resume_id is not None:
+            return await self.resume.attach(resume_id, connection)
+        decision = self.admit()
+        if not decision.admitted:
+            retry_after_s = max(1, math.ceil(decision.retry_after_s))
+            raise Refused(503, TRY_AGAIN_LATER_CLOSE_CODE, f"at capacity; retry in "
+                          f"{retry_after_s} s", ErrorCode.AT_CAPACITY,
+                          f"the server is at capacity ({decision.reason}); retry in "
+                          f"{retry_after_s} s", ErrorType.SERVER,
+                          {"Retry-After": str(retry_after_s)})
+        session = RealtimeSession(self, connection.sink, connection.fail, connection.refuse,
+                                  extensions=connection.extensions)
+        self.add(session, connection)  # before any await: admission counts it
+        return session, lambda: self.start(session)
+
     def admit(self) -> Decision:
         decision = Decision(False, "draining", self.config.admission_interval_s) if (
             self.draining) else self.controller.try_admit(self.now_s())

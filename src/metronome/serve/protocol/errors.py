@@ -1,5 +1,6 @@
-"""Errors of the wire protocol: OpenAI's error types and codes, and `ClientError`, a client
-event that cannot be honoured (answered with an `error` event; the session lives on)."""
+"""Errors of the wire protocol: OpenAI's error types and codes, `ClientError` (a client event
+that cannot be honoured: answered with an `error` event, the session lives on) and
+`Refused` (a connection refused before the upgrade)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ class ClientError(Exception):
         self.event_id = event_id  # the client event's own id, when it could be read
 
 
+class Refused(ClientError):
+    """A connection refused before the upgrade: answered with HTTP `http_status` and the
+    error (or, where the server cannot answer HTTP there, an accept, the `error` event and
+    the close `close_code` with `close_reason`)."""
+
+    def __init__(self, http_status: int, close_code: int, close_reason: str,
+                 code: ErrorCode, message: str,
+                 error_type: ErrorType = ErrorType.INVALID_REQUEST,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(code, message, error_type=error_type)
+        self.http_status = http_status
+        self.close_code = close_code
+        self.close_reason = close_reason
+        self.headers = headers

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from metronome.kv.residency import ResidencyPolicy
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.protocol import server as se
+from metronome.serve.protocol.errors import Refused
 from metronome.serve.protocol.schema import ResumeOut
 from metronome.serve.resume.checkpoint import CheckpointStore
 from metronome.serve.resume.event_log import Sink
@@ -31,7 +32,9 @@ from metronome.serve.resume.lease import (
     MIGRATED_CLOSE_CODE,
     MIGRATED_REASON,
     TAKEN_OVER_CLOSE_CODE,
+    TOKEN_HEADER,
     Resumption,
+    offered_token,
 )
 from metronome.serve.resume.takeover import Checkpointer, LoggedEvents, Restored, held_events
 from metronome.serve.settings import SessionSettings
@@ -44,13 +47,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ResumeRefused(ClientError):
+POLICY_VIOLATION_CLOSE_CODE = 1008  # where the server cannot answer HTTP before the upgrade
+
+
+class ResumeRefused(Refused):
     """A resume that cannot be honoured, answered before the upgrade with `http_status`."""
 
     def __init__(self, http_status: int, code: ErrorCode, message: str,
                  error_type: ErrorType = ErrorType.INVALID_REQUEST) -> None:
-        super().__init__(code, message, error_type=error_type)
-        self.http_status = http_status
+        super().__init__(http_status, POLICY_VIOLATION_CLOSE_CODE, "resume refused", code,
+                         message, error_type)
 
 
 class Client(Protocol):
@@ -59,8 +65,12 @@ class Client(Protocol):
     api_key: str  # the key it was authorized with ("" for a server without one)
     attached_seq: int  # the first session event it was to deliver
     sink: Sink  # the session's events, numbered
+    subprotocols: list[str]
+    extensions: bool  # it takes `metronome.*` events
 
     def query(self, name: str) -> str | None: ...
+
+    def header(self, name: str) -> str | None: ...
 
     def fail(self) -> None: ...
 
@@ -154,12 +164,13 @@ class Resumer:
             self.serving.remove(session, outcome)
 
     # ---- a resuming client ----------------------------------------------------------------
-    async def attach(self, session_id: str, token: str | None, client: Client
+    async def attach(self, session_id: str, client: Client
                      ) -> tuple[RealtimeSession, Callable[[], None]]:
         """The session a `?resume=` connection continues, now `client`'s, and what to do once
         the connection is accepted; else `ResumeRefused` (the same answer for an unknown
         session and a wrong token)."""
         arrived_s = self.serving.driver.loop.time()
+        token = offered_token(client.header(TOKEN_HEADER), client.subprotocols)
         serving, checkpoints = self.serving, self.checkpoints
         if checkpoints is not None and self.resumption.enabled and not serving.draining:
             here = serving.sessions.get(session_id)
