@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from metronome.engine.batch_builder import PAGED_MAX_CHUNK_TOKENS, build_batch, paged_first
 from metronome.engine.chunking import chunk_limit
 from metronome.engine.sampling import greedy_ids, sample
-from metronome.engine.session import Session, SessionSpec
+from metronome.engine.session import Session, SessionInput, SessionSpec
 from metronome.engine.snapshot import SessionSnapshot, restore, take
 from metronome.engine.types import PoolStats, Rebound, StepOutput, WorkStatus
 from metronome.kv.block_pool import BlockPool
@@ -32,9 +31,6 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.model.linear import packing_supported
 from metronome.model.llama import LlamaModel
 from metronome.workload_defaults import BLOCK_SIZE_TOKENS, POOL_TOKENS
-
-if TYPE_CHECKING:
-    from metronome.stream import Stream
 
 ATTENTION_MODES = ("auto", "paged", "dense")
 
@@ -205,7 +201,7 @@ class Engine:
         self.step_thread_id: int | None = None  # the engine's thread (engine.snapshot's rule)
 
     # ---- session lifecycle -------------------------------------------------------------
-    def open_session(self, stream: Stream) -> str:
+    def open_session(self, stream: SessionInput) -> str:
         """Serve `stream` (its id and spec; its input is read there). Returns its id."""
         self._check_spec(stream)
         if stream.id in self.sessions:
@@ -267,7 +263,7 @@ class Engine:
         """A bounded session's whole state (engine.snapshot; engine thread, between steps)."""
         return take(self, self._get(session_id))
 
-    def restore_session(self, snapshot: SessionSnapshot, stream: Stream) -> bool:
+    def restore_session(self, snapshot: SessionSnapshot, stream: SessionInput) -> bool:
         """Open `snapshot` here as `stream`, continuing where it was taken; False when the
         pool cannot supply its blocks."""
         return restore(self, snapshot, stream)
@@ -464,7 +460,7 @@ class Engine:
             raise SessionError(f"unknown session {session_id}")
         return session
 
-    def _check_spec(self, stream: Stream) -> None:
+    def _check_spec(self, stream: SessionInput) -> None:
         spec, cfg = stream.spec, self.config
         if not spec.policy.bounded and not cfg.allow_unbounded:
             raise SessionError("this engine does not allow unbounded sessions")

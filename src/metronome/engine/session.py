@@ -16,7 +16,7 @@ runner reads a `Sequence`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -24,9 +24,6 @@ from metronome.engine.sampling import SamplingParams
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.block_table import BlockTable
 from metronome.kv.residency import ResidencyPolicy
-
-if TYPE_CHECKING:
-    from metronome.stream import Stream
 
 
 @dataclass(frozen=True)
@@ -40,8 +37,26 @@ class SessionSpec:
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
 
 
+class SessionInput(Protocol):
+    """What the engine reads of a session's record (`metronome.stream.Stream`), and nothing
+    else of it: its id, its spec, and its input, from a cursor of the engine's own."""
+
+    id: str
+    spec: SessionSpec
+    received_tokens: int  # input that reached the record
+    fed_tokens: int  # of which the beat has fed the engine (direct use: `Engine.submit`)
+
+    def append(self, data: torch.Tensor) -> tuple[int, int]: ...
+
+    def read(self, start: int, max_tokens: int) -> torch.Tensor:
+        """Input from offset `start`, up to `max_tokens`, of one kind."""
+
+    def trim(self, read_tokens: int) -> None:
+        """The engine has read everything before `read_tokens`."""
+
+
 class Session:
-    def __init__(self, stream: Stream, block_size: int, stop_ids) -> None:
+    def __init__(self, stream: SessionInput, block_size: int, stop_ids) -> None:
         self.stream = stream  # where its input is (read only here)
         self.spec = stream.spec
         self.table = BlockTable(self.spec.policy, block_size)

@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -41,11 +41,9 @@ from metronome.serve.protocol.errors import Refused
 from metronome.serve.resume.checkpoint import CheckpointStore
 from metronome.serve.resume.lease import RESUME_QUERY
 from metronome.serve.resume.resumer import Client, Resumer
+from metronome.serve.session import RealtimeSession
 from metronome.serve.status import StatusBoard
 from metronome.serve.text import ChatText
-
-if TYPE_CHECKING:
-    from metronome.serve.session import RealtimeSession
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -127,8 +125,6 @@ class Serving:
         """The session a new connection serves, and what to do once it is accepted: the one
         it resumes (`?resume=`: `serve.resume`), or a new one if admission lets it in; else
         `Refused` (before the upgrade)."""
-        from metronome.serve.session import RealtimeSession
-
         resume_id = connection.query(RESUME_QUERY)
         if resume_id is not None:
             return await self.resume.attach(resume_id, connection)

@@ -40,14 +40,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import torch
 
+from metronome.audio.frontend import AudioFrontEnd
+from metronome.audio.silero import SileroVad
 from metronome.engine.types import Rebound
+from metronome.runtime.beat import Beat
 from metronome.runtime.profile import SessionMode
 from metronome.serve import protocol as p
 from metronome.serve.audio_input import AudioFramer, decode_pcm16
+from metronome.serve.config import ServerConfig
 from metronome.serve.conversation import Conversation
 from metronome.serve.edge.input_limits import (
     check_audio_room,
@@ -74,10 +78,37 @@ from metronome.serve.text import ChatText
 from metronome.serve.turn_detection import TurnDetection
 from metronome.stream import Frame, Stream
 
-if TYPE_CHECKING:
-    from metronome.serve.serving import Serving
-
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Host(Protocol):
+    """What a session uses of its server (`serve.serving.Serving`)."""
+
+    config: ServerConfig
+    model_name: str
+    chat: ChatText | None  # None: the model has no tokenizer (presets): audio only
+    beat: Beat  # the session's stream is in it
+    resume: ResumeHooks
+    accepts_audio: bool  # the engine takes the audio front end's embeddings
+
+    def now_s(self) -> float: ...
+
+    def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
+
+    def encode(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `work` on the encoder thread; futures resolve on the loop in call order."""
+
+    def detect(self, work: Callable[[SileroVad], T]) -> asyncio.Future[T]:
+        """Run server VAD `work` on the VAD thread, in call order."""
+
+
+class ResumeHooks(Protocol):
+    """What resuming hears of a session (`serve.resume.resumer.Resumer`)."""
+
+    def applied(self, session: RealtimeSession, event_text: str) -> None: ...
+
+    def settled(self, session: RealtimeSession) -> None: ...
 
 # The GA client events this server parses and cannot carry out, each refused by name
 # (`ErrorCode.UNSUPPORTED`) with why (docs/serving.md's protocol table lists the same).
@@ -103,7 +134,7 @@ def unsupported(event: p.ClientEvent) -> ClientError:
 
 
 class RealtimeSession:
-    def __init__(self, serving: Serving, sink: Sink, on_failure: Callable[[], None],
+    def __init__(self, serving: Host, sink: Sink, on_failure: Callable[[], None],
                  on_error: Callable[[ClientError], None], extensions: bool = False,
                  saved: dict | None = None, stream: Stream | None = None) -> None:
         """A new session; or, with `saved` (`saved()`, from a checkpoint), the one it

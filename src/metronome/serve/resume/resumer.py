@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from metronome.kv.residency import ResidencyPolicy
+from metronome.observe.metrics import Metrics
+from metronome.runtime.ports import EnginePort
+from metronome.runtime.wall import WallDriver
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.protocol import server as se
 from metronome.serve.protocol.errors import Refused
@@ -37,12 +40,9 @@ from metronome.serve.resume.lease import (
     offered_token,
 )
 from metronome.serve.resume.takeover import Checkpointer, LoggedEvents, Restored, held_events
+from metronome.serve.session import Host, RealtimeSession
 from metronome.serve.settings import SessionSettings
 from metronome.stream import Stream
-
-if TYPE_CHECKING:
-    from metronome.serve.serving import Serving
-    from metronome.serve.session import RealtimeSession
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,22 @@ class Client(Protocol):
             error: ClientError | None = None, flush: bool = True) -> None: ...
 
 
+class Server(Host, Protocol):
+    """What resuming uses of its server (`serve.serving.Serving`) beside a session's needs."""
+
+    sessions: dict[str, RealtimeSession]
+    draining: bool
+    metrics: Metrics
+    engine: EnginePort  # snapshots and restores, when it has them (the native engine)
+    driver: WallDriver  # the loop, `run_on_engine`
+
+    def add(self, session: RealtimeSession, connection: Client) -> None: ...
+
+    def remove(self, session: RealtimeSession, outcome: str) -> None: ...
+
+
 class Resumer:
-    def __init__(self, serving: Serving, store: CheckpointStore | None,
+    def __init__(self, serving: Server, store: CheckpointStore | None,
                  server_name: str) -> None:
         self.serving = serving
         config, driver = serving.config, serving.driver
@@ -103,7 +117,6 @@ class Resumer:
             serving.metrics, self.moved, serving.now_s) if (
             store is not None and config.checkpoint_interval_s > 0
             and self.resumption.enabled and hasattr(engine, "snapshot_session")) else None
-        self._migrating: set[str] = set()  # draining: checkpoint under way, then closed 4002
 
     # ---- a session's life ------------------------------------------------------------------
     def grant(self, session: RealtimeSession, client: Client) -> None:
@@ -236,8 +249,6 @@ class Resumer:
         checkpoint, its client's events since replayed; the client gets
         `metronome.session.resumed` (`from_checkpoint`), then the events the replay makes
         (they supersede what it had after the checkpoint), then the live ones."""
-        from metronome.serve.session import RealtimeSession
-
         serving = self.serving
         restored = await self._claim(session_id, token, client.api_key)
         saved = restored.saved
@@ -319,18 +330,18 @@ class Resumer:
         """Draining: checkpoint the connected session now if it is between frames, then
         close 4002 so its client resumes it elsewhere (else: at its next result)."""
         if (self.checkpoints is None or session.connection is None
-                or session.id in self._migrating
+                or session.checkpointing.migrating
                 or self.serving.sessions.get(session.id) is not session):
             return
         stored = self.checkpoints.maybe(session, force=True,
                                         frames_answered=session.stream.frames_answered)
         if stored is None:
             return
-        self._migrating.add(session.id)
+        session.checkpointing.migrating = True
         stored.add_done_callback(lambda done: self._migrated(session, done.result()))
 
     def _migrated(self, session: RealtimeSession, stored: bool) -> None:
-        self._migrating.discard(session.id)
+        session.checkpointing.migrating = False
         connection = session.connection
         if not stored or self.serving.sessions.get(session.id) is not session or (
                 connection is None):

@@ -109,6 +109,7 @@ class CheckpointState:
     last: tuple[float, int, int] | None = None  # at_s, client_seq, frames answered
     never: bool = False  # unbounded: not checkpointed
     deferred: asyncio.TimerHandle | None = None  # a checkpoint due later
+    migrating: bool = False  # draining: its checkpoint is under way, then it closes 4002
 
 
 class Checkpointer:
