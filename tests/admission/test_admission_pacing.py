@@ -24,7 +24,7 @@ def result(arrival_s: float, finish_s: float, deadline_s: float = 1.0, tokens: i
            index: int = 0, session_id: int = 7) -> Frame:
     late = finish_s > arrival_s + deadline_s
     return Frame(session_id, arrival_s, index=index, deadline_at_s=arrival_s + deadline_s,
-                 max_new_tokens=1, start_offset=0, end_offset=tokens, start_s=arrival_s,
+                 max_new_tokens=1, input_tokens=tokens, start_s=arrival_s,
                  status=FrameStatus.LATE if late else FrameStatus.OK,
                  finish_s=min(finish_s, arrival_s + deadline_s))
 

@@ -181,6 +181,17 @@ def check_token_ids(token_ids: list[int] | torch.Tensor, vocab_size: int) -> tor
     return ids
 
 
+def submit_all(engine, stream: SessionInput, token_ids: list[int] | torch.Tensor | None,
+               embeddings: torch.Tensor | None, max_new_tokens: int) -> None:
+    """An engine used directly (no beat): validate input, append it to the session's stream
+    and feed everything the stream holds (each engine's `submit`)."""
+    data = engine.check_input(token_ids, embeddings)
+    if data is not None and len(data):
+        stream.append(data)
+    engine.feed(stream.id, stream.received_tokens - stream.fed_tokens, max_new_tokens)
+    stream.fed_tokens = stream.received_tokens
+
+
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig = EngineConfig()) -> None:
         self.model = model
@@ -227,13 +238,7 @@ class Engine:
     def submit(self, session_id: str, token_ids: list[int] | torch.Tensor | None = None,
                embeddings: torch.Tensor | None = None, max_new_tokens: int = 0) -> None:
         """Used directly (no beat): append input to the session's stream and feed all of it."""
-        stream = self._get(session_id).stream
-        data = self.check_input(token_ids, embeddings)
-        if data is not None and len(data):
-            stream.append(data)
-        num_tokens = stream.received_tokens - stream.fed_tokens
-        self.feed(session_id, num_tokens, max_new_tokens)
-        stream.fed_tokens = stream.received_tokens
+        submit_all(self, self._get(session_id).stream, token_ids, embeddings, max_new_tokens)
 
     def check_input(self, token_ids: list[int] | torch.Tensor | None,
                     embeddings: torch.Tensor | None) -> torch.Tensor | None:

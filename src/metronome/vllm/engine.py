@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from metronome.engine.engine import EngineConfig, SessionError, check_token_ids
+from metronome.engine.engine import EngineConfig, SessionError, check_token_ids, submit_all
 from metronome.engine.session import SessionSpec
 from metronome.engine.types import PoolStats, StepOutput, WorkStatus
 from metronome.kv.residency import PolicyKind, ResidencyPolicy
@@ -302,13 +302,7 @@ class VllmEngine:
     def submit(self, session_id: str, token_ids=None, embeddings=None,
                max_new_tokens: int = 0) -> None:
         """Used directly (no beat): append input to the session's stream and feed it."""
-        stream = self._get(session_id).stream
-        data = self.check_input(token_ids, embeddings)
-        if data is not None and len(data):
-            stream.append(data)
-        num_tokens = stream.received_tokens - stream.fed_tokens
-        self.feed(session_id, num_tokens, max_new_tokens)
-        stream.fed_tokens = stream.received_tokens
+        submit_all(self, self._get(session_id).stream, token_ids, embeddings, max_new_tokens)
 
     def cancel_generation(self, session_id: str) -> None:
         session = self._get(session_id)
