@@ -99,6 +99,9 @@ def test_a_final_cut_pads_the_partial_frame_to_whole_tokens():
     assert audio_end_ms == pytest.approx(2000 / 24)
     assert cutter.encode(rest, final=True).shape[0] == 2  # final: the bit padded to a token
     assert cutter.encode(cutter.cut_rest()[0], final=True).shape[0] == 0  # nothing left
+    other = framer(1.0)  # the same audio not final: the partial token waits for more
+    other.cut(b"\x01\x00" * 2000)
+    assert other.encode(other.cut_rest()[0]).shape[0] == 1
 
 
 def test_delta_decoder_holds_split_characters():
