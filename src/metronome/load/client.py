@@ -98,9 +98,10 @@ class Connection:
         except ConnectionClosed:
             return
 
-    def drop(self) -> None:
+    async def drop(self) -> None:
         """The socket goes without a close frame, as a lost connection does."""
         self.ws.transport.abort()
+        await asyncio.sleep(0)  # the transport closes its socket on the loop's next turn
 
     async def close(self) -> None:
         await self.ws.close()

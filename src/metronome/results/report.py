@@ -49,6 +49,8 @@ def cell(value, spec: str = "") -> str:
         return ", ".join(cell(v, spec) for v in value)
     if isinstance(value, dict):
         return ", ".join(f"{k} {cell(v, spec)}" for k, v in value.items())
+    if isinstance(value, float) and not spec:
+        spec = ".4g"
     return format(value, spec) if spec and isinstance(value, int | float) else str(value)
 
 

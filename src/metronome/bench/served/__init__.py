@@ -1,0 +1,1 @@
+"""Kept for `tests/served.py` until it imports `metronome.bench.server`."""
