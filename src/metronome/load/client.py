@@ -260,3 +260,52 @@ class SessionClient:
         self.outcome.close_code = code
         self.outcome.outcome = "refused" if code == REFUSED_CLOSE_CODE else "closed_by_server"
         self.outcome.detail = err.rcvd.reason if err.rcvd is not None else str(err)
+
+
+async def persistent(settings: ClientSettings, index: int, pcm: bytes, origin_s: float,
+                     span: tuple[float, float], on_frame: Callable[[FrameRecord], None],
+                     min_left_s: float = 3.0) -> dict:
+    """A user who keeps trying over `span` (s from `origin_s`, monotonic): refused, it tries
+    again after the Retry-After while `min_left_s` of the span is left, streaming `pcm`'s
+    start for what is left. Its wait from the span's start, refusals and outcome."""
+    (start_s, end_s), refusals = span, 0
+    await asyncio.sleep(max(0.0, origin_s + start_s - time.monotonic()))
+    while (left_s := end_s - (time.monotonic() - origin_s)) >= min_left_s:
+        tried_s = time.monotonic() - origin_s
+        outcome = await SessionClient(settings, index, pcm[:round(
+            left_s * settings.sample_rate_hz) * 2], origin_s, on_frame).run()
+        if outcome.outcome != "refused":
+            return {"wait_s": tried_s - start_s, "refusals": refusals,
+                    "outcome": outcome.outcome}
+        refusals += 1
+        await asyncio.sleep(outcome.retry_after_s or 2.0)
+    return {"wait_s": None, "refusals": refusals, "outcome": "gave_up"}
+
+
+BAD_KINDS = ("abrupt", "garbage", "oversized", "no_read", "silent")
+
+
+async def misbehave(url: str, kind: str, chunk: bytes) -> str:
+    """One bad session of `kind` (of `BAD_KINDS`): it vanishes mid-stream, sends malformed
+    events, sends over the input bound and the size cap, floods audio without reading, or
+    says nothing until the server's idle timeout; what became of it."""
+    try:
+        conn = await Connection.open(url)
+        if kind in ("abrupt", "no_read"):
+            for _ in range(15 if kind == "abrupt" else 60):
+                await conn.append(chunk)
+                await asyncio.sleep(0.1 if kind == "abrupt" else 0)
+        elif kind == "silent":
+            await asyncio.wait_for(conn.until("(none)"), 15)
+        text = {"type": "input_text", "text": "é世😀 " * 2000}
+        for message in {"garbage": ["{not json", {"type": "nope"}, b"\x00\x01", {
+                "type": "session.update", "session": {"x": 1}}], "oversized": [{
+                "type": "conversation.item.create", "item": {
+                    "type": "message", "role": "user", "content": [text]}},
+                {"type": "input_audio_buffer.append", "audio": "A" * (2 << 20)}]}.get(kind, []):
+            await conn.send(message)
+        await asyncio.sleep(1.0)
+        await conn.drop()
+        return "done"
+    except (ConnectionClosed, InvalidStatus, OSError, TimeoutError, ValueError) as err:
+        return type(err).__name__  # the server closed it, refused it, or sent an error

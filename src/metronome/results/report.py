@@ -64,14 +64,15 @@ def _rows(result: dict, path: str, where: tuple) -> list[dict]:
 class Table:
     title: str
     rows: str  # where the rows (a list of dicts, or one dict) are in the result
-    columns: tuple[Column, ...] = ()  # none: every key of the first row, as it is
+    columns: tuple[Column, ...] = ()  # none: the first row's keys (longer lists: in the JSON)
     where: tuple[tuple[str, object], ...] = ()  # only the rows with these values
 
     def markdown(self, result: dict) -> str:
         rows = _rows(result, self.rows, self.where)
         if not rows:
             return f"## {self.title}\n\n(not measured in this run)\n"
-        columns = self.columns or tuple((key, key, "") for key in rows[0])
+        columns = self.columns or tuple((key, key, "") for key, value in rows[0].items()
+                                        if not isinstance(value, list) or len(value) <= 4)
         return f"## {self.title}\n\n" + md_table(
             [h for h, _, _ in columns],
             [[cell(get(r, key), spec) for _, key, spec in columns] for r in rows]) + "\n"

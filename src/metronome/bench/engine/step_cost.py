@@ -1,6 +1,5 @@
-"""The virtual clock's step cost model (`sim.cost_model.StepCostModel`) fitted from the
-bench's rows, its calibration (where, on what and by which command it was measured), and
-where a run writes it (beside its JSON)."""
+"""The virtual clock's step cost model fitted from the engine bench's rows, its calibration
+(where, on what and by which command it was measured), and where a run writes it."""
 
 from __future__ import annotations
 
