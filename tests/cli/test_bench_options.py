@@ -6,8 +6,9 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 import metronome.results.context as context
-from metronome.bench import vad_bench
+from metronome.bench.presets import vad as vad_bench
 from metronome.cli import app
+from metronome.cli.bench import BENCHES
 
 
 def _config_run_with(monkeypatch, args: list[str], tmp_path):
@@ -35,3 +36,21 @@ def test_without_smoke_every_default_is_the_configs(monkeypatch, tmp_path):
     ctx, cfg = _config_run_with(monkeypatch, [], tmp_path)
     assert cfg == vad_bench.Config()
     assert ctx.scale == "full"
+
+
+def test_every_bench_lists_and_builds_its_options():
+    """`metronome bench --help` lists the 12 commands (from their docstrings), and each one's
+    own help builds from its preset (the vLLM ones too, where vLLM is missing)."""
+    runner = CliRunner()
+    listed = runner.invoke(app, ["bench", "--help"])
+    assert listed.exit_code == 0 and all(name in listed.output for name in BENCHES)
+    assert len(BENCHES) == 12
+    for name in BENCHES:
+        shown = runner.invoke(app, ["bench", name, "--help"])
+        assert shown.exit_code == 0 and "--smoke" in shown.output, (name, shown.output)
+
+
+def test_an_invalid_knob_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "engine-paths", "--paths", "turbo", "--out",
+                                      str(tmp_path / "x.json")])
+    assert result.exit_code == 2 and "paths" in result.output

@@ -1,6 +1,6 @@
 """`metronome bench NAME`: every benchmark's command, generated from its module.
 
-A bench module (`metronome.bench.<module>`) has `NAME`, a frozen `Config` dataclass (with
+A bench preset (`metronome.bench.presets.<module>`) has `NAME`, a frozen `Config` (with
 `.smoke()`), `run(ctx, cfg)` and `report(result)`. Its command takes one option per
 `Config` field plus `--smoke` (start from `Config.smoke()`; options given still apply) and
 `--out` (the JSON; the markdown report and figures go beside it), and runs it through
@@ -24,21 +24,22 @@ from typer.core import TyperGroup
 
 from metronome.cli.options import dataclass_options, given_fields, with_signature
 
-# `metronome bench NAME` -> its module in metronome.bench, and whether it needs vLLM
+# `metronome bench NAME` -> its preset in metronome.bench.presets, and whether it needs vLLM
 BENCHES = {
-    "engine": ("engine_bench", False),
+    "engine": ("engine", False),
     "engine-paths": ("engine_paths", False),
-    "runtime": ("runtime_bench", False),
-    "admission": ("admission_bench", False),
-    "plan": ("plan_bench", False),
-    "cluster": ("cluster_bench", False),
-    "soak": ("soak_bench", False),
-    "vad": ("vad_bench", False),
-    "resume": ("resume_bench", False),
-    "prompt": ("prompt_bench", False),
-    "vllm": ("vllm_bench", True),
+    "runtime": ("runtime", False),
+    "admission": ("admission", False),
+    "plan": ("plan", False),
+    "cluster": ("cluster", False),
+    "soak": ("soak", False),
+    "vad": ("vad", False),
+    "resume": ("resume", False),
+    "prompt": ("prompt", False),
+    "vllm": ("vllm", True),
     "engine-vs-vllm": ("engine_vs_vllm", True),
 }
+PACKAGE = "metronome.bench.presets"
 RESULTS_DIR = Path("docs/results")
 
 
@@ -59,7 +60,7 @@ def require_vllm(command: str) -> None:
 
 def module_docstring(module_name: str) -> str:
     """A bench module's docstring, read from its source without importing it."""
-    spec = importlib.util.find_spec(f"metronome.bench.{module_name}")
+    spec = importlib.util.find_spec(f"{PACKAGE}.{module_name}")
     return ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or ""
 
 
@@ -75,7 +76,7 @@ def summary_line(name: str, docstring: str) -> str:
 def build_command(name: str) -> click.Command:
     """The bench's command: its module imported, its `Config` turned into options."""
     module_name, needs_vllm = BENCHES[name]
-    module = importlib.import_module(f"metronome.bench.{module_name}")
+    module = importlib.import_module(f"{PACKAGE}.{module_name}")
     from metronome.results.context import RunContext, RunRefused, Scale, execute
 
     def command(ctx: typer.Context, smoke: bool, out: Path, **values) -> None:

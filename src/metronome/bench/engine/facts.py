@@ -1,7 +1,5 @@
-"""What a bench ran on, in the words its result records (`RunContext.record`): the model,
-the dtype as resolved, and the engine path as it actually ran (the fast path falls back to
-dense attention where the paged kernel cannot be built, and to `F.linear` where oneDNN
-cannot prepack the dtype)."""
+"""What a bench ran on, as its result records it: the model, the dtype as resolved, and the
+engine path as it ran (the fast path falls back where a kernel cannot be built)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""The virtual clock's step cost model (`sim.cost_model.StepCostModel`) fitted from the
-bench's rows, its calibration (where, on what and by which command it was measured), and
-where a run writes it (beside its JSON)."""
+"""The virtual clock's step cost model fitted from the engine bench's rows, its calibration
+(where, on what and by which command it was measured), and where a run writes it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from metronome.bench.engine.plan import HF_SYSTEM
 from metronome.sim.cost_model import Calibration, StepCostModel
 
 
@@ -16,7 +14,7 @@ def fit_step_cost(grid: list[dict], dtype: str) -> StepCostModel:
     samples = [
         (row["sessions"], row["sessions"] * row["attended_tokens"], row["step_ms_median"] / 1e3)
         for row in grid
-        if row.get("status") == "ok" and row["system"] != HF_SYSTEM and row["dtype"] == dtype
+        if row.get("status") == "ok" and row["system"] != "transformers" and row["dtype"] == dtype
     ]
     if len(samples) < 3:
         raise ValueError(f"too few engine rows ({len(samples)}) to fit a cost model")

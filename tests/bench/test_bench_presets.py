@@ -1,0 +1,177 @@
+"""The presets: each small one end to end at its smoke size (its JSON, report and derived
+number), and the pure parts of the ones whose smoke size takes minutes (plan, admission,
+cluster) or needs vLLM (vllm, engine-vs-vllm), which `metronome bench NAME --smoke` runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from metronome.bench.presets import (
+    cluster,
+    engine,
+    engine_paths,
+    engine_vs_vllm,
+    plan,
+    prompt,
+    resume,
+    soak,
+    vad,
+    vllm,
+)
+from metronome.results.context import RunContext, execute
+from metronome.sim.cost_model import StepCostModel
+
+
+def smoke(module, tmp_path, **changes):
+    js = tmp_path / f"{module.NAME}.json"
+    ctx = RunContext(module.NAME, js, command=f"metronome bench {module.NAME} --smoke")
+    returned = execute(module, ctx, module.Config(**module.Config.SMOKE | changes))
+    written = json.loads(js.read_text())
+    assert json.loads(json.dumps(returned)) == written  # what it returns is what it wrote
+    text = js.with_suffix(".md").read_text()
+    assert f"`metronome bench {module.NAME} --smoke`" in text and "Machine:" in text
+    assert f"**{written['derived']['label']}: " in text
+    return written, text
+
+
+def test_vad_boundaries_and_cost(tmp_path):
+    res, text = smoke(vad, tmp_path)
+    assert {r["fixture"] for r in res["boundaries"]} == {"booking", "station", "weather"}
+    assert all(r["rate_hz"] == 16000 and r["vad_start_ms"] is not None
+               for r in res["boundaries"])
+    assert res["cost"]["chunks"] > 100 and res["derived"]["value"] == res["cost"][
+        "push_ms_per_chunk"] > 0
+    assert "| booking | 0 |" in text
+
+
+@pytest.mark.model
+def test_engine_rows_fit_the_step_cost_and_carry_their_provenance(tmp_path):
+    res, _ = smoke(engine, tmp_path)
+    assert res["provenance"]["omp_wait_policy"] in ("PASSIVE", "from the environment: "
+                                                    + os.environ.get("OMP_WAIT_POLICY", ""))
+    assert {(r["system"], r["sessions"], r["session_tokens"]) for r in res["rows"]} == {
+        (p, n, length) for p in ("unbounded", "sinks_window:4:32") for n in (1, 4)
+        for length in (64, 256)}
+    bounded = [r for r in res["rows"] if r["system"] != "unbounded"]
+    assert all(r["status"] == "ok" and r["step_ms_median"] > 0 for r in res["rows"])
+    assert max(r["attended_tokens"] for r in bounded) < 64  # the window, not the history
+    model, calibration = StepCostModel.load(tmp_path / "engine_step_cost.json")
+    assert model.fixed_s == res["step_cost"]["fixed_s"]
+    assert calibration.command == res["command"] and calibration.dtype == res[
+        "provenance"]["dtype"] and calibration.engine_path == res["provenance"]["engine_path"]
+    assert res["derived"]["label"] == "unbounded / sinks_window:4:32 median step at N=4, L=256"
+
+
+@pytest.mark.model
+def test_engine_paths_time_each_path_and_its_speed_up(tmp_path):
+    res, _ = smoke(engine_paths, tmp_path, policies=("sinks_window:4:32",),
+                   paths=("fast-onednn", "fast"))
+    assert [r["path"] for r in res["rows"]] == ["fast-onednn", "fast"]
+    assert res["rows"][0]["speed_up"] == 1.0 and res["rows"][1]["speed_up"] > 0
+    assert "few-row kernel" not in res["provenance"]["engine_path"].split(" vs ")[0]
+    for bad in (("fast",), ("fast", "fast"), ("fast", "turbo")):
+        with pytest.raises(ValueError, match="paths"):
+            engine_paths.Config(paths=bad)
+
+
+@pytest.mark.model
+def test_resume_snapshot_step_cost_and_both_resumes(tmp_path):
+    res, _ = smoke(resume, tmp_path)
+    assert res["snapshot"]["bytes"] > res["snapshot"]["kv_bytes"] > 100_000
+    assert [r["arm"] for r in res["step_cost"]] == ["no snapshots", "snapshots"]
+    assert [(r["arm"], r["n"]) for r in res["resumes"]] == [("same server", 3),
+                                                             ("other server", 3)]
+    assert res["derived"]["value"] == res["resumes"][1]["median_ms"] > 0
+
+
+@pytest.mark.model
+def test_prompt_both_arms_answer(tmp_path):
+    res, text = smoke(prompt, tmp_path)
+    assert [r["prefill_chunk_tokens"] for r in res["rows"]] == [64, 256]
+    assert all(150 <= r["prompt_tokens"] <= 200 and len(r["rounds_s"]) == 1
+               for r in res["rows"])
+    assert "--prefill-chunk-tokens 256" in text
+
+
+@pytest.mark.model
+def test_soak_is_flat_when_idle_and_counts_every_client(tmp_path):
+    res, _ = smoke(soak, tmp_path)
+    phases = [s["phase"] for s in res["samples"]]
+    assert phases[:3] == ["idle_start"] * 3 and "load" in phases and phases[-1] == "idle_end"
+    flat = {v["what"].split(" ")[0]: v for v in res["verdict"]}
+    assert flat["used_blocks"]["end"] == 0 and flat["used_blocks"]["flat"]
+    assert flat["open_fds"]["flat"], flat
+    seen = {c["what"]: c["count"] for c in res["clients"]}
+    assert seen.get("good sessions completed", 0) >= 1
+    assert any(k.startswith("bad abrupt") for k in seen)
+    assert (tmp_path / "soak.png").stat().st_size > 1000
+
+
+def test_plan_reads_its_error_both_ways():
+    assert plan.error(11, 10) == pytest.approx(0.1) and plan.error(9, 10) == pytest.approx(-0.1)
+    assert plan.error(5, 0) is None and plan.error(None, 10) is None
+
+
+def test_cluster_ladder_stops_at_the_first_step_that_misses_or_is_refused():
+    def summary(completed, refused, goodput):
+        return {"sessions": {"completed": completed, "refused": refused},
+                "frames": 10 * completed, "goodput_server": goodput,
+                "latency_ms": {"client": {"p95": 100.0}}}
+
+    canned = {8: summary(8, 0, 1.0), 12: summary(12, 0, 0.995), 16: summary(14, 2, 1.0),
+              20: summary(20, 0, 1.0)}
+    cfg = cluster.Config(ladder=(8, 12, 16, 20))
+    steps = cluster.ladder_steps(cfg, canned.__getitem__)
+    assert [(s["offered"], s["admitted"], s["holds"]) for s in steps] == [
+        (8, 8, True), (12, 12, True), (16, 14, True)]  # refused at 16: stop there
+    missing = {**canned, 12: summary(12, 0, 0.98)}
+    assert [s["offered"] for s in cluster.ladder_steps(cfg, missing.__getitem__)] == [8, 12]
+    assert cluster.schedule((1, 3, 2, 0), 10.0) == [(0.0, 30.0), (10.0, 20.0), (10.0, 30.0)]
+    with pytest.raises(ValueError, match="runs"):
+        cluster.Config(runs=("both",))
+
+
+def test_vllm_configs_refuse_what_they_cannot_run():
+    assert vllm.Config.smoke().stream_arms == vllm.ARMS
+    with pytest.raises(ValueError, match="unknown stream arms"):
+        vllm.Config(stream_arms=("turbo",))
+    with pytest.raises(ValueError, match="unknown parts"):
+        vllm.Config(parts=("steps",))
+
+
+def test_the_memory_floor_reads_the_steps_own_pages_once(tiny_model):
+    pages = engine_vs_vllm.step_pages(tiny_model)
+    assert len(pages) == 4 * len(tiny_model.layers) + 1
+    qkv = tiny_model.projections[0].qkv  # the copy the step reads: the few-row kernel's
+    assert pages[0].data_ptr() == (qkv.weight if qkv.small is None else qkv.small_weight
+                                   ).data_ptr()
+    assert all(p.dtype == torch.float32 and p.dim() == 1 for p in pages)  # read as words
+    weights = sum(p.numel() * 4 for p in pages)
+    kv = 8 * 100 * tiny_model.config.kv_bytes_per_token(torch.float32)
+    assert engine_vs_vllm.floor_ms(tiny_model, pages, 8, 100, 2.0) == pytest.approx(
+        (weights + kv) / 2e9 * 1e3)
+    assert 0.1 < engine_vs_vllm.read_gbs(pages) < 10_000
+    assert engine_vs_vllm.Config(sessions=(8, 64), lengths=(1024,)).sessions_at(1024) == [8, 64]
+    assert engine_vs_vllm.Config(sessions=(8, 128)).sessions_at(1024) == [8]
+
+
+def test_the_engine_bench_measures_passive_unless_the_environment_chose():
+    assert engine.wait_policy({"HOME": "/root"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert engine.wait_policy({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert engine.wait_policy({"GOMP_SPINCOUNT": "7"}) == {}
+
+
+def test_importing_the_presets_changes_no_environment_variable():
+    code = ("import os; before = dict(os.environ); import metronome.bench.presets.engine, "
+            "metronome.bench.presets.vllm, metronome.bench.presets.engine_vs_vllm; "
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
