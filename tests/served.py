@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from metronome.bench.served.server import free_port, healthy
+from metronome.bench.server import free_port, healthy
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import EXTENSIONS_QUERY
 from tests.conformance import check_server_event

@@ -1,1 +1,0 @@
-"""Kept for `tests/served.py` until it imports `metronome.bench.server`."""
