@@ -51,6 +51,8 @@ from metronome.engine.types import Rebound
 from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionProfile
 
+RECENT_FRAMES = 40  # statuses a stream keeps of its last frames: 40 s at 1 s frames
+
 
 class FrameStatus(enum.StrEnum):
     OK = "ok"  # all of the frame's work was done within its deadline
@@ -150,7 +152,8 @@ class Stream:
         self.frames: deque[Frame] = deque()  # unanswered, in the order accepted
         self.in_flight: Frame | None = None  # frames[0], once its input went to the engine
         self.last_answered: Frame | None = None  # the last one in flight that was answered
-        self.last_status: FrameStatus | None = None  # of the last frame answered, any way
+        # statuses of the last frames answered, any way (the status page's strip)
+        self.recent_statuses: deque[FrameStatus] = deque(maxlen=RECENT_FRAMES)
         self.frames_submitted = 0  # frames whose input reached the stream (their numbering)
         self.frames_answered = 0
         self.ended_reason = ""  # the engine ended the session (context full)
@@ -246,6 +249,11 @@ class Stream:
     def policy(self) -> ResidencyPolicy:
         """The session's residency policy now: its spec's, or the pressure bound."""
         return self.spec.policy if self.bound is None else self.bound
+
+    @property
+    def last_status(self) -> FrameStatus | None:
+        """The status of the last frame answered, any way (None: none yet)."""
+        return self.recent_statuses[-1] if self.recent_statuses else None
 
     @property
     def unanswered_frames(self) -> int:

@@ -384,7 +384,7 @@ class Beat:
         frame.status, frame.finish_s, frame.reason = status, now_s, reason
         stream.frames_answered += 1
         assert stream.frames_answered <= stream.frames_submitted, stream
-        stream.last_status = status
+        stream.recent_statuses.append(status)
         self.listeners.on_result(frame)
         if stream.on_result is not None:
             stream.on_result(frame)

@@ -6,46 +6,34 @@ the deadline-met share, the KV pool and its saturation forecast, the admission c
 row per session with a strip of its last frames' statuses (green ok, amber late, red
 stalled on KV), so frames that go out on time but empty are visible at a glance.
 
-Owns the strips (`StatusBoard`, a runtime listener: the last `STRIP_FRAMES` statuses of each
-open session); everything else is read from the serving state when a page asks. With an
+Owns two server-wide counts (`StatusBoard`, a runtime listener: frames answered, and how many
+met their deadline); each session's strip is its stream's `recent_statuses`, and everything
+else is read from the serving state when a page asks. With an
 API key, open the page as `/status#key=<key>`: the key stays in the browser (a fragment is
 never sent) and goes out as a bearer header on each poll.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
-from metronome.stream import Frame
+from metronome.stream import Frame, Stream
 
-STRIP_FRAMES = 40  # frames per session shown: 40 s at 1 s frames
 STATUS_PAGE_PATH = "/status"
 STATUS_DATA_PATH = "/v1/status"
 
 
 class StatusBoard:
-    """The last STRIP_FRAMES frame statuses of each session, by session id."""
+    """Frames answered since the server started, and how many met their deadline."""
 
-    def __init__(self, strip_frames: int = STRIP_FRAMES) -> None:
-        self.strip_frames = strip_frames
-        self._strips: dict[str, deque[str]] = {}
+    def __init__(self) -> None:
         self._frames = 0
         self._deadline_met = 0
 
     def on_result(self, result: Frame) -> None:
-        strip = self._strips.setdefault(result.session_id, deque(maxlen=self.strip_frames))
-        strip.append(result.status.value)
         self._frames += 1
         self._deadline_met += result.deadline_met
-
-    def strips(self, open_session_ids: set[str]) -> dict[str, list[str]]:
-        """Strips of the sessions still open; the others are forgotten here."""
-        for gone in set(self._strips) - open_session_ids:
-            del self._strips[gone]
-        return {sid: list(strip) for sid, strip in self._strips.items()}
 
     @property
     def frames(self) -> int:
@@ -57,11 +45,15 @@ class StatusBoard:
         return self._deadline_met / self._frames if self._frames else None
 
 
+def _strip(stream: Stream | None) -> list[str]:
+    return [] if stream is None else [status.value for status in list(stream.recent_statuses)]
+
+
 def status_snapshot(serving, board: StatusBoard) -> dict:
     """What the page shows, as JSON (`serving` is the server's `Serving`)."""
     health = serving.health()
-    strips = board.strips(set(serving.beat.streams))
-    sessions = [item | {"strip": strips.get(item["id"], [])}
+    streams = serving.beat.streams
+    sessions = [item | {"strip": _strip(streams.get(item["id"]))}
                 for item in serving.session_list()["data"]]
     pool = serving.pool
     observer = serving.observer
