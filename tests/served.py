@@ -23,6 +23,14 @@ from tests.conformance import check_server_event
 
 STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model
 
+# The server these suites were written against, before the voice defaults: audio is the
+# embedding front end's (one KV entry per audio token), replies are text and the client
+# commits. They test the engine, the beat and the wire, not hearing or speaking (the voice
+# suites do: tests/serve/test_voice*.py), and skip loading Whisper and Piper. TEXT_SERVER
+# leaves the mode to the caller; TEXT_DUPLEX is the old default mode too.
+TEXT_SERVER = {"audio_input": "embeddings", "output_audio": False, "server_vad": False}
+TEXT_DUPLEX = TEXT_SERVER | {"mode": "duplex"}
+
 
 def recv(ws, timeout_s: float = 10.0) -> dict:
     """The next event; every one is checked against OpenAI's schema (`conformance`), and a

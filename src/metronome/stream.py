@@ -133,7 +133,8 @@ class Stream:
     def __init__(self, session_id: str, profile: SessionProfile = SessionProfile(),
                  opened_at_s: float = 0.0, spec: SessionSpec | None = None,
                  on_result: Callable[[Frame], None] | None = None,
-                 on_rebound: Callable[[Rebound], None] | None = None) -> None:
+                 on_rebound: Callable[[Rebound], None] | None = None,
+                 on_tokens: Callable[[Frame, list[int]], None] | None = None) -> None:
         self.id = session_id  # the one id of the session in the process
         self.profile = profile  # the session as a periodic real-time task
         self.spec = profile.spec if spec is None else spec  # what the engine serves it with
@@ -141,6 +142,7 @@ class Stream:
         # Its owner (the server's Realtime session) hears of its results after the listeners
         self.on_result = on_result
         self.on_rebound = on_rebound
+        self.on_tokens = on_tokens  # each step's new tokens of the frame in flight, as they come
         # ---- input: chunks of unconsumed input, oldest first; _chunks[0] starts at _head
         self._lock = threading.Lock()
         self._chunks: deque[torch.Tensor] = deque()  # (n,) int64 ids or (n, hidden) floats

@@ -16,6 +16,7 @@ import httpx
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from metronome.bench.server import TEXT_SERVER_ARGS
 from metronome.serve.protocol import with_extensions
 from tests.served import free_port, server_process
 from tests.streamer import SpeechStreamer
@@ -37,7 +38,8 @@ def launched_cluster(tmp_path_factory, args: list[str], replicas_live: int, time
     """`metronome serve` with `args` on a free port, until `replicas_live` replicas report:
     its URL and the file its launcher prints to (read `ray_address` from it)."""
     port = free_port()
-    command = [METRONOME, "serve", *args, "--port", str(port), "--log-level", "info"]
+    command = [METRONOME, "serve", *TEXT_SERVER_ARGS, *args, "--port", str(port),
+               "--log-level", "info"]
     printed = tmp_path_factory.mktemp(name) / "stdout.txt"
     with printed.open("w") as out, server_process(command, port, stdout=out) as url:
         wait_for(lambda: view(url)["replicas_live"] == replicas_live, timeout_s,

@@ -27,7 +27,7 @@ from metronome.observe.dashboard import queries
 from metronome.observe.promql import metric_names
 from metronome.serve.config import ServerConfig
 from tests import prom
-from tests.served import free_port, served
+from tests.served import TEXT_DUPLEX, free_port, served
 
 pytestmark = pytest.mark.wall_clock
 
@@ -39,7 +39,8 @@ POOL_TOKENS = 512
 @pytest.mark.model
 def test_silent_cliff_alert_fires_against_a_live_server(tmp_path):
     prom.need("prometheus")
-    config = ServerConfig(policy="unbounded", pool_tokens=POOL_TOKENS, admission="off")
+    config = ServerConfig(**TEXT_DUPLEX,
+                          policy="unbounded", pool_tokens=POOL_TOKENS, admission="off")
     with served(config) as url:
         target = url.removeprefix("http://")
         with prom.prometheus(tmp_path, target, free_port()) as prometheus_url:

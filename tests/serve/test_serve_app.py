@@ -25,13 +25,13 @@ from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
-from tests.served import metric, recv, recv_until
+from tests.served import TEXT_DUPLEX, metric, recv, recv_until
 
 pytestmark = pytest.mark.model
 AUDIO_DIR = SPEECH_DIR
 # Tests send two frames of audio at once: the second waits for the first, which on a 2-core
 # CPU without native bf16 (fp32) took up to 950 ms of a 1 s deadline; 2 s keeps them honest.
-SMALL = {"pool_tokens": 2048, "admission": "off", "deadline_fraction": 2.0}
+SMALL = TEXT_DUPLEX | {"pool_tokens": 2048, "admission": "off", "deadline_fraction": 2.0}
 
 
 def speech(seconds: float, rate_hz: int = 24000) -> bytes:
@@ -214,7 +214,7 @@ def test_idle_timeout_and_max_session_duration(model):
 
 
 def test_admission_refuses_before_the_upgrade_with_retry_after(model):
-    config = ServerConfig(pool_tokens=2048, admission="static", admission_cap=1)
+    config = ServerConfig(**TEXT_DUPLEX, pool_tokens=2048, admission="static", admission_cap=1)
     with ServerThread(config, *model) as server:
         with connect(server.ws_url) as first:
             recv(first)
@@ -302,7 +302,7 @@ def _all_answered(server: ServerThread, sessions: int, frames: int) -> bool:
 
 
 def test_load_generator_records_refusals(model, tmp_path):
-    config = ServerConfig(pool_tokens=2048, admission="static", admission_cap=1)
+    config = ServerConfig(**TEXT_DUPLEX, pool_tokens=2048, admission="static", admission_cap=1)
     with ServerThread(config, *model) as server:
         load = LoadConfig(url=server.ws_url, sessions=2, ramp_s=0.2, duration_s=2.0,
                           out=str(tmp_path))
@@ -355,7 +355,7 @@ def test_a_failing_session_is_closed_1011_and_the_others_live_on(model, monkeypa
 
 def test_refusal_after_the_upgrade_is_an_error_then_close_1013(model, monkeypatch):
     monkeypatch.setattr(connection, "DENIAL_EXTENSION", "absent.extension")
-    config = ServerConfig(pool_tokens=2048, admission="static", admission_cap=1)
+    config = ServerConfig(**TEXT_DUPLEX, pool_tokens=2048, admission="static", admission_cap=1)
     with ServerThread(config, *model) as server, connect(server.ws_url) as first:
         recv(first)
         with connect(server.ws_url) as refused:

@@ -49,13 +49,13 @@ from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
-from tests.served import recv
+from tests.served import TEXT_DUPLEX, recv
 
 pytestmark = pytest.mark.model
 
 INTERVAL_S = 1.0
 RESTING_CAP = 8  # the operator's --admission-cap: where the cap starts and rests
-CONFIG = ServerConfig(pool_tokens=16384, admission="aimd", admission_cap=RESTING_CAP,
+CONFIG = ServerConfig(**TEXT_DUPLEX, pool_tokens=16384, admission="aimd", admission_cap=RESTING_CAP,
                       admission_interval_s=INTERVAL_S)
 CALM_SESSIONS = 3
 ATTACKERS = 2  # audio at 6x real time, and a text flood

@@ -37,6 +37,7 @@ from websockets.sync.client import connect
 from metronome.serve.config import ServerConfig
 from metronome.serve.edge.loop_lag import LOOP_LAG_SECONDS
 from tests.host_speed import deadline_fraction
+from tests.served import TEXT_DUPLEX
 
 pytestmark = pytest.mark.model
 KEY = "sk-attack-test"
@@ -44,7 +45,7 @@ BEARER = {"Authorization": f"Bearer {KEY}"}
 BROWSER = ["realtime", f"openai-insecure-api-key.{KEY}"]  # what OpenAI's browser clients send
 REQUEST_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 200
-CONFIG = ServerConfig(pool_tokens=4096, admission="off", api_key=KEY,
+CONFIG = ServerConfig(**TEXT_DUPLEX, pool_tokens=4096, admission="off", api_key=KEY,
                       request_timeout_s=REQUEST_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
 RSS_BOUND_MB = 64.0  # growth over the whole suite; the non-reader alone grew 14-18 MB/s
 MIN_FLOOD_MESSAGES = 2000

@@ -20,6 +20,7 @@ from metronome.serve.protocol import ClientError
 from metronome.serve.protocol import server as se
 from metronome.serve.serving import Serving
 from metronome.serve.session import RealtimeSession
+from tests.served import TEXT_DUPLEX
 
 SLOW_ENCODE_S = 0.3
 TIMER_LAG_BOUND_S = 0.05
@@ -33,7 +34,8 @@ def test_a_slow_audio_encoder_does_not_delay_the_loop(tiny_model, monkeypatch):
         return real_encode(self, pcm, final)
 
     monkeypatch.setattr(AudioFramer, "encode", slow_encode)
-    config = ServerConfig(policy="sinks_window:4:64", pool_tokens=4096, admission="off",
+    config = ServerConfig(**TEXT_DUPLEX,
+                          policy="sinks_window:4:64", pool_tokens=4096, admission="off",
                           sample_rates_hz=(16000,), default_sample_rate_hz=16000)
 
     async def scenario():
@@ -81,7 +83,8 @@ def test_an_append_that_cannot_fit_is_refused_before_it_is_decoded(tiny_model, m
         return real_decode(audio_b64)
 
     monkeypatch.setattr(session_module, "decode_pcm16", counting_decode)
-    config = ServerConfig(policy="sinks_window:4:64", pool_tokens=4096, admission="off",
+    config = ServerConfig(**TEXT_DUPLEX,
+                          policy="sinks_window:4:64", pool_tokens=4096, admission="off",
                           sample_rates_hz=(16000,), default_sample_rate_hz=16000)
 
     async def scenario():

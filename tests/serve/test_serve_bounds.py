@@ -27,6 +27,7 @@ from metronome.serve.edge.peers import PeerLimits, PeerSlot, PeerTable, Refusal,
 from metronome.serve.edge.rate_limit import RateLimit, Verdict
 from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode
+from tests.served import TEXT_DUPLEX
 
 
 def error_of(message: str) -> ClientError:
@@ -217,7 +218,7 @@ def test_rate_limit_counts_bytes_too():
 def test_the_default_rate_limit_never_touches_a_streaming_client():
     from metronome.serve.config import ServerConfig
 
-    config = ServerConfig()
+    config = ServerConfig(**TEXT_DUPLEX)
     limit = RateLimit(config.rate_limit_messages_per_s, config.rate_limit_burst_messages,
                       config.rate_limit_bytes_per_s, config.rate_limit_burst_bytes, 0.0)
     append_bytes = 4 * (48000 * 2 // 50) // 3 + 60  # 20 ms of 48 kHz PCM16, base64, JSON

@@ -26,6 +26,7 @@ from websockets.sync.client import connect
 from metronome.load.speech import SPEECH_DIR, speech_stream
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import with_extensions
+from tests.served import TEXT_DUPLEX
 
 pytestmark = pytest.mark.model
 AUDIO_DIR = SPEECH_DIR
@@ -36,7 +37,7 @@ AUDIO_DIR = SPEECH_DIR
 # connections from one address in 1-3 s (two per example), which the default 32/s with a
 # burst of 64 refuses with HTTP 429 whenever the machine answers fast. That limit is tested
 # in tests/serve/test_serve_attacks; here every connect must get through.
-CONFIG = ServerConfig(pool_tokens=4096, admission="off", max_message_bytes=16384,
+CONFIG = ServerConfig(**TEXT_DUPLEX, pool_tokens=4096, admission="off", max_message_bytes=16384,
                       max_text_chars=2000, max_buffered_audio_s=3.0, deadline_fraction=1.5,
                       connections_per_s_per_peer=10_000.0, connection_burst_per_peer=10_000)
 TRANSPORT_CLOSE = 1009  # over the transport cap (4 x 16 KiB): closed before it reaches us

@@ -18,9 +18,10 @@ from metronome.serve.resume.event_log import EventLog as EventStream
 from metronome.serve.resume.resumer import ResumeRefused
 from metronome.serve.serving import Serving
 from metronome.serve.session import RealtimeSession
+from tests.served import TEXT_DUPLEX
 
 GRACE_S = 0.05
-CONFIG = ServerConfig(policy="sinks_window:4:64", pool_tokens=4096, admission="off",
+CONFIG = ServerConfig(**TEXT_DUPLEX, policy="sinks_window:4:64", pool_tokens=4096, admission="off",
                       sample_rates_hz=(16000,), default_sample_rate_hz=16000,
                       resume_grace_s=GRACE_S)
 AUDIO = p.InputAudioBufferAppend(type="input_audio_buffer.append",

@@ -22,7 +22,7 @@ from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
 from metronome.serve.session import RealtimeSession
 from tests.host_speed import host_slowness, printable
-from tests.served import metric, recv, recv_until
+from tests.served import TEXT_SERVER, metric, recv, recv_until
 
 pytestmark = pytest.mark.model
 
@@ -33,7 +33,8 @@ def item(text: str) -> str:
 
 
 def test_text_over_the_queued_input_bound_is_refused_and_health_shows_the_ceiling(smollm2):
-    config = ServerConfig(pool_tokens=2048, admission="aimd", max_queued_input_tokens=64,
+    config = ServerConfig(**TEXT_SERVER,
+                          pool_tokens=2048, admission="aimd", max_queued_input_tokens=64,
                           mode="turn")
     with ServerThread(config, smollm2, load_tokenizer()) as server:
         with connect(with_extensions(server.ws_url)) as ws:
@@ -54,7 +55,7 @@ def test_text_over_the_queued_input_bound_is_refused_and_health_shows_the_ceilin
 
 
 def test_degrade_policy_bounds_a_session_at_the_wall_and_tells_its_client(smollm2):
-    config = ServerConfig(policy="unbounded", degrade_policy="sinks_window:4:64",
+    config = ServerConfig(**TEXT_SERVER, policy="unbounded", degrade_policy="sinks_window:4:64",
                           pool_tokens=512, admission="off", mode="turn")
     long_text = "the quick brown fox jumps over the lazy dog " * 30  # ~300 tokens
     with ServerThread(config, smollm2, load_tokenizer()) as server:
@@ -129,7 +130,7 @@ def test_the_worst_text_messages_cost_the_loop_under_a_millisecond_each(smollm2,
     monkeypatch.setattr(Connection, "_on_message", timed(Connection._on_message))
     monkeypatch.setattr(RealtimeSession, "_on_input_ready",
                         timed(RealtimeSession._on_input_ready))
-    config = ServerConfig(pool_tokens=16384, admission="off", mode="turn")
+    config = ServerConfig(**TEXT_SERVER, pool_tokens=16384, admission="off", mode="turn")
     # A served process holds its own objects only; this one holds every earlier test's, and a
     # collection that walks them landed in a timed call (CI, after ~300 tests: p90 over 1 ms
     # in one kind; alone: 0.1-0.7 ms). Freezing them keeps collections to what the server

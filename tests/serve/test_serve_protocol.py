@@ -14,6 +14,7 @@ from metronome.serve.audio_input import AudioFramer
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.text import DeltaDecoder
+from tests.served import TEXT_DUPLEX
 
 
 def error_of(message: str) -> ClientError:
@@ -117,7 +118,8 @@ def test_delta_decoder_holds_split_characters():
 
 
 def test_config_is_validated_at_the_edge():
-    assert ServerConfig().profile(ServerConfig().mode).max_output_tokens_per_frame == 4
+    duplex = ServerConfig(**TEXT_DUPLEX)
+    assert duplex.profile(duplex.mode).max_output_tokens_per_frame == 4
     with pytest.raises(ValidationError):
         ServerConfig(policy="window:x")
     with pytest.raises(ValidationError):

@@ -23,13 +23,14 @@ from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import with_extensions
 from metronome.serve.server import ServerThread
 from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
-from tests.served import metric, recv, recv_until
+from tests.served import TEXT_SERVER, metric, recv, recv_until
 
 pytestmark = pytest.mark.model
 
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Name a river there."]
 # Unhurried: answers are compared token for token, and a late one would be cut short.
-CONFIG = ServerConfig(mode="turn", admission="off", pool_tokens=8192, response_tokens=12,
+CONFIG = ServerConfig(**TEXT_SERVER,
+                      mode="turn", admission="off", pool_tokens=8192, response_tokens=12,
                       resume_grace_s=30.0, deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
 
 

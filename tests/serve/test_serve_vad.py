@@ -31,6 +31,7 @@ from metronome.serve.server import ServerThread
 from metronome.serve.serving import Serving
 from metronome.serve.session import RealtimeSession
 from tests import served
+from tests.served import TEXT_DUPLEX
 
 pytestmark = pytest.mark.wall_clock
 
@@ -40,7 +41,7 @@ CHUNK_S = 0.1  # the client appends 100 ms at a time, at real time
 PREFIX_MS, SILENCE_MS = 200, 400
 VAD = {"type": "server_vad", "prefix_padding_ms": PREFIX_MS, "silence_duration_ms": SILENCE_MS}
 # Two frames may wait on each other on this 2-core CPU (fp32): 2 s deadlines keep them honest.
-SMALL = {"pool_tokens": 4096, "admission": "off", "deadline_fraction": 2.0}
+SMALL = TEXT_DUPLEX | {"pool_tokens": 4096, "admission": "off", "deadline_fraction": 2.0}
 
 
 def update(ws, turn_detection, mode: str | None = None) -> None:
@@ -219,7 +220,8 @@ def test_null_turn_detection_gives_back_client_commits(server):
 
 # ---- one session on a tiny model, on this test's loop ------------------------------------------
 def run_session(tiny_model, scenario) -> object:
-    config = ServerConfig(policy="sinks_window:4:64", pool_tokens=4096, admission="off",
+    config = ServerConfig(**TEXT_DUPLEX,
+                          policy="sinks_window:4:64", pool_tokens=4096, admission="off",
                           sample_rates_hz=(16000,), default_sample_rate_hz=16000)
 
     async def main():

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from served import served
 
 from metronome.serve.config import ServerConfig
+from tests.served import TEXT_DUPLEX
 
 pytestmark = [pytest.mark.model, pytest.mark.wall_clock]
 STATUSES = ("ok", "late", "stalled_kv", "context_full", "rejected", "cancelled")
@@ -55,7 +56,8 @@ def metric(text: str, name: str, **labels) -> float:
 def test_the_status_page_shows_what_metrics_say(tmp_path):
     # 3-period deadlines: the page must show ok frames, and a loaded CI machine answered none
     # of them on time within 30 s with 1 s deadlines
-    config = ServerConfig(policy="sinks_window:4:128", pool_tokens=4096, admission="off",
+    config = ServerConfig(**TEXT_DUPLEX,
+                          policy="sinks_window:4:128", pool_tokens=4096, admission="off",
                           deadline_fraction=3.0)
     with served(config) as url:
         ws_url = url.replace("http", "ws") + "/v1/realtime"

@@ -18,7 +18,7 @@ import httpx  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
 from metronome.serve.config import ServerConfig  # noqa: E402
-from tests.served import served  # noqa: E402
+from tests.served import TEXT_SERVER, served  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.wall_clock]
 
@@ -34,7 +34,8 @@ def recv(ws, timeout_s: float = 60.0) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    config = ServerConfig(engine="vllm", pool_tokens=POOL_TOKENS, policy=BOUND, mode="turn",
+    config = ServerConfig(**TEXT_SERVER,
+                          engine="vllm", pool_tokens=POOL_TOKENS, policy=BOUND, mode="turn",
                           deadline_fraction=3.0, response_tokens=8)
     with served(config) as url:
         yield url

@@ -16,6 +16,12 @@ from pathlib import Path
 import httpx
 
 SERVE = [sys.executable, "-c", "from metronome.cli import app; app()", "serve"]
+# The benches measure the engine, the beat and the wire with the embedding front end (one KV
+# entry per audio token, as an omni encoder) and text replies, in duplex unless a preset
+# says otherwise (its own flags come after these, and win): not hearing and speaking, whose
+# cost `metronome bench voice` measures.
+TEXT_SERVER_ARGS = ["--mode", "duplex", "--audio-input", "embeddings", "--no-output-audio",
+                    "--no-server-vad"]
 
 
 def free_port() -> int:
@@ -53,7 +59,8 @@ class Server:
               timeout_s: float = 180.0, threads: int | None = 1) -> Server:
         """`metronome serve <serve_args> --port <free>` with torch on `threads` (None: the
         machine's), its output to `log_path` (None: stderr only), once `ready(url)`."""
-        args, started = [*serve_args, "--port", str(free_port())], time.monotonic()
+        args = [*TEXT_SERVER_ARGS, *serve_args, "--port", str(free_port())]
+        started = time.monotonic()
         env = os.environ | ({} if threads is None else {"OMP_NUM_THREADS": str(threads),
                                                          "MKL_NUM_THREADS": str(threads)})
         if log_path is not None:

@@ -348,6 +348,8 @@ class Beat:
             flight.start_s = out.started_s
         if flight is not None and stream.consumed_tokens >= flight.end_offset:
             flight.token_ids += new_ids
+            if new_ids and stream.on_tokens is not None:
+                stream.on_tokens(flight, new_ids)
         elif stream.last_answered is not None and new_ids:
             stream.last_answered.late_token_ids += new_ids
             self.listeners.on_late_tokens(len(new_ids))

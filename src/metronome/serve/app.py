@@ -21,13 +21,15 @@ from metronome.engine.engine import Engine
 from metronome.model.llama import LlamaModel
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
+from metronome.serve.console import CONSOLE_PAGE_PATH, add_console_routes
 from metronome.serve.edge.auth import KeyGuard, request_has_key
 from metronome.serve.resume.checkpoint import CheckpointStore
 from metronome.serve.serving import Serving
 from metronome.serve.status import STATUS_PAGE_PATH, add_status_routes
 
-OPEN_PATHS = frozenset({"/healthz", STATUS_PAGE_PATH})  # /healthz: its status only without
-# the key; the status page holds no data (it polls /v1/status, which needs the key)
+OPEN_PATHS = frozenset({"/healthz", STATUS_PAGE_PATH, CONSOLE_PAGE_PATH})  # /healthz: its
+# status only without the key; the status page and the console hold no data (they poll
+# /v1/status, which needs the key; the console's WebSocket offers it too)
 
 
 def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=None,
@@ -65,6 +67,7 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
     app.add_middleware(KeyGuard, api_key=config.api_key, open_paths=OPEN_PATHS)
     _routes(app, config)
     add_status_routes(app, lambda request: request.app.state.serving.status_board)
+    add_console_routes(app)
     return app
 
 

@@ -68,8 +68,22 @@ class ServerConfig(BaseModel):
                                          description="duplex: tokens per frame")
     response_tokens: int = Field(16, ge=1, description="turn: tokens of one reply (stops "
                                  "early at EOS)")
-    mode: SessionMode = Field(SessionMode.DUPLEX, description="default session mode: duplex "
-                              "| turn (a session may choose with session.update)")
+    mode: SessionMode = Field(SessionMode.TURN, description="default session mode: turn (a "
+                              "reply per turn, what Realtime clients expect) | duplex (output "
+                              "every frame, Moshi-like; a session may choose with "
+                              "session.update)")
+    audio_input: Literal["transcribe", "embeddings"] = Field(
+        "transcribe", description="what a turn session's audio becomes: transcribe (Whisper "
+        "tiny.en as it arrives; the words enter the KV as the user's message) | embeddings "
+        "(the stand-in front end: one KV entry per audio token, as an omni encoder; duplex "
+        "sessions always use it)")
+    output_audio: bool = Field(True, description="sessions answer aloud by default "
+                               "(output_modalities [\"audio\"], the Piper voice); off: text, "
+                               "until a session asks for audio")
+    server_vad: bool = Field(True, description="sessions start with server VAD turn "
+                             "detection (OpenAI's default); off: the client commits")
+    whisper_threads: int = Field(1, ge=1, le=64, description="CPU threads of one Whisper "
+                                 "pass (on the encoder thread; the rest are the engine's)")
     sample_rates_hz: tuple[int, ...] = Field((16000, 24000, 48000),
                                              description="accepted audio/pcm rates")
     default_sample_rate_hz: int = Field(24000, description="input rate until a session "
@@ -93,7 +107,10 @@ class ServerConfig(BaseModel):
     max_queued_input_tokens: int = Field(
         4096, ge=64, description="input tokens a session may have accepted but not yet "
         "processed, late frames' leftover input included; more is refused")
-    idle_timeout_s: float = Field(60.0, gt=0, description="close a session silent this long")
+    idle_timeout_s: float | None = Field(None, gt=0, description="close a session whose "
+                                         "client sent nothing this long (off by default: a "
+                                         "quiet session is healthy, and a half-open socket "
+                                         "is found by the WebSocket pings)")
     max_session_s: float = Field(3600.0, gt=0, description="close a session this old "
                                  "(OpenAI's limit is 60 min as well)")
     resume_grace_s: float = Field(30.0, ge=0, le=3600, description="hold a session this "

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
@@ -178,7 +179,8 @@ class Connection:
                           config.rate_limit_bytes_per_s, config.rate_limit_burst_bytes,
                           loop.time())
         while not self._ending.done():
-            idle_at = loop.time() + config.idle_timeout_s
+            idle_at = math.inf if config.idle_timeout_s is None else (
+                loop.time() + config.idle_timeout_s)
             receive = asyncio.ensure_future(self.ws.receive())
             await asyncio.wait({receive, self._ending}, timeout=min(
                 idle_at, expires_at) - loop.time(), return_when=asyncio.FIRST_COMPLETED)

@@ -74,3 +74,10 @@ class Conversation:
                               f"conversation (the last {self._max_items} items are kept)",
                               "item_id")
         return item
+
+    def set_transcript(self, item_id: str, transcript: str) -> None:
+        """A user audio item's transcript, once its turn is heard to the end."""
+        item = self._items.get(item_id)
+        if item is not None and item.content and item.content[0].type == "input_audio":
+            content = [item.content[0].model_copy(update={"transcript": transcript})]
+            self._items[item_id] = item.model_copy(update={"content": content})

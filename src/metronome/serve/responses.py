@@ -43,32 +43,34 @@ _RESPONSE_STATUS = {  # frame status -> response status
 }
 
 
-def response_opened(response: Response) -> list[p.ServerEvent]:
+def response_opened(response: Response, spoken: bool = False) -> list[p.ServerEvent]:
     item = assistant_item(response, "in_progress", None)
     return [
-        se.ResponseCreated(response=se.ResponseOut(id=response.response_id,
-                                                   status="in_progress",
-                                                   metadata=response.metadata)),
+        se.ResponseCreated(response=se.ResponseOut(
+            id=response.response_id, status="in_progress", metadata=response.metadata,
+            output_modalities=["audio"] if spoken else ["text"])),
         se.ResponseOutputItemAdded(response_id=response.response_id, item=item),
         se.ConversationItemAdded(previous_item_id=response.previous_item_id, item=item),
         se.ResponseContentPartAdded(response_id=response.response_id, item_id=response.item_id,
-                                    part=se.PartOut()),
+                                    part=se.AudioPartOut() if spoken else se.PartOut()),
     ]
 
 
-def result_events(frame: Frame, text: str, extensions: bool) -> list[p.ServerEvent]:
+def result_events(frame: Frame, text: str, extensions: bool,
+                  spoken: bool = False) -> list[p.ServerEvent]:
     """The events of one frame's result, in the order they go out; `text`: its output,
-    decoded; `extensions`: the client opted in to `metronome.*` events."""
+    decoded; `extensions`: the client opted in to `metronome.*` events; `spoken`: its
+    response is being spoken, so it closes later (`spoken_close_events`), not here."""
     events: list[p.ServerEvent] = []
     response = frame.tag
-    if response is not None and text:
+    if response is not None and text and not spoken:
         events.append(se.ResponseOutputTextDelta(response_id=response.response_id,
                                                  item_id=response.item_id, delta=text))
     if extensions:
         events.append(se.MetronomeFrame(
             response_id=response.response_id if response else None,
             frame=_frame_out(frame)))
-    if response is None:
+    if response is None or spoken:
         return events
     status = _RESPONSE_STATUS.get(frame.status, "failed")
     item = assistant_item(response, "completed" if status == "completed" else "incomplete", text)
@@ -81,6 +83,30 @@ def result_events(frame: Frame, text: str, extensions: bool) -> list[p.ServerEve
         se.ResponseDone(response=_response_out(frame, status, item)),
     ]
     return events
+
+
+def spoken_close_events(frame: Frame, transcript: str,
+                        cancelled_reason: str | None) -> list[p.ServerEvent]:
+    """A spoken response's closing events, once its last sentence went out (or a cancel
+    stopped it: `cancelled_reason`, then the response is `cancelled`)."""
+    response = frame.tag
+    status = "cancelled" if cancelled_reason else _RESPONSE_STATUS.get(frame.status, "failed")
+    rid, item_id = response.response_id, response.item_id
+    item = se.ItemOut(id=item_id, role="assistant",
+                      status="completed" if status == "completed" else "incomplete",
+                      content=[se.ContentOut(type="output_audio", transcript=transcript)])
+    done = _response_out(frame, status, item, cancelled_reason)
+    done.output_modalities = ["audio"]
+    return [
+        se.ResponseOutputAudioDone(response_id=rid, item_id=item_id),
+        se.ResponseOutputAudioTranscriptDone(response_id=rid, item_id=item_id,
+                                             transcript=transcript),
+        se.ResponseContentPartDone(response_id=rid, item_id=item_id,
+                                   part=se.AudioPartOut(transcript=transcript)),
+        se.ResponseOutputItemDone(response_id=rid, item=item),
+        se.ConversationItemDone(previous_item_id=response.previous_item_id, item=item),
+        se.ResponseDone(response=done),
+    ]
 
 
 def assistant_item(response: Response, status: str, text: str | None) -> se.ItemOut:
@@ -99,10 +125,11 @@ def _frame_out(frame: Frame) -> se.FrameOut:
     )
 
 
-def _response_out(frame: Frame, status: str, item: se.ItemOut) -> se.ResponseOut:
-    reason = None
+def _response_out(frame: Frame, status: str, item: se.ItemOut,
+                  cancelled_reason: str | None = None) -> se.ResponseOut:
+    reason = cancelled_reason
     if status == "cancelled" and frame.reason in (TURN_DETECTED, CLIENT_CANCELLED):
-        reason = frame.reason
+        reason = reason or frame.reason
     error = None
     if status == "failed":
         error = {"type": p.ErrorType.SERVER.value, "code": frame.status.value,

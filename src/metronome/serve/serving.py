@@ -20,13 +20,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import numpy as np
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 
 from metronome.admission.controller import AdmissionController, CapSample, Decision
 from metronome.admission.limits import make_limit
 from metronome.audio.frontend import AudioFrontEnd
 from metronome.audio.silero import SileroVad
+from metronome.audio.voice import Voice
+from metronome.audio.whisper import WHISPER_RATE_HZ, Whisper
 from metronome.engine.types import PoolStats, StepOutput
 from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.beat import Beat
@@ -42,6 +45,7 @@ from metronome.serve.resume.checkpoint import CheckpointStore
 from metronome.serve.resume.lease import RESUME_QUERY
 from metronome.serve.resume.resumer import Client, Resumer
 from metronome.serve.session import RealtimeSession
+from metronome.serve.settings import OUTPUT_RATE_HZ
 from metronome.serve.status import StatusBoard
 from metronome.serve.text import ChatText
 
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 GOING_AWAY_CLOSE_CODE = 1001  # the drain timeout passed
 TRY_AGAIN_LATER_CLOSE_CODE = 1013  # refused by admission (a client past the upgrade)
+STAGE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0)
 
 
 class Serving:
@@ -82,10 +87,27 @@ class Serving:
         self._vad = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-vad",
                                        initializer=single_threaded)
         self._silero: SileroVad | None = None  # the VAD thread's only
+        # The voice speaks every session's replies on a thread of its own (Piper: ONNX
+        # Runtime on one core), so speaking never delays hearing or a frame's input.
+        self._voice_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-voice",
+                                                initializer=single_threaded)
         # An executor starts its thread on its first submit, on the caller's thread: the loop
         # paid 1-4 ms of CPU for it on a session's first text or audio. Start them now.
-        for executor in (self._encoder, self._vad):
+        for executor in (self._encoder, self._vad, self._voice_thread):
             executor.submit(lambda: None).result()
+        # Hearing (Whisper, on the encoder thread) and speaking (Piper, on the voice thread)
+        # need a tokenizer: the words enter the KV as text, the reply is spoken from text.
+        self.whisper: Whisper | None = None
+        if config.audio_input == "transcribe" and self.chat is not None:
+            self.whisper = self._encoder.submit(_load_whisper, config.whisper_threads).result()
+        self.voice: Voice | None = None
+        if config.output_audio and self.chat is not None:
+            self.voice = self._voice_thread.submit(_load_voice).result()
+        self.stage_seconds = Histogram(
+            "metronome_voice_stage_seconds", "Time of each stage of a voice frame: encoder (one "
+            "Whisper pass, or the embedding front end), lm (a response frame, first input "
+            "step to its answer), voice (Piper, one sentence).", ["stage"],
+            buckets=STAGE_BUCKETS_S, registry=registry)
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         limit = make_limit(config.admission, config.admission_cap)
         self.controller = AdmissionController(
@@ -228,6 +250,19 @@ class Serving:
         resolves on the loop, futures in the order of the calls."""
         return self.driver.loop.run_in_executor(self._encoder, work)
 
+    def speak(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `work` (speaking a sentence) on the voice thread; futures resolve on the loop
+        in the order of the calls."""
+        return self.driver.loop.run_in_executor(self._voice_thread, work)
+
+    @property
+    def hears(self) -> bool:
+        return self.whisper is not None
+
+    @property
+    def speaks(self) -> bool:
+        return self.voice is not None
+
     def detect(self, work: Callable[[SileroVad], T]) -> asyncio.Future[T]:
         """Run VAD `work` on the VAD thread with the shared Silero network; futures resolve
         on the loop in the order of the calls."""
@@ -305,6 +340,20 @@ class Serving:
         self.driver.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
         self._vad.shutdown(wait=False, cancel_futures=True)
+        self._voice_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_whisper(cpu_threads: int) -> Whisper:
+    """On the encoder thread: the model, and one pass to set up its kernels (~0.5 s)."""
+    whisper = Whisper(cpu_threads)
+    whisper.words(np.zeros(WHISPER_RATE_HZ, np.float32))
+    return whisper
+
+
+def _load_voice() -> Voice:
+    voice = Voice()
+    voice.speak("Ready.", OUTPUT_RATE_HZ)  # ONNX Runtime's first run sets up its kernels
+    return voice
 
 
 def _ceiling_policy(config: ServerConfig, engine: EnginePort) -> ResidencyPolicy:

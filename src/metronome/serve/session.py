@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -59,6 +60,7 @@ from metronome.serve.edge.input_limits import (
     check_room_for_a_frame,
     check_text_length,
 )
+from metronome.serve.hearing import Heard, Hearing
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.protocol import server as se
 from metronome.serve.protocol.schema import ResumeOut
@@ -69,14 +71,16 @@ from metronome.serve.responses import (
     assistant_item,
     response_opened,
     result_events,
+    spoken_close_events,
 )
 from metronome.serve.resume.event_log import EventChannel, EventLog, Sink
 from metronome.serve.resume.lease import Grant
 from metronome.serve.resume.takeover import CheckpointState, LoggedEvents
-from metronome.serve.settings import SessionSettings
+from metronome.serve.settings import OUTPUT_RATE_HZ, SessionSettings
+from metronome.serve.speaking import Speech
 from metronome.serve.text import ChatText
 from metronome.serve.turn_detection import TurnDetection
-from metronome.stream import Frame, Stream
+from metronome.stream import Frame, FrameStatus, Stream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,7 +154,7 @@ class RealtimeSession:
         self.on_failure = self.channel.fail
         self.on_error = on_error  # a client event refused: the connection's `error` event
         self.extensions = extensions  # the client opted in to `metronome.*` events
-        self.settings = SessionSettings.defaults(config) if saved is None else (
+        self.settings = SessionSettings.defaults(config, serving.speaks) if saved is None else (
             SessionSettings.load(saved["settings"]))
         self.opened_at_s = serving.now_s() - (0.0 if saved is None else saved["age_s"])
         # ---- what resuming keeps of it (`serve.resume`) -------------------------------------
@@ -169,6 +173,7 @@ class RealtimeSession:
             assert stream is not None and stream.id == self.id
             self.stream = stream
             stream.on_result, stream.on_rebound = self._on_result_guarded, self._on_rebound
+            stream.on_tokens = self._on_tokens_guarded
             serving.beat.adopt(stream)
         self.framer = AudioFramer(serving.frontend(self.settings.sample_rate_hz),
                                   config.frame_period_s)
@@ -183,14 +188,27 @@ class RealtimeSession:
         self.told_not_honored: set[str] = set()  # logged once per session
         self.instructions: str | None = None
         self.turns: TurnDetection | None = None  # server VAD; None: the client commits
+        self.hearing = self._new_hearing()  # Whisper hears a turn session's audio
+        self.speech: Speech | None = None  # the response being spoken
         if saved is not None:
             self._load(saved)
+        else:
+            self.set_turns(self.settings.turns)
 
     def new_stream(self, settings: SessionSettings | None = None) -> Stream:
         """This session's stream for its settings (or `settings`), opened now."""
         mode = (settings or self.settings).mode
         return Stream(self.id, self.serving.config.profile(mode), self.serving.now_s(),
-                      on_result=self._on_result_guarded, on_rebound=self._on_rebound)
+                      on_result=self._on_result_guarded, on_rebound=self._on_rebound,
+                      on_tokens=self._on_tokens_guarded)
+
+    def _new_hearing(self) -> Hearing | None:
+        """Whisper's ears for a turn session on a server that hears (duplex sessions take
+        the embedding front end: one KV entry per audio token, as an omni encoder)."""
+        serving = self.serving
+        if serving.whisper is None or self.settings.mode is not SessionMode.TURN:
+            return None
+        return Hearing(serving.whisper, serving.chat, self.settings.sample_rate_hz)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -202,6 +220,8 @@ class RealtimeSession:
         self.closed = True
         if self.turns is not None:
             self.turns.stop()
+        if self.speech is not None:
+            self.speech.cancel()
         self.serving.beat.close(self.stream, self.serving.now_s())
 
     def _on_rebound(self, rebound: Rebound) -> None:
@@ -271,7 +291,9 @@ class RealtimeSession:
 
     def _update(self, update: p.SessionIn) -> None:
         config = self.serving.config
-        settings = self.settings.updated(update, config, self.serving.chat is not None)
+        serving = self.serving
+        settings = self.settings.updated(update, config, serving.chat is not None,
+                                         serving.speaks, serving.hears)
         instructions = update.instructions
         new_instructions = instructions is not None and instructions != self.instructions
         if new_instructions:  # refused before anything changes
@@ -279,7 +301,7 @@ class RealtimeSession:
         current = self.settings
         if (settings.mode, settings.sample_rate_hz) != (current.mode, current.sample_rate_hz):
             self._reconfigure(settings)
-        not_honored = update.not_honored()
+        not_honored = update.not_honored(serving.speaks, serving.hears)
         if new_instructions:
             if self.serving.chat is None:
                 not_honored.append("instructions (the model has no tokenizer)")
@@ -326,9 +348,11 @@ class RealtimeSession:
             serving.beat.add(self.stream)
         self.framer = AudioFramer(serving.frontend(settings.sample_rate_hz),
                                   serving.config.frame_period_s)
+        self.settings = settings
+        self.hearing = self._new_hearing()
 
     def _append(self, audio_b64: str) -> None:
-        if not self.serving.accepts_audio:
+        if not self.serving.accepts_audio and self.hearing is None:
             raise ClientError(ErrorCode.AUDIO_UNSUPPORTED, "this server's engine takes text "
                               "only (vLLM's streaming input refuses embeddings): send text "
                               "items with conversation.item.create", "audio")
@@ -340,7 +364,8 @@ class RealtimeSession:
         check_audio_room(self.stream, framer, config, len(pcm))
         self.appended_since_commit_bytes += len(pcm)
         for chunk, audio_end_ms in framer.cut(pcm):
-            self._encode_then_submit(chunk, audio_end_ms, final=False)
+            self._encode_then_submit(chunk, audio_end_ms, final=False,
+                                     turn_bytes=self.appended_since_commit_bytes)
         if self.turns is not None:
             self.turns.push(pcm)
 
@@ -349,9 +374,9 @@ class RealtimeSession:
         new one."""
         if not self.appended_since_commit_bytes:
             raise ClientError(ErrorCode.COMMIT_EMPTY, "no audio appended since the last commit")
-        self.appended_since_commit_bytes = 0
+        turn_bytes, self.appended_since_commit_bytes = self.appended_since_commit_bytes, 0
+        self._encode_then_submit(*self.framer.cut_rest(), final=True, turn_bytes=turn_bytes)
         self.committed_ms = self.framer.received_ms
-        self._encode_then_submit(*self.framer.cut_rest(), final=True)
         # a commit mid-speech takes the turn's item id with it
         turn_item_id = self.turns.take_item_id() if self.turns is not None else None
         item_id = item_id or turn_item_id or p.new_id("item")
@@ -360,6 +385,10 @@ class RealtimeSession:
         self.emit(se.InputAudioBufferCommitted(item_id=item.id,
                                                previous_item_id=self.conversation.last_item_id))
         self._add_item(item)
+        if self.hearing is not None:
+            self.hearing.speech_from_ms = None  # the next turn's speech is still to come
+            audio_s = turn_bytes / (2 * self.settings.sample_rate_hz)
+            self._transcribed(item_id, self.hearing.committed(item_id, audio_s), None)
 
     def _clear_buffer(self) -> None:
         """Audio appended and not yet cut into a frame is dropped; frames already in the
@@ -425,7 +454,12 @@ class RealtimeSession:
         # (audio appended and committed just before, as clients do, must not refuse it)
         token_ids = chat.response_prefix_ids
         check_input_room(self.stream, len(token_ids), "response", ErrorCode.TOO_MANY_PENDING)
-        response = self._new_response(params.metadata)
+        spoken = self.settings.speak and self.serving.voice is not None
+        response = self._new_response(params.metadata, spoken)
+        if spoken:
+            self.speech = Speech(response, self.serving.voice, OUTPUT_RATE_HZ,
+                                 self.serving.speak, self.emit,
+                                 self.serving.stage_seconds.labels("voice").observe)
         self._client_response = response
         self._client_response_frame = self._queue_frame(
             "response", lambda: _ids(token_ids), len(token_ids), respond=True,
@@ -446,7 +480,12 @@ class RealtimeSession:
             f" with id {response_id!r}" if response_id else ""), "response_id")
 
     def _cancel_client_response(self, reason: str) -> None:
-        """In the beat now, or, its input still on the encoder thread, once it arrives."""
+        """In the beat now, or, its input still on the encoder thread, once it arrives; a
+        reply being spoken after its frame was answered stops at once."""
+        speech = self.speech
+        if speech is not None and speech.finishing:
+            speech.cancel(reason)
+            return
         self.serving.beat.cancel(self._client_response_frame, self.serving.now_s(), reason)
 
     def _chat(self) -> ChatText:
@@ -477,22 +516,72 @@ class RealtimeSession:
         except ClientError as err:
             self.emit(p.ErrorEvent.of(err))
 
+    def speech_started(self, start_ms: float) -> None:
+        """Server VAD heard speech start at `start_ms` (its prefix padding included): the
+        turn Whisper hears starts there."""
+        if self.hearing is not None:
+            self.hearing.speech_from_ms = start_ms
+
     def interrupt_response(self) -> None:
         """Cancel the response under way (its frame: in the beat now, or once it is)."""
         if self._client_response is not None:
             self._cancel_client_response(TURN_DETECTED)
 
     # ---- frames ------------------------------------------------------------------------
-    def _encode_then_submit(self, pcm: bytes, audio_end_ms: float, final: bool) -> None:
+    def _encode_then_submit(self, pcm: bytes, audio_end_ms: float, final: bool,
+                            turn_bytes: int = 0) -> None:
+        if self.hearing is not None:
+            self._hear_then_submit(pcm, audio_end_ms, final, turn_bytes)
+            return
         framer = self.framer
         self._queue_frame("audio", lambda: framer.encode(pcm, final), framer.tokens(len(pcm)),
                           respond=self.settings.mode is SessionMode.DUPLEX,
                           audio_end_ms=audio_end_ms)
 
+    def _hear_then_submit(self, pcm: bytes, audio_end_ms: float, final: bool,
+                          turn_bytes: int) -> None:
+        """A turn's audio frame, heard by Whisper on the encoder thread (`serve.hearing`):
+        its input is the words it commits. It reserves the most tokens the turn's audio
+        not yet heard to the end can make."""
+        hearing = self.hearing
+        hearing.latest_cut_ms = audio_end_ms
+        speech_from_ms = hearing.speech_from_ms if self.turns is not None else self.committed_ms
+        heard = Heard()
+        stage = self.serving.stage_seconds.labels("encoder")
+
+        def hear() -> torch.Tensor:
+            start = time.perf_counter()
+            ids = hearing.hear(pcm, final, audio_end_ms, speech_from_ms, heard)
+            if heard.words or final:
+                stage.observe(time.perf_counter() - start)
+            return _ids(ids)
+
+        def on_ready() -> None:
+            self._transcribed(*hearing.heard_words(heard))
+
+        self._queue_frame("audio", hear, Hearing.max_tokens(turn_bytes, hearing.sample_rate_hz),
+                          audio_end_ms=audio_end_ms, on_ready=on_ready)
+
+    def _transcribed(self, item_id: str | None, delta: str, transcript: str | None) -> None:
+        """The user's words as they are heard: transcription events for a client that asked,
+        and the item's transcript once the turn is heard to the end."""
+        if item_id is None:
+            return
+        asked = self.settings.transcription is not None
+        if delta and asked:
+            self.emit(se.InputAudioTranscriptionDelta(item_id=item_id, delta=delta))
+        if transcript is not None:
+            if asked:
+                self.emit(se.InputAudioTranscriptionCompleted(
+                    item_id=item_id, transcript=transcript,
+                    usage=se.DurationUsage(seconds=round(self.hearing.turn_audio_s, 3))))
+            self.conversation.set_transcript(item_id, transcript)
+
     def _queue_frame(self, kind: str, make_input: Callable[[], torch.Tensor],
                      num_tokens: int, respond: bool = False,
                      audio_end_ms: float | None = None,
-                     response: Response | None = None) -> Frame:
+                     response: Response | None = None,
+                     on_ready: Callable[[], None] | None = None) -> Frame:
         """Every frame passes the encoder thread's queue (audio to be encoded there, text as
         it is), so frames reach the stream in the order the client sent them and no encoding
         runs on the loop. It is accepted in the stream now (its input was checked against
@@ -503,12 +592,15 @@ class RealtimeSession:
                       input_tokens=num_tokens)
         self.serving.beat.accept(self.stream, frame)
         self.serving.encode(make_input).add_done_callback(
-            lambda done: self._on_input_ready(done, frame))
+            lambda done: self._on_input_ready(done, frame, on_ready))
         return frame
 
-    def _on_input_ready(self, done: asyncio.Future, frame: Frame) -> None:
+    def _on_input_ready(self, done: asyncio.Future, frame: Frame,
+                        on_ready: Callable[[], None] | None = None) -> None:
         if self.closed or done.cancelled():
             return  # the session ended (its stream with it) or the server is stopping
+        if on_ready is not None and done.exception() is None:
+            on_ready()
         beat = self.serving.beat
         if done.exception() is not None:
             log.error("session %s: preparing a frame failed", self.id,
@@ -526,11 +618,12 @@ class RealtimeSession:
         beat.submit(frame, self.serving.now_s(), token_ids=None if audio else data,
                     embeddings=data if audio else None)  # may answer it at once
 
-    def _new_response(self, metadata: dict[str, str] | None = None) -> Response:
+    def _new_response(self, metadata: dict[str, str] | None = None,
+                      spoken: bool = False) -> Response:
         response = Response(p.new_id("resp"), p.new_id("item"),
                             self.conversation.last_item_id, metadata)
         self.conversation.add(assistant_item(response, "in_progress", None))
-        for event in response_opened(response):
+        for event in response_opened(response, spoken):
             self.emit(event)
         return response
 
@@ -541,12 +634,52 @@ class RealtimeSession:
             log.exception("session %s failed on a frame result", self.id)
             self.on_failure()
 
+    def _on_tokens_guarded(self, frame: Frame, token_ids: list[int]) -> None:
+        try:
+            self._on_tokens(frame, token_ids)
+        except Exception:  # as for results: one session's failure must not stop the beat
+            log.exception("session %s failed on a step's tokens", self.id)
+            self.on_failure()
+
+    def _on_tokens(self, frame: Frame, token_ids: list[int]) -> None:
+        """A step's tokens of the frame in flight: a reply being spoken hears them now."""
+        speech = self.speech
+        if speech is not None and frame.tag is speech.response and self.decoder is not None:
+            speech.push(self.decoder.push(token_ids))
+
     def on_result(self, frame: Frame) -> None:
+        speech = self.speech
+        if speech is not None and frame.tag is speech.response:
+            self._on_spoken_result(frame, speech)
+            return
         text = self._text_of(frame.token_ids, flush=frame.kind == "response")
         for event in result_events(frame, text, self.extensions):
             if isinstance(event, se.ResponseOutputItemDone):
                 self.conversation.update(event.item)
             self.emit(event)
+        if frame is self._client_response_frame:
+            self._client_response = self._client_response_frame = None
+        self.serving.resume.settled(self)
+
+    def _on_spoken_result(self, frame: Frame, speech: Speech) -> None:
+        """The reply's frame is answered: its text is all written (its tokens went to the
+        voice step by step); it closes once the voice has said the rest."""
+        if frame.start_s is not None:
+            self.serving.stage_seconds.labels("lm").observe(frame.finish_s - frame.start_s)
+        speech.push(self.decoder.flush())
+        for event in result_events(frame, "", self.extensions, spoken=True):
+            self.emit(event)
+        if frame.status is FrameStatus.CANCELLED:
+            speech.cancel(frame.reason)
+        speech.finish(lambda: self._close_speech(frame, speech))
+
+    def _close_speech(self, frame: Frame, speech: Speech) -> None:
+        for event in spoken_close_events(frame, speech.spoken, speech.cancel_reason):
+            if isinstance(event, se.ResponseOutputItemDone):
+                self.conversation.update(event.item)
+            self.emit(event)
+        if self.speech is speech:
+            self.speech = None
         if frame is self._client_response_frame:
             self._client_response = self._client_response_frame = None
         self.serving.resume.settled(self)
@@ -564,7 +697,8 @@ class RealtimeSession:
         (the engine side is checked on the engine thread: nothing still generating)."""
         stream = self.stream
         return (not self.closed and not stream.frames and stream.queued_input_tokens == 0
-                and self._client_response is None and not stream.ended_reason)
+                and self._client_response is None and not stream.ended_reason
+                and (self.hearing is None or not self.appended_since_commit_bytes))
 
     def saved(self) -> dict:
         """Everything a server needs, beside the engine's snapshot of its stream, to go on

@@ -19,10 +19,15 @@ from metronome.serve.protocol.schema import (
     AudioFormatOut,
     AudioInputOut,
     AudioOut,
+    AudioOutputOut,
     MetronomeSessionOut,
     ResumeOut,
     SessionOut,
+    Transcription,
 )
+
+OUTPUT_RATE_HZ = 24000  # the reply's audio: pcm16 at OpenAI's one output rate
+VOICE_NAME = "joe"  # the one voice served (Piper en_US joe, medium)
 
 
 @dataclass(frozen=True)
@@ -30,30 +35,48 @@ class SessionSettings:
     mode: SessionMode
     sample_rate_hz: int
     turns: p.ServerVad | None = None  # server VAD; None: the client commits
+    speak: bool = False  # output_modalities ["audio"]: replies are spoken
+    transcription: Transcription | None = None  # the client wants transcription events
 
     @classmethod
-    def defaults(cls, config: ServerConfig) -> SessionSettings:
-        return cls(config.mode, config.default_sample_rate_hz)
+    def defaults(cls, config: ServerConfig, speaks: bool = False) -> SessionSettings:
+        """A new session's: the server's mode and rate, server VAD if it is on, spoken
+        replies if the server has a voice and `output_audio` is on."""
+        turns = p.ServerVad(type="server_vad") if config.server_vad else None
+        return cls(config.mode, config.default_sample_rate_hz, turns,
+                   speaks and config.output_audio)
 
     def saved(self) -> dict:
         """As JSON, for a checkpoint (`serve.resume.checkpoint`)."""
         return {"mode": self.mode.value, "sample_rate_hz": self.sample_rate_hz,
-                "turns": None if self.turns is None else self.turns.model_dump(mode="json")}
+                "turns": None if self.turns is None else self.turns.model_dump(mode="json"),
+                "speak": self.speak, "transcription": None if self.transcription is None
+                else self.transcription.model_dump(mode="json")}
 
     @classmethod
     def load(cls, saved: dict) -> SessionSettings:
-        turns = saved["turns"]
+        turns, transcription = saved["turns"], saved.get("transcription")
         return cls(SessionMode(saved["mode"]), saved["sample_rate_hz"],
-                   None if turns is None else p.ServerVad.model_validate(turns))
+                   None if turns is None else p.ServerVad.model_validate(turns),
+                   saved.get("speak", False),
+                   None if transcription is None else Transcription.model_validate(
+                       transcription))
 
     def updated(self, update: p.SessionIn, config: ServerConfig,
-                has_tokenizer: bool) -> SessionSettings:
+                has_tokenizer: bool, speaks: bool = False,
+                hears: bool = False) -> SessionSettings:
         """These settings with `update` applied; raises `ClientError` for what is not
-        served (a rate, or server VAD creating text responses without a tokenizer)."""
+        served (a rate, or server VAD creating text responses without a tokenizer);
+        `speaks` / `hears`: the server has a voice / transcribes audio."""
         mode, rate_hz = self.mode, self.sample_rate_hz
+        speak, transcription = self.speak, self.transcription
+        if update.output_modalities is not None:
+            speak = speaks and "audio" in update.output_modalities
+        audio_in = update.audio.input if update.audio else None
+        if audio_in is not None and "transcription" in audio_in.model_fields_set:
+            transcription = audio_in.transcription if hears else None
         if update.metronome is not None and update.metronome.mode is not None:
             mode = SessionMode(update.metronome.mode)
-        audio_in = update.audio.input if update.audio else None
         if audio_in is not None and audio_in.format is not None:
             if audio_in.format.type != "audio/pcm":
                 raise ClientError(ErrorCode.UNSUPPORTED, f"input audio {audio_in.format.type} "
@@ -78,7 +101,7 @@ class SessionSettings:
             raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer, so "
                               "server VAD cannot create text responses: set create_response "
                               "to false", "session.audio.input.turn_detection.create_response")
-        return SessionSettings(mode, rate_hz, turns)
+        return SessionSettings(mode, rate_hz, turns, speak, transcription)
 
     def describe(self, session_id: str, model_name: str, profile: SessionProfile,
                  policy: ResidencyPolicy, token_rate_hz: float, instructions: str | None,
@@ -88,9 +111,12 @@ class SessionSettings:
         KV pressure imposed); the `metronome` block only for a client that opted in."""
         return SessionOut(
             id=session_id, model=model_name, instructions=instructions,
+            output_modalities=["audio"] if self.speak else ["text"],
             audio=AudioOut(input=AudioInputOut(
                 format=AudioFormatOut(rate=self.sample_rate_hz),
-                turn_detection=self.turns)),
+                turn_detection=self.turns, transcription=self.transcription),
+                output=AudioOutputOut(format=AudioFormatOut(rate=OUTPUT_RATE_HZ),
+                                      voice=VOICE_NAME) if self.speak else None),
             max_output_tokens=profile.max_output_tokens_per_frame,
             metronome=None if not extensions else MetronomeSessionOut(
                 mode=self.mode.value, frame_period_s=profile.frame_period_s,

@@ -45,6 +45,9 @@ class TurnTaker(Protocol):
 
     def emit(self, event: p.ServerEvent) -> None: ...
 
+    def speech_started(self, start_ms: float) -> None:
+        """Speech starts at `start_ms` of the input stream (prefix padding included)."""
+
     def interrupt_response(self) -> None:
         """The user spoke: cancel the response under way, if any."""
 
@@ -102,6 +105,7 @@ class TurnDetection:
                                event.start_ms - settings.prefix_padding_ms)
                 session.emit(se.InputAudioBufferSpeechStarted(audio_start_ms=round(start_ms),
                                                              item_id=self._item_id))
+                session.speech_started(start_ms)
                 if settings.interrupt_response:
                     session.interrupt_response()
             case SpeechStopped():

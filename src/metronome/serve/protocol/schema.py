@@ -198,19 +198,25 @@ class SessionIn(Strict):
     reasoning: Reasoning | None = None
     metronome: MetronomeSessionIn | None = None  # the extension: mode
 
-    def not_honored(self) -> list[str]:
-        """The fields this update set that the server accepts but does not act on."""
+    def not_honored(self, speaks: bool = False, hears: bool = False) -> list[str]:
+        """The fields this update set that the server accepts but does not act on; `speaks`:
+        the server has a voice (audio output is served), `hears`: it transcribes audio."""
         fields = [name for name in ("tools", "tool_choice", "parallel_tool_calls", "tracing",
                                     "truncation", "prompt", "include", "reasoning",
                                     "max_output_tokens") if name in self.model_fields_set]
-        if self.output_modalities and "audio" in self.output_modalities:
+        if self.output_modalities and "audio" in self.output_modalities and not speaks:
             fields.append("output_modalities (audio)")
         audio = self.audio
         if audio is not None and audio.output is not None:
-            fields.append("audio.output")
+            if not speaks:
+                fields.append("audio.output")
+            elif audio.output.voice is not None or audio.output.speed is not None:
+                fields.append("audio.output.voice and speed (one voice is served)")
         if audio is not None and audio.input is not None:
-            fields += [f"audio.input.{name}" for name in ("noise_reduction", "transcription")
-                       if getattr(audio.input, name) is not None]
+            if audio.input.noise_reduction is not None:
+                fields.append("audio.input.noise_reduction")
+            if audio.input.transcription is not None and not hears:
+                fields.append("audio.input.transcription")
             if isinstance(audio.input.turn_detection, SemanticVad):
                 fields.append("audio.input.turn_detection (semantic_vad is served as "
                               "server_vad)")
@@ -226,12 +232,27 @@ class AudioFormatOut(BaseModel):
 class AudioInputOut(BaseModel):
     format: AudioFormatOut
     turn_detection: ServerVad | None = None
-    transcription: None = None  # no ASR model is served
+    # what the client asked for, echoed while it is served (Whisper tiny.en, whatever model
+    # it names); null: no transcription events
+    transcription: Transcription | None = None
     noise_reduction: None = None
+
+
+class AudioOutputOut(BaseModel):
+    format: AudioFormatOut
+    voice: str  # the one voice served
 
 
 class AudioOut(BaseModel):
     input: AudioInputOut
+    output: AudioOutputOut | None = None  # None (left out): replies are text
+
+    @model_serializer(mode="wrap")
+    def _without_absent_output(self, handler):
+        data = handler(self)
+        if data.get("output") is None:
+            data.pop("output", None)
+        return data
 
 
 class ResumeOut(BaseModel):
@@ -259,7 +280,7 @@ class SessionOut(BaseModel):
     id: str
     model: str
     instructions: str | None = None
-    output_modalities: list[Literal["text"]] = ["text"]
+    output_modalities: list[Literal["text", "audio"]] = ["text"]
     audio: AudioOut
     max_output_tokens: int  # the server's per-response budget
     tools: list = []

@@ -105,7 +105,7 @@ class InputAudioBufferSpeechStopped(ServerEvent):
 
 
 class ContentOut(BaseModel):
-    type: Literal["input_text", "input_audio", "output_text"]
+    type: Literal["input_text", "input_audio", "output_text", "output_audio"]
     text: str | None = None  # absent for audio
     transcript: str | None = None  # absent: no ASR is served (and a system part has none)
 
@@ -164,7 +164,7 @@ class ResponseOut(BaseModel):
     object: Literal["realtime.response"] = "realtime.response"
     status: Literal["in_progress", "completed", "cancelled", "incomplete", "failed"]
     status_details: StatusDetails | None = None
-    output_modalities: list[Literal["text"]] = ["text"]
+    output_modalities: list[Literal["text", "audio"]] = ["text"]
     output: list[ItemOut] = []
     usage: Usage | None = None
     metadata: dict[str, str] | None = None  # response.create's, echoed
@@ -194,19 +194,67 @@ class ResponseOutputTextDone(_ContentEvent):
     text: str
 
 
+class ResponseOutputAudioDelta(_ContentEvent):
+    type: Literal["response.output_audio.delta"] = "response.output_audio.delta"
+    delta: str  # base64 PCM16 at the session's output rate
+
+
+class ResponseOutputAudioDone(_ContentEvent):
+    type: Literal["response.output_audio.done"] = "response.output_audio.done"
+
+
+class ResponseOutputAudioTranscriptDelta(_ContentEvent):
+    type: Literal["response.output_audio_transcript.delta"] = (
+        "response.output_audio_transcript.delta")
+    delta: str
+
+
+class ResponseOutputAudioTranscriptDone(_ContentEvent):
+    type: Literal["response.output_audio_transcript.done"] = (
+        "response.output_audio_transcript.done")
+    transcript: str
+
+
 class PartOut(BaseModel):
     type: Literal["text"] = "text"
     text: str = ""
 
 
+class AudioPartOut(BaseModel):
+    type: Literal["audio"] = "audio"
+    transcript: str = ""
+
+
 class ResponseContentPartAdded(_ContentEvent):
     type: Literal["response.content_part.added"] = "response.content_part.added"
-    part: PartOut
+    part: PartOut | AudioPartOut
 
 
 class ResponseContentPartDone(_ContentEvent):
     type: Literal["response.content_part.done"] = "response.content_part.done"
-    part: PartOut
+    part: PartOut | AudioPartOut
+
+
+class InputAudioTranscriptionDelta(ServerEvent):
+    type: Literal["conversation.item.input_audio_transcription.delta"] = (
+        "conversation.item.input_audio_transcription.delta")
+    item_id: str
+    content_index: int = 0
+    delta: str
+
+
+class InputAudioTranscriptionCompleted(ServerEvent):
+    type: Literal["conversation.item.input_audio_transcription.completed"] = (
+        "conversation.item.input_audio_transcription.completed")
+    item_id: str
+    content_index: int = 0
+    transcript: str
+    usage: DurationUsage
+
+
+class DurationUsage(BaseModel):
+    type: Literal["duration"] = "duration"
+    seconds: float  # of audio heard
 
 
 class _OutputItemEvent(ServerEvent):

@@ -1,0 +1,70 @@
+"""Speaking: the bundled Piper voice (en_US joe, medium; ONNX Runtime) and a reply's text cut
+into sentences as its tokens arrive.
+
+`Voice.speak` turns one sentence into PCM16 at the session's output rate (Piper speaks at
+22.05 kHz, ~0.05-0.08 of real time on 2 cores here; the resampler brings it to 24 kHz). It
+runs on the server's voice thread: never on the loop, the engine's thread or the encoder's.
+
+`Sentences` holds a reply's text until a sentence ends (`.`, `!`, `?` or a line break after
+some words), so the first sentence is spoken while the model still writes the next.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import numpy as np
+
+from metronome.audio.carriers import voice_model_path
+from metronome.audio.resample import StreamingResampler
+
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n+")
+MIN_SENTENCE_CHARS = 12  # shorter pieces wait for more (a lone "Dr." or "1." is no sentence)
+
+
+class Voice:
+    def __init__(self) -> None:
+        from piper import PiperVoice  # imported here: onnxruntime session, only when speaking
+
+        self.voice = PiperVoice.load(str(voice_model_path()))
+        self.sample_rate_hz: int = self.voice.config.sample_rate
+        self._lock = threading.Lock()
+
+    def speak(self, text: str, to_rate_hz: int) -> bytes:
+        """PCM16 little-endian mono of `text` at `to_rate_hz` (b"" for no speakable text)."""
+        if not any(ch.isalnum() for ch in text):
+            return b""
+        with self._lock:
+            chunks = [chunk.audio_float_array for chunk in self.voice.synthesize(text)]
+        if not chunks:
+            return b""
+        samples = np.concatenate(chunks)
+        if to_rate_hz != self.sample_rate_hz:
+            resampler = StreamingResampler(self.sample_rate_hz, to_rate_hz)
+            samples = np.concatenate([resampler.push(samples),
+                                      resampler.push(np.zeros(64, np.float32))])
+        return (np.clip(samples, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+
+
+class Sentences:
+    """A reply's text in, whole sentences out, in order; `flush` gives the rest."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def push(self, text: str) -> list[str]:
+        self._held += text
+        out = []
+        start = 0
+        for match in _SENTENCE_END.finditer(self._held):
+            piece = self._held[start:match.end()]
+            if len(piece.strip()) >= MIN_SENTENCE_CHARS:
+                out.append(piece.strip())
+                start = match.end()
+        self._held = self._held[start:]
+        return out
+
+    def flush(self) -> list[str]:
+        rest, self._held = self._held.strip(), ""
+        return [rest] if rest else []

@@ -1,0 +1,165 @@
+"""The voice loop: Whisper hears a turn as it arrives, the bounded LM answers, Piper speaks.
+
+Pieces without models (the transcript's agreement rule, sentence cutting, the user message's
+framing token for token), then the default server (no flags) end to end: a spoken question
+in, its transcript, a spoken answer whose audio Whisper hears back as its transcript.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import numpy as np
+import pytest
+from websockets.sync.client import connect
+
+from metronome.audio.resample import StreamingResampler
+from metronome.audio.voice import Sentences, Voice
+from metronome.audio.whisper import StreamingTranscript, Whisper
+from metronome.model.weights import load_tokenizer
+from metronome.serve.config import ServerConfig
+from metronome.serve.hearing import Heard, Hearing
+from metronome.serve.server import ServerThread
+from metronome.serve.text import ChatText
+from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
+from tests.served import recv
+
+
+class ScriptedWhisper:
+    """Each pass hears the next of `passes` (word lists), whatever the audio."""
+
+    def __init__(self, passes: list[str]) -> None:
+        self.passes = [p.split() for p in passes]
+        self.heard_s: list[float] = []
+
+    def words(self, samples_16k: np.ndarray) -> list[str]:
+        self.heard_s.append(len(samples_16k) / 16000)
+        return self.passes.pop(0)
+
+
+def second(n: int = 1) -> np.ndarray:
+    return np.zeros(16000 * n, np.float32)
+
+
+def test_words_are_committed_once_two_passes_agree_and_the_final_pass_commits_the_rest():
+    whisper = ScriptedWhisper(["what is", "what is the cap", "what is the capital of",
+                               "What is the capital of France?"])
+    transcript = StreamingTranscript(whisper, 16000)
+    assert transcript.push(second(), 1000, final=False) == []  # one pass: nothing agreed
+    assert transcript.push(second(), 2000, final=False) == ["what", "is"]
+    assert transcript.push(second(), 3000, final=False) == ["the"]  # "cap" was a guess
+    assert transcript.push(second(), 4000, final=True) == ["capital", "of", "France?"]
+    assert transcript.committed == []  # the next turn starts afresh
+    assert whisper.heard_s == [1.0, 2.0, 3.0, 4.0]  # every pass hears the turn so far
+
+
+def test_before_speech_only_the_last_seconds_are_kept_and_no_pass_runs():
+    whisper = ScriptedWhisper(["hello", "hello there"])
+    transcript = StreamingTranscript(whisper, 16000)
+    for end_s in range(1, 8):  # 7 s of silence before speech: no pass, 3 s kept
+        assert transcript.push(second(), end_s * 1000, final=False, speech_from_ms=None) == []
+    assert whisper.heard_s == []
+    # speech from 6.5 s: the pass hears 6.5 s .. 8 s only
+    transcript.push(second(), 8000, final=False, speech_from_ms=6500)
+    assert whisper.heard_s == [1.5]
+    # a frame with a newer one queued behind it keeps its audio and skips its pass
+    assert transcript.push(second(), 9000, final=False, speech_from_ms=6500,
+                           pass_now=False) == []
+    assert transcript.push(second(), 10000, final=True, speech_from_ms=6500) == [
+        "hello", "there"]
+    assert whisper.heard_s == [1.5, 3.5]
+
+
+def test_sentences_go_out_whole_and_in_order():
+    sentences = Sentences()
+    assert sentences.push("The capital of France") == []
+    assert sentences.push(" is Paris. It is on the Sei") == ["The capital of France is Paris."]
+    assert sentences.push("ne! Ok. And") == ["It is on the Seine!"]  # "Ok." alone is short
+    assert sentences.flush() == ["Ok. And"]
+    assert sentences.flush() == []
+
+
+def test_a_turn_heard_in_pieces_is_the_tokens_of_the_whole_user_message():
+    """Words committed frame by frame enter the KV as exactly the tokens of the user message
+    a text item with the same words would be."""
+    chat = ChatText(load_tokenizer())
+    passes = ["What is", "What is the", "What is the capital", "What is the capital of France?"]
+    hearing = Hearing(ScriptedWhisper(passes), chat, 16000)
+    pcm = (np.zeros(16000, np.int16)).tobytes()
+    ids, heard_words = [], []
+    for index in range(4):
+        heard = Heard()
+        hearing.speech_from_ms = 0.0
+        ids += hearing.hear(pcm, index == 3, (index + 1) * 1000.0, 0.0, heard)
+        heard_words += heard.words
+    assert " ".join(heard_words) == "What is the capital of France?"
+    assert ids == chat.item_ids("user", "What is the capital of France?")
+
+
+def test_the_default_server_hears_and_speaks():
+    """`metronome serve` with no flags: turn mode, server VAD, Whisper, Piper."""
+    config = ServerConfig()
+    assert (config.mode.value, config.audio_input, config.output_audio, config.server_vad,
+            config.idle_timeout_s) == ("turn", "transcribe", True, True, None)
+
+
+@pytest.mark.model
+def test_a_spoken_question_gets_a_spoken_answer(smollm2):
+    voice = Voice()
+    question = voice.speak("What is the capital of France?", 24000)
+    silence = bytes(2 * 24000)
+    audio = silence + question + silence * 2
+    config = ServerConfig(pool_tokens=4096, admission="off",
+                          deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
+    events = []
+    with ServerThread(config, smollm2, load_tokenizer()) as server, connect(
+            server.ws_url) as ws:
+        assert recv(ws)["type"] == "session.created"
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}}))
+        updated = recv(ws)
+        assert updated["session"]["output_modalities"] == ["audio"]
+        assert updated["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+        step = 4800  # 100 ms chunks at real time, as a microphone sends them
+        for start in range(0, len(audio), step):
+            ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                "audio": base64.b64encode(audio[start:start + step]).decode()}))
+            time.sleep(0.1)
+        while True:
+            event = recv(ws, timeout_s=60)
+            events.append(event)
+            if event["type"] == "response.done":
+                break
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds, [e for e in events if e["type"] == "error"]
+    completed = next(e for e in events
+                     if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert "capital of france" in completed["transcript"].lower()
+    deltas = "".join(e["delta"] for e in events
+                     if e["type"] == "conversation.item.input_audio_transcription.delta")
+    assert deltas == completed["transcript"]  # the deltas add up to the transcript
+    assert kinds.index("input_audio_buffer.committed") < kinds.index(
+        "conversation.item.input_audio_transcription.completed")
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and done["output_modalities"] == ["audio"]
+    transcript = done["output"][0]["content"][0]["transcript"]
+    assert transcript
+    assert "".join(e["delta"] for e in events
+                   if e["type"] == "response.output_audio_transcript.delta") == transcript
+    reply = b"".join(base64.b64decode(e["delta"]) for e in events
+                     if e["type"] == "response.output_audio.delta")
+    assert len(reply) > 2 * 24000 * 0.3  # some speech, at 24 kHz
+    # the reply's audio says its transcript: Whisper hears most of its words back
+    samples = np.frombuffer(reply, "<i2").astype(np.float32) / 32768
+    resampler = StreamingResampler(24000, 16000)
+    heard = Whisper().words(np.concatenate([resampler.push(samples),
+                                            resampler.push(np.zeros(4000, np.float32))]))
+    said = {_norm(w) for w in transcript.split()} - {""}
+    back = {_norm(w) for w in heard}
+    assert len(said & back) >= max(1, 0.6 * len(said)), (transcript, heard)
+
+
+def _norm(word: str) -> str:
+    return "".join(ch for ch in word.lower() if ch.isalnum())
