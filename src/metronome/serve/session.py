@@ -16,6 +16,11 @@ provides the beat, the clock and the worker threads: audio is cut into frames on
 and encoded off it; text is tokenized there, its room checked first against the most
 tokens it can make.
 
+Hearing and speaking: a turn session's audio frames are heard by Whisper on the encoder
+thread (`serve.hearing`: their input is the words they commit) unless the server takes the
+embedding front end; a response whose session speaks is spoken as its tokens come
+(`serve.speaking`, on the voice thread) and closes once the voice is done.
+
 Responses: a frame whose profile asks for output is one response (opened when its input is
 ready, closed when the beat answers it). In duplex mode that is every frame, so text streams
 back per frame with no commit; in turn mode audio frames only prefill (no response) and a
@@ -24,7 +29,7 @@ has started: the stream's profile is. With server VAD, a turn's end commits the 
 in turn mode with `create_response`, creates a response, as the client's events would.
 `response.cancel` cancels a response's frame in the beat (`client_cancelled`); items only
 join the conversation at its end (`serve.conversation`); what the GA API has and the server
-cannot do (deleting or truncating an item already in the KV, audio output) is refused by
+cannot do (deleting or truncating an item already in the KV, the output audio buffer) is refused by
 name (`UNSUPPORTED_EVENT_TYPES`). `metronome.*` events go only to a client that opted in
 (`extensions`).
 

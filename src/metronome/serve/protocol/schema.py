@@ -5,14 +5,15 @@ outside it is `unknown_parameter`.
 
 What each field does here (the README's protocol table says the same):
 - honored: `type`, `model` (accepted; the server names the one it serves), `instructions`
-  (a system message at that point of the conversation), `output_modalities` (text is what the
-  served models produce: `audio` is accepted and the effective value is `["text"]`),
+  (a system message at that point of the conversation), `output_modalities` (`audio`: the
+  Piper voice speaks the reply, where the server has it; else `["text"]`),
+  `audio.input.transcription` (Whisper tiny.en, where the server hears),
   `audio.input.format` (PCM16 at a served rate), `audio.input.turn_detection` (`server_vad`;
   `semantic_vad` is served as `server_vad` with its `create_response` and
   `interrupt_response`: no turn-end model is served), the `metronome` extension (mode);
 - accepted, not honored (the effective value in `session.updated` says so, and the server logs
-  it once per session): `audio.input.transcription` and `noise_reduction` (no ASR or
-  denoiser is served: null), `audio.output` (no audio is produced: absent), `tools`,
+  it once per session): `noise_reduction` (no denoiser is served: null), the voice and speed
+  of `audio.output` (one voice is served), `tools`,
   `tool_choice`, `parallel_tool_calls` (the served model calls no tools: `[]`, `"none"`),
   `max_output_tokens` (the server's per-response budget is the profile's: that number),
   `truncation` (the KV bound is the server's policy: `"auto"`), `tracing`, `prompt`,
