@@ -7,6 +7,7 @@ in, its transcript, a spoken answer whose audio Whisper hears back as its transc
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -163,3 +164,63 @@ def test_a_spoken_question_gets_a_spoken_answer(smollm2):
 
 def _norm(word: str) -> str:
     return "".join(ch for ch in word.lower() if ch.isalnum())
+
+
+class CountingVoice:
+    """Speaks each sentence as one 24 kHz sample per character."""
+
+    def speak(self, text: str, to_rate_hz: int) -> bytes:
+        return bytes(2 * len(text))
+
+
+def _speech_run(script) -> list:
+    """Run `script(speech)` on a loop where the voice thread is a call_soon."""
+    from metronome.serve.responses import Response
+    from metronome.serve.speaking import Speech
+
+    events, closed = [], []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def speak(work):
+            future = loop.create_future()
+            loop.call_soon(lambda: future.set_result(work()))
+            return future
+
+        speech = Speech(Response("resp_1", "item_1", None), CountingVoice(), 24000, speak,
+                        events.append)
+        await script(speech, lambda: closed.append(speech.cancel_reason))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return speech
+
+    speech = asyncio.run(main())
+    return events, closed, speech
+
+
+def test_a_reply_is_spoken_sentence_by_sentence_and_closes_after_the_last():
+    async def script(speech, on_done):
+        speech.push("The capital of France is Paris. It is ")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        speech.push("on the Seine")
+        speech.finish(on_done)
+
+    events, closed, speech = _speech_run(script)
+    transcripts = [e.delta for e in events if e.type == "response.output_audio_transcript.delta"]
+    assert transcripts == ["The capital of France is Paris.", " It is on the Seine"]
+    assert speech.spoken == "The capital of France is Paris. It is on the Seine"
+    assert speech.audio_bytes == 2 * len("The capital of France is Paris.It is on the Seine")
+    assert closed == [None]  # closed once, not cancelled
+
+
+def test_a_cancel_stops_the_voice_at_once():
+    async def script(speech, on_done):
+        speech.push("The capital of France is Paris. It is on the Seine. ")
+        speech.cancel("turn_detected")  # both sentences are still on the voice thread
+        speech.finish(on_done)
+
+    events, closed, speech = _speech_run(script)
+    assert events == []  # nothing said after the cancel
+    assert closed == ["turn_detected"]
