@@ -23,6 +23,7 @@ from metronome.bench.presets import (
     soak,
     vad,
     vllm,
+    voice,
 )
 from metronome.results.context import RunContext, execute
 from metronome.sim.cost_model import StepCostModel
@@ -48,6 +49,28 @@ def test_vad_boundaries_and_cost(tmp_path):
     assert res["cost"]["chunks"] > 100 and res["derived"]["value"] == res["cost"][
         "push_ms_per_chunk"] > 0
     assert "| booking | 0 |" in text
+
+
+def test_word_error_rate_counts_edits_over_the_reference():
+    assert voice.wer("What is the capital of France?", "what is the capital of france") == 0
+    assert voice.wer("front center", "Front Centre.") == 0.5  # one substitution
+    assert voice.wer("a b c", "a c") == 1 / 3 and voice.wer("a", "a b c") == 2.0
+
+
+@pytest.mark.model
+def test_voice_stages_and_one_spoken_session(tmp_path):
+    res, text = smoke(voice, tmp_path)
+    stages = res["stages"]
+    assert [m["what"] for m in stages["memory"]][1:] == [
+        "+ SmolLM2-135M (the LM)", "+ Whisper tiny.en (int8)", "+ Piper en_US joe medium"]
+    assert all(p["pass_ms"] > 0 for p in stages["whisper_passes"])
+    assert all(0 < p["real_time_factor"] < 1 for p in stages["piper"])
+    piper_wer = next(w["wer"] for w in stages["wer"] if w["source"] == "Piper (synthesized)")
+    assert piper_wer < 0.3  # Whisper hears the voice it is served with
+    (row,) = res["sessions"]
+    assert (row["arm"], row["sessions"], row["errors"]) == ("voice", 1, 0)
+    assert row["replies"] == 1 and row["ttfa_p50_ms"] > 0
+    assert res["derived"]["value"] in (0, 1) and "time to first output" in text
 
 
 @pytest.mark.model

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from metronome.bench.server import Server, healthy, served_facts
+from metronome.bench.server import TEXT_SERVER_ARGS, Server, healthy, served_facts
 from metronome.load.client import Connection
 
 
@@ -17,7 +17,9 @@ def test_a_tiny_server_starts_answers_a_session_and_stops(tmp_path):
     with Server.start(["--model", "preset:tiny", "--log-level", "warning"],
                       log_path=tmp_path / "serve.log") as server:
         assert healthy(server.url) and server.start_s > 0
-        assert server.command.startswith("OMP_NUM_THREADS=1 metronome serve --model preset:tiny")
+        # the text server's flags first (the preset's own come after them, and win)
+        assert server.command.startswith("OMP_NUM_THREADS=1 metronome serve "
+                                         f"{' '.join(TEXT_SERVER_ARGS)} --model preset:tiny")
         assert server.command.endswith(f"--port {server.url.rsplit(':', 1)[1]}")
 
         async def session() -> dict:
@@ -35,7 +37,7 @@ def test_a_tiny_server_starts_answers_a_session_and_stops(tmp_path):
 
 
 def test_a_server_that_never_comes_up_is_an_error_naming_its_command(tmp_path):
-    with pytest.raises(RuntimeError, match="metronome serve --no-such-option .* did not come "
+    with pytest.raises(RuntimeError, match="metronome serve .*--no-such-option .* did not come "
                        "up .*exit code [1-9]"):
         Server.start(["--no-such-option"], log_path=tmp_path / "serve.log", timeout_s=60)
 

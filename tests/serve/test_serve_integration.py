@@ -16,6 +16,7 @@ import pytest
 from openai import AsyncOpenAI
 from served import free_port, server_process
 
+from metronome.bench.server import TEXT_SERVER_ARGS
 from metronome.load.run import LoadConfig, run_load
 from metronome.load.speech import SPEECH_DIR, speech_stream
 
@@ -27,7 +28,8 @@ API_KEY = "sk-metronome-test"
 @pytest.fixture(scope="module")
 def server_url():
     port = free_port()
-    command = [str(Path(sys.executable).parent / "metronome"), "serve", "--port", str(port),
+    command = [str(Path(sys.executable).parent / "metronome"), "serve", *TEXT_SERVER_ARGS,
+               "--port", str(port),
                "--pool-tokens", "4096", "--admission", "off", "--log-level", "warning",
                "--deadline-fraction", "2.0"]  # a 16-token turn reply on fp32 here: ~1 s
     with server_process(command, port, env={"METRONOME_API_KEY": API_KEY}) as url:

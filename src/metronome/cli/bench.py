@@ -34,6 +34,7 @@ BENCHES = {
     "cluster": ("cluster", False),
     "soak": ("soak", False),
     "vad": ("vad", False),
+    "voice": ("voice", False),
     "resume": ("resume", False),
     "prompt": ("prompt", False),
     "vllm": ("vllm", True),

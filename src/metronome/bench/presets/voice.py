@@ -1,0 +1,298 @@
+"""`metronome bench voice`: the cost of hearing and speaking. Stages in this process: Whisper
+tiny.en's pass time by clip length, Piper's real-time factor, the word error rate of the
+transcription on Piper speech, the espeak-ng fixtures and a human recording (the ALSA test
+voice, read from Debian's alsa-utils package at run time, GPL-2, never committed), and the
+resident memory each model adds. Then sessions against `metronome serve`: N concurrent voice
+sessions, each speaking `turns` questions at real-time pace with server VAD (staggered
+starts), timed from the client's side: time to first audio (the end of the question's speech
+in the audio sent, to the first `response.output_audio.delta`) and from `speech_stopped`, at
+each N; the same with `--audio-input embeddings --no-output-audio` (the stand-in encoder and
+text: time to the reply's text) for contrast. Derived number: the largest N whose p95 time
+to first audio is within `budget_ms`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from metronome.bench.presets import Knobs, knob
+from metronome.bench.server import Server, served_facts
+from metronome.load.client import Connection
+from metronome.load.speech import SENTENCES, SPEECH_DIR, read_wav, resample
+from metronome.results.context import RunContext
+from metronome.results.report import Plot, Report, Table, derived
+
+NAME = "voice"
+RATE_HZ = 24000
+CHUNK_S = 0.1
+QUESTIONS = ["What is the capital of France?", "How far is the moon from the earth?",
+             "What colour is the sky on a clear day?", "Name a large animal that lives in Africa."]
+ALSA_CLIPS = {"Front_Center": "front center", "Front_Left": "front left",
+              "Front_Right": "front right", "Rear_Center": "rear center",
+              "Rear_Left": "rear left", "Rear_Right": "rear right",
+              "Side_Left": "side left", "Side_Right": "side right"}
+ARMS = {  # the serve flags of each arm (after the bench launcher's text-server defaults)
+    "voice": ["--mode", "turn", "--audio-input", "transcribe", "--output-audio",
+              "--server-vad"],
+    "embeddings+text": ["--mode", "turn", "--audio-input", "embeddings", "--no-output-audio",
+                        "--server-vad"],
+}
+
+
+@dataclass(frozen=True)
+class Config(Knobs):
+    sessions: tuple[int, ...] = knob((1, 2, 4, 8), "concurrent voice sessions, one run each")
+    turns: int = knob(3, "questions each session speaks")
+    arms: tuple[str, ...] = knob(tuple(ARMS), "voice | embeddings+text")
+    budget_ms: float = knob(800.0, "the time-to-first-audio budget for the derived number")
+    silence_duration_ms: int = knob(500, "server VAD's silence that ends a turn (OpenAI's)")
+    whisper_threads: int = knob(1, "threads of one Whisper pass")
+    repeats: int = knob(3, "timed repeats of each stage measurement")
+
+    SMOKE = dict(sessions=(1,), turns=1, arms=("voice",), repeats=1)
+
+
+# ---- stages, in this process -------------------------------------------------------------------
+def wer(reference: str, hypothesis: str) -> float:
+    """Word error rate: word-level edit distance over the reference's words (normalised)."""
+    ref, hyp = _words(reference), _words(hypothesis)
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        previous, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (r != h))
+    return row[-1] / max(1, len(ref))
+
+
+def _words(text: str) -> list[str]:
+    return [w for w in ("".join(c for c in t.lower() if c.isalnum()) for t in text.split()) if w]
+
+
+def to16k(samples: np.ndarray, rate_hz: int) -> np.ndarray:
+    return resample(samples, rate_hz, 16000).astype(np.float32)
+
+
+def alsa_clips(ctx: RunContext) -> dict[str, np.ndarray]:
+    """The ALSA test voice (a human speaker), from Debian's alsa-utils package; {} if apt
+    cannot fetch it (said in the log)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            subprocess.run(["apt-get", "download", "alsa-utils"], cwd=tmp, check=True,
+                           capture_output=True, timeout=120)
+            deb = next(Path(tmp).glob("alsa-utils_*.deb"))
+            subprocess.run(["dpkg-deb", "-x", str(deb), tmp], check=True, timeout=60)
+        except (OSError, subprocess.SubprocessError, StopIteration) as err:
+            ctx.log(f"no human recording: alsa-utils could not be fetched ({err})")
+            return {}
+        sounds = Path(tmp) / "usr/share/sounds/alsa"
+        return {name: to16k(*read_wav(sounds / f"{name}.wav")) for name in ALSA_CLIPS
+                if (sounds / f"{name}.wav").exists()}
+
+
+def stages(ctx: RunContext, cfg: Config) -> dict:
+    from metronome.audio.voice import Voice
+    from metronome.audio.whisper import Whisper
+    from metronome.model.weights import load_model
+
+    process = psutil.Process()
+    rss = [("nothing loaded", process.memory_info().rss)]
+    load_model("bundled")
+    rss.append(("+ SmolLM2-135M (the LM)", process.memory_info().rss))
+    whisper = Whisper(cfg.whisper_threads)
+    rss.append(("+ Whisper tiny.en (int8)", process.memory_info().rss))
+    voice = Voice()
+    rss.append(("+ Piper en_US joe medium", process.memory_info().rss))
+    memory = [{"what": what, "rss_mib": b / 2**20, "added_mib": (b - rss[i - 1][1]) / 2**20
+               if i else None} for i, (what, b) in enumerate(rss)]
+
+    piper, speech = [], {}
+    for text in QUESTIONS + list(SENTENCES.values()):
+        times = []
+        for _ in range(cfg.repeats):
+            start = time.perf_counter()
+            pcm = voice.speak(text, 16000)
+            times.append(time.perf_counter() - start)
+        audio_s = len(pcm) / 2 / 16000
+        speech[text] = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
+        piper.append({"text": text, "audio_s": audio_s, "synth_ms": 1e3 * min(times),
+                      "real_time_factor": min(times) / audio_s})
+
+    passes = []
+    joined = np.concatenate(list(speech.values()))
+    for clip_s in (1.0, 2.0, 4.0, 8.0):
+        clip = joined[: int(clip_s * 16000)]
+        times = []
+        for _ in range(cfg.repeats):
+            start = time.perf_counter()
+            whisper.words(clip)
+            times.append(time.perf_counter() - start)
+        passes.append({"clip_s": clip_s, "pass_ms": 1e3 * min(times),
+                       "ms_per_audio_s": 1e3 * min(times) / clip_s})
+
+    heard = [{"source": "Piper (synthesized)", "reference": text,
+              "heard": " ".join(whisper.words(samples))} for text, samples in speech.items()]
+    for name, text in SENTENCES.items():
+        heard.append({"source": "espeak-ng fixture", "reference": text,
+                      "heard": " ".join(whisper.words(to16k(*read_wav(SPEECH_DIR /
+                                                                       f"{name}.wav"))))})
+    for name, samples in alsa_clips(ctx).items():
+        heard.append({"source": "human (ALSA test voice)", "reference": ALSA_CLIPS[name],
+                      "heard": " ".join(whisper.words(samples))})
+    for row in heard:
+        row["wer"] = wer(row["reference"], row["heard"])
+    by_source = [{"source": s, "clips": len(rows), "wer": statistics.mean(r["wer"] for r in rows)}
+                 for s in dict.fromkeys(r["source"] for r in heard)
+                 for rows in [[r for r in heard if r["source"] == s]]]
+    return {"memory": memory, "piper": piper, "whisper_passes": passes,
+            "transcripts": heard, "wer": by_source}
+
+
+# ---- sessions against the server ---------------------------------------------------------------
+def question_audio() -> list[bytes]:
+    from metronome.audio.voice import Voice
+
+    voice = Voice()
+    return [voice.speak(q, RATE_HZ) for q in QUESTIONS]
+
+
+async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, offset_s: float,
+                        silence_ms: int) -> list[dict]:
+    """One session: `turns` questions at real-time pace (1 s quiet before each, 2 s after);
+    per turn, when its speech ended (the last speech chunk sent), when server VAD stopped it,
+    and when the first reply output arrived."""
+    await asyncio.sleep(offset_s)
+    conn = await Connection.open(url, extensions=False)
+    vad = {"type": "server_vad", "silence_duration_ms": silence_ms}
+    audio_in = {"turn_detection": vad} | ({"transcription": {"model": "whisper-1"}}
+                                          if arm == "voice" else {})
+    await conn.update({"type": "realtime", "audio": {"input": audio_in}})
+    chunk = int(2 * RATE_HZ * CHUNK_S)
+    speech_ends, turns_out, errors = [], [], []
+
+    async def speak():
+        quiet = bytes(2 * RATE_HZ)
+        next_at = time.monotonic()
+        for turn in range(turns):
+            pcm = quiet + questions[turn % len(questions)]
+            for start in range(0, len(pcm), chunk):
+                await conn.append(pcm[start:start + chunk])
+                next_at += CHUNK_S
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            speech_ends.append(time.monotonic())
+            for _ in range(int(2.0 / CHUNK_S)):
+                await conn.append(bytes(chunk))
+                next_at += CHUNK_S
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    sender = asyncio.create_task(speak())
+    current: dict | None = None
+    stopped_at = None
+    output = {"voice": "response.output_audio.delta", "embeddings+text":
+              "response.output_text.delta"}[arm]
+    try:
+        async with asyncio.timeout(turns * 15 + 30):
+            async for event in conn:
+                kind, now = event["type"], time.monotonic()
+                if kind == "error":
+                    errors.append(event["error"].get("code"))
+                elif kind == "input_audio_buffer.speech_stopped":
+                    stopped_at = now
+                elif kind == "response.created":
+                    current = {"speech_end": speech_ends[-1] if speech_ends else None,
+                               "stopped": stopped_at, "first_output": None}
+                elif kind == output and current is not None and current["first_output"] is None:
+                    current["first_output"] = now
+                elif kind == "response.done" and current is not None:
+                    current["status"] = event["response"]["status"]
+                    turns_out.append(current)
+                    current = None
+                    if len(turns_out) >= turns and sender.done():
+                        break
+    except TimeoutError:
+        pass
+    sender.cancel()
+    await conn.close()
+    rows = []
+    for turn in turns_out:
+        first, end, stopped = turn["first_output"], turn["speech_end"], turn["stopped"]
+        rows.append({"status": turn["status"], "errors": len(errors),
+                     "ttfa_ms": None if None in (first, end) else 1e3 * (first - end),
+                     "from_stop_ms": None if None in (first, stopped) else
+                     1e3 * (first - stopped)})
+    return rows or [{"status": "none", "errors": len(errors), "ttfa_ms": None,
+                     "from_stop_ms": None}]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return None if not values else values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
+    questions, rows = question_audio(), []
+    with ctx.progress("arms x sessions", len(cfg.arms) * len(cfg.sessions)) as advance:
+        for arm in cfg.arms:
+            with Server.start(["--model", "bundled", "--admission", "off", "--log-level",
+                               "warning", "--whisper-threads", str(cfg.whisper_threads),
+                               *ARMS[arm]], timeout_s=300.0, threads=None) as server:
+                for n in cfg.sessions:
+                    rng = random.Random(n)
+                    offsets = sorted(rng.uniform(0, 3.0) for _ in range(n))
+
+                    async def run_all(offsets=offsets, arm=arm, url=server.ws_url):
+                        return await asyncio.gather(*(
+                            voice_session(url, arm, questions, cfg.turns, off,
+                                          cfg.silence_duration_ms) for off in offsets))
+
+                    turns = [t for session in asyncio.run(run_all()) for t in session]
+                    ttfa = [t["ttfa_ms"] for t in turns]
+                    rows.append({
+                        "arm": arm, "sessions": n, "turns_spoken": n * cfg.turns,
+                        "replies": sum(t["status"] != "none" for t in turns),
+                        "completed": sum(t["status"] == "completed" for t in turns),
+                        "errors": max(t["errors"] for t in turns),
+                        "ttfa_p50_ms": pct(ttfa, 0.5), "ttfa_p95_ms": pct(ttfa, 0.95),
+                        "from_stop_p50_ms": pct([t["from_stop_ms"] for t in turns], 0.5),
+                        "from_stop_p95_ms": pct([t["from_stop_ms"] for t in turns], 0.95)})
+                    ctx.log(f"{arm} x {n}: {rows[-1]}")
+                    advance()
+    return rows
+
+
+def run(ctx: RunContext, cfg: Config) -> dict:
+    ctx.record(**served_facts("bundled"), speech_models="Whisper tiny.en int8 (CTranslate2), "
+               "Piper en_US joe medium (ONNX Runtime)", cpu_count=os.cpu_count(),
+               apt=shutil.which("apt-get") is not None)
+    result = {"config": asdict(cfg), "stages": stages(ctx, cfg),
+              "sessions": sessions(ctx, cfg)}
+    held = [r["sessions"] for r in result["sessions"] if r["arm"] == "voice"
+            and r["ttfa_p95_ms"] is not None and r["ttfa_p95_ms"] <= cfg.budget_ms
+            and r["replies"] == r["turns_spoken"]]
+    result["derived"] = derived(f"largest N of voice sessions with p95 time to first audio "
+                                f"<= {cfg.budget_ms:g} ms (0: none)", max(held, default=0))
+    return REPORT.finish(ctx, result)
+
+
+REPORT = Report("Voice: the cost of hearing (Whisper) and speaking (Piper)", spec="d", tables=(
+    Table("Resident memory of the three models (this process)", "stages.memory"),
+    Table("Whisper tiny.en: one pass by clip length", "stages.whisper_passes"),
+    Table("Piper: synthesis time per sentence", "stages.piper"),
+    Table("Word error rate by source", "stages.wer"),
+    Table("Transcripts", "stages.transcripts"),
+    Table("Sessions: time to first output (audio for voice, text for embeddings+text)",
+          "sessions")),
+    plots=(Plot("{stem}.png", "sessions", x="sessions", ys=("ttfa_p50_ms", "ttfa_p95_ms"),
+                series="arm"),))
+report = REPORT.markdown
