@@ -80,6 +80,11 @@ def test_sentences_go_out_whole_and_in_order():
     assert sentences.push("ne! Ok. And") == ["It is on the Seine!"]  # "Ok." alone is short
     assert sentences.flush() == ["Ok. And"]
     assert sentences.flush() == []
+    # a long first sentence: the first audio need not wait for its end, the rest goes whole
+    sentences = Sentences()
+    assert sentences.push("The capital of France, as you") == []
+    assert sentences.push(" know, is Paris. It is on the Seine. ") == [
+        "The capital of France, as you know,", "is Paris. It is on the Seine."]
 
 
 def test_a_turn_heard_in_pieces_is_the_tokens_of_the_whole_user_message():
@@ -93,10 +98,24 @@ def test_a_turn_heard_in_pieces_is_the_tokens_of_the_whole_user_message():
     for index in range(4):
         heard = Heard()
         hearing.speech_from_ms = 0.0
-        ids += hearing.hear(pcm, index == 3, (index + 1) * 1000.0, 0.0, heard)
+        ids += hearing.hear(pcm, index == 3, (index + 1) * 1000.0, 0.0, heard, time.monotonic())
         heard_words += heard.words
     assert " ".join(heard_words) == "What is the capital of France?"
     assert ids == chat.item_ids("user", "What is the capital of France?")
+
+
+def test_a_busy_encoder_sheds_partial_passes_but_never_the_last():
+    """A frame that waited for the encoder thread (others' passes ahead of it) keeps its audio
+    and skips its speculative pass; the turn's last pass runs whatever the wait."""
+    whisper = ScriptedWhisper(["what is the capital of France?"])
+    hearing = Hearing(whisper, ChatText(load_tokenizer()), 16000)
+    pcm = np.zeros(16000, np.int16).tobytes()
+    long_ago = time.monotonic() - 1.0
+    assert hearing.hear(pcm, False, 1000.0, 0.0, Heard(), long_ago) == []
+    assert whisper.heard_s == []  # shed
+    heard = Heard()
+    assert hearing.hear(pcm, True, 2000.0, 0.0, heard, long_ago)
+    assert whisper.heard_s == [2.0] and heard.words[-1] == "France?"
 
 
 def test_the_default_server_hears_and_speaks():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -21,13 +22,28 @@ from metronome.audio.resample import StreamingResampler
 
 _SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n+")
 MIN_SENTENCE_CHARS = 12  # shorter pieces wait for more (a lone "Dr." or "1." is no sentence)
+FIRST_CLAUSE_CHARS = 24  # the reply's first piece may end at a clause from this length on
+_CLAUSE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n+|[,;:]\s+")
 
 
 class Voice:
-    def __init__(self) -> None:
-        from piper import PiperVoice  # imported here: onnxruntime session, only when speaking
+    def __init__(self, threads: int = 1) -> None:
+        # imported here (ONNX Runtime, espeak-ng): only a server that speaks pays for them
+        import json
 
-        self.voice = PiperVoice.load(str(voice_model_path()))
+        import onnxruntime
+        from piper import PiperConfig, PiperVoice
+        from piper.voice import ESPEAK_DATA_DIR
+
+        path = voice_model_path()
+        options = onnxruntime.SessionOptions()  # Piper's own load takes every core: the
+        options.intra_op_num_threads = threads  # voice shares them with the engine
+        options.inter_op_num_threads = 1
+        config = PiperConfig.from_dict(json.loads(path.with_name(path.name + ".json")
+                                                  .read_text(encoding="utf-8")))
+        self.voice = PiperVoice(config=config, session=onnxruntime.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"]),
+            espeak_data_dir=Path(ESPEAK_DATA_DIR), download_dir=Path.cwd())
         self.sample_rate_hz: int = self.voice.config.sample_rate
         self._lock = threading.Lock()
 
@@ -48,20 +64,30 @@ class Voice:
 
 
 class Sentences:
-    """A reply's text in, whole sentences out, in order; `flush` gives the rest."""
+    """A reply's text in, whole sentences out, in order; `flush` gives the rest. The reply's
+    first piece may end at a clause (`,` `;` `:`) once it has `FIRST_CLAUSE_CHARS`: the first
+    audio need not wait for a long first sentence."""
 
     def __init__(self) -> None:
         self._held = ""
+        self._first = True
 
     def push(self, text: str) -> list[str]:
         self._held += text
         out = []
         start = 0
-        for match in _SENTENCE_END.finditer(self._held):
+        ends = _CLAUSE_END if self._first else _SENTENCE_END
+        for match in ends.finditer(self._held):
             piece = self._held[start:match.end()]
-            if len(piece.strip()) >= MIN_SENTENCE_CHARS:
+            enough = FIRST_CLAUSE_CHARS if self._first and not _SENTENCE_END.fullmatch(
+                match.group()) else MIN_SENTENCE_CHARS
+            if len(piece.strip()) >= enough:
                 out.append(piece.strip())
                 start = match.end()
+                if self._first:
+                    self._first = False
+                    self._held = self._held[start:]
+                    return out + self.push("")  # the rest, by sentences now
         self._held = self._held[start:]
         return out
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 
 import typer
 
@@ -44,7 +45,11 @@ def serve(log_level: str = "info", **options) -> None:
         if config.engine == "native":  # before the model loads: runtime.cores says why
             from metronome.runtime.cores import reserve_for_engine_thread
 
-            reserve_for_engine_thread()
+            # a server that hears runs Whisper's pass beside the engine's step: the engine
+            # keeps the other cores (oversubscribed OpenMP threads slow every step 2x here)
+            hearing = config.audio_input == "transcribe"
+            reserve_for_engine_thread(max(1, (os.cpu_count() or 1) - config.whisper_threads)
+                                      if hearing else None)
         serve_forever(config, log_level)
         return
     from metronome.cluster.launch import serve_cluster

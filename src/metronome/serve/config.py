@@ -64,6 +64,10 @@ class ServerConfig(BaseModel):
                                   description="audio is cut into frames of this length")
     deadline_fraction: float = Field(DEADLINE_FRACTION, gt=0, le=MAX_DEADLINE_FRACTION,
                                      description="deadline = fraction x frame period")
+    turn_deadline_s: float = Field(2.0, gt=0, description="turn mode: a frame's deadline is "
+                                   "at least this (a reply's runs from response.create and "
+                                   "covers hearing the turn's end, ~0.35-0.5 s of Whisper on "
+                                   "2 cores, and the reply's tokens)")
     output_tokens_per_frame: int = Field(OUTPUT_TOKENS_PER_FRAME, ge=1,
                                          description="duplex: tokens per frame")
     response_tokens: int = Field(16, ge=1, description="turn: tokens of one reply (stops "
@@ -234,9 +238,11 @@ class ServerConfig(BaseModel):
 
     def profile(self, mode: SessionMode) -> SessionProfile:
         duplex = mode is SessionMode.DUPLEX
+        fraction = self.deadline_fraction if duplex else min(MAX_DEADLINE_FRACTION, max(
+            self.deadline_fraction, self.turn_deadline_s / self.frame_period_s))
         return SessionProfile(
             frame_period_s=self.frame_period_s,
-            deadline_fraction=self.deadline_fraction,
+            deadline_fraction=fraction,
             max_output_tokens_per_frame=(
                 self.output_tokens_per_frame if duplex else self.response_tokens
             ),

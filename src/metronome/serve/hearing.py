@@ -20,6 +20,7 @@ only for a client that asked (`audio.input.transcription`).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from metronome.audio.pcm import decode_pcm16_array
@@ -28,6 +29,7 @@ from metronome.serve.text import ChatText
 
 MESSAGE_FRAMING_TOKENS = 8  # <|im_start|>user\n ... <|im_end|>\n, with room
 MAX_TOKENS_PER_SPEECH_S = 12  # ~4 words/s of fast speech at <= 3 tokens a word
+PARTIAL_PASS_MAX_WAIT_S = 0.1  # a frame that waited longer for the encoder skips its partial pass
 
 
 @dataclass
@@ -62,14 +64,19 @@ class Hearing:
 
     # ---- on the encoder thread ---------------------------------------------------------------
     def hear(self, pcm: bytes, final: bool, audio_end_ms: float, speech_from_ms: float | None,
-             heard: Heard) -> list[int]:
+             heard: Heard, queued_at_s: float) -> list[int]:
         """One frame's audio heard: the token ids of the words it commits (framed), and the
         words in `heard`; `speech_from_ms`: where its turn's speech starts, as the loop knew
-        when it queued the frame (None: no speech yet). A pass is skipped while a newer
+        when it queued the frame (None: no speech yet; `queued_at_s`: `time.monotonic()`
+        then). A turn's partial pass is speculative work, shed first: skipped while a newer
         frame of the session is queued behind this one (it would hear the same turn with
-        less audio)."""
+        less audio), and while the encoder thread is behind (the frame waited longer than
+        `PARTIAL_PASS_MAX_WAIT_S`), so a turn's last pass is never queued behind others'
+        speculation. Under load the words arrive later, never wrong."""
         samples = decode_pcm16_array(pcm)
-        pass_now = final or self.latest_cut_ms <= audio_end_ms
+        waited_s = time.monotonic() - queued_at_s
+        pass_now = final or (self.latest_cut_ms <= audio_end_ms
+                             and waited_s <= PARTIAL_PASS_MAX_WAIT_S)
         words = self.transcript.push(samples, audio_end_ms, final, speech_from_ms, pass_now)
         heard.words, heard.final = words, final
         text = " ".join(words)

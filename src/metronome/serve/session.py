@@ -553,10 +553,11 @@ class RealtimeSession:
         speech_from_ms = hearing.speech_from_ms if self.turns is not None else self.committed_ms
         heard = Heard()
         stage = self.serving.stage_seconds.labels("encoder")
+        queued_at_s = time.monotonic()
 
         def hear() -> torch.Tensor:
             start = time.perf_counter()
-            ids = hearing.hear(pcm, final, audio_end_ms, speech_from_ms, heard)
+            ids = hearing.hear(pcm, final, audio_end_ms, speech_from_ms, heard, queued_at_s)
             if heard.words or final:
                 stage.observe(time.perf_counter() - start)
             return _ids(ids)

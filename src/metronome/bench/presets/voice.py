@@ -24,8 +24,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from metronome.bench.presets import Knobs, knob
 from metronome.bench.server import Server, served_facts
@@ -235,6 +237,33 @@ async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, 
                      "from_stop_ms": None}]
 
 
+def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+    """The server's `metronome_voice_stage_seconds` (sum, count) by stage, now."""
+    totals = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if family.name == "metronome_voice_stage_seconds":
+            for sample in family.samples:
+                stage = sample.labels.get("stage")
+                sums = totals.setdefault(stage, [0.0, 0.0])
+                if sample.name.endswith("_sum"):
+                    sums[0] = sample.value
+                elif sample.name.endswith("_count"):
+                    sums[1] = sample.value
+    return {stage: (s, c) for stage, (s, c) in totals.items()}
+
+
+def stage_means_ms(before: dict, after: dict) -> dict[str, float | None]:
+    """Each stage's mean time over one run (the difference of two readings): encoder (a
+    Whisper pass that committed words or ended a turn), lm (a reply frame), voice (a
+    sentence)."""
+    means = {}
+    for stage in ("encoder", "lm", "voice"):
+        s0, c0 = before.get(stage, (0.0, 0.0))
+        s1, c1 = after.get(stage, (0.0, 0.0))
+        means[stage] = 1e3 * (s1 - s0) / (c1 - c0) if c1 > c0 else None
+    return means
+
+
 def pct(values: list[float], q: float) -> float | None:
     values = sorted(v for v in values if v is not None)
     return None if not values else values[min(len(values) - 1, round(q * (len(values) - 1)))]
@@ -256,7 +285,9 @@ def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
                             voice_session(url, arm, questions, cfg.turns, off,
                                           cfg.silence_duration_ms) for off in offsets))
 
+                    before = stage_totals(server.url)
                     turns = [t for session in asyncio.run(run_all()) for t in session]
+                    stage_ms = stage_means_ms(before, stage_totals(server.url))
                     ttfa = [t["ttfa_ms"] for t in turns]
                     rows.append({
                         "arm": arm, "sessions": n, "turns_spoken": n * cfg.turns,
@@ -265,7 +296,8 @@ def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
                         "errors": max(t["errors"] for t in turns),
                         "ttfa_p50_ms": pct(ttfa, 0.5), "ttfa_p95_ms": pct(ttfa, 0.95),
                         "from_stop_p50_ms": pct([t["from_stop_ms"] for t in turns], 0.5),
-                        "from_stop_p95_ms": pct([t["from_stop_ms"] for t in turns], 0.95)})
+                        "from_stop_p95_ms": pct([t["from_stop_ms"] for t in turns], 0.95),
+                        **{f"{stage}_mean_ms": ms for stage, ms in stage_ms.items()}})
                     ctx.log(f"{arm} x {n}: {rows[-1]}")
                     advance()
     return rows
