@@ -93,6 +93,7 @@ class Frame:
     reason: str = ""
     token_ids: list[int] = field(default_factory=list)
     late_token_ids: list[int] = field(default_factory=list)  # produced after it went out
+    submitted_s: float | None = None  # when its input reached the stream (after preparing)
     start_s: float | None = None  # when the engine first worked on its input
     finish_s: float = math.nan  # when its result was ready
 

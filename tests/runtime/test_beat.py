@@ -118,6 +118,22 @@ def test_a_late_frames_input_stays_and_its_late_tokens_are_its_own():
     assert stream.consumed_tokens == stream.received_tokens == 34
 
 
+def test_a_frame_prepared_past_its_deadline_is_answered_late_saying_so():
+    """An encoder behind (the server's Whisper or front end): the frame is never dropped, its
+    input still reaches the engine, and its result says why it is late."""
+    profile = SessionProfile(frame_period_s=0.1, deadline_fraction=1.0)
+    engine, driver, results, [stream] = start(profile)
+    frame = Frame("s", 0.0, input_tokens=2)
+    driver.beat.accept(stream, frame)
+    driver.run_until(0.3)  # its input is still being prepared at its deadline (0.1 s)
+    assert frame.status is None
+    driver.beat.submit(frame, 0.3, token_ids=[7, 8])
+    driver.run_until(1.0)
+    assert (frame.status, frame.reason) == (
+        FrameStatus.LATE, "deadline passed while its input was prepared (the encoder behind)")
+    assert engine.fed("s").tolist() == [7, 8]  # nothing dropped
+
+
 def test_a_backlog_is_paid_before_the_next_frame_and_counted_ahead_of_it():
     profile = SessionProfile(frame_period_s=0.1, deadline_fraction=0.25,
                              max_output_tokens_per_frame=1)

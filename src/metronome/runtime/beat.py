@@ -190,6 +190,7 @@ class Beat:
             self._answer_unstarted(stream, frame, FrameStatus.REJECTED, now_s, refusal)
             return
         frame.start_offset, frame.end_offset = stream.append(data)
+        frame.submitted_s = now_s
         if not accepted:
             stream.frames.append(frame)
         self.timer.call_at(frame.deadline_at_s, lambda t: self._on_deadline(frame, t))
@@ -243,7 +244,11 @@ class Beat:
         # Frames go in flight in order with one deadline_s, so a waiting frame's deadline
         # never comes before the in-flight frame's: only that one can be overtaken here.
         if stream is not None and stream.in_flight is frame:
-            self._answer(stream, frame, FrameStatus.LATE, now_s, "deadline passed mid-work")
+            prepared_late = frame.submitted_s is not None and (
+                frame.submitted_s >= frame.deadline_at_s)
+            self._answer(stream, frame, FrameStatus.LATE, now_s,
+                         "deadline passed while its input was prepared (the encoder behind)"
+                         if prepared_late else "deadline passed mid-work")
             self._advance(stream)
             self._feed_all(now_s)
 
