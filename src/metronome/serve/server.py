@@ -54,8 +54,10 @@ def serve_forever(config: ServerConfig, log_level: str = "info") -> None:
     print(
         f"metronome: serving {config.model} ({dtype}, KV {config.policy}) on "
         f"ws://{base}/v1/realtime  (health: http://{base}/healthz, metrics: /metrics)\n"
-        f"           try it: metronome load --url ws://{base}/v1/realtime --sessions 2 "
-        "--duration-s 10   (Ctrl-C stops the server)",
+        f"           talk to it: http://{base}/console   (status: http://{base}/status; "
+        "Ctrl-C stops the server)\n"
+        f"           load it: metronome load --url ws://{base}/v1/realtime --sessions 2 "
+        "--duration-s 10",
         flush=True,
     )
     uvicorn.Server(uvicorn_config(create_app(config), config, log_level)).run()
