@@ -56,6 +56,27 @@ def test_words_are_committed_once_two_passes_agree_and_the_final_pass_commits_th
     assert whisper.heard_s == [1.0, 2.0, 3.0, 4.0]  # every pass hears the turn so far
 
 
+def test_a_pass_that_heard_past_the_speech_end_is_the_turns_last():
+    """VAD confirms the end 500 ms into silence; if the last pass already heard past the end,
+    its words close the turn and the reply need not wait for one more pass."""
+    whisper = ScriptedWhisper(["what is", "what is the capital of France?", "unused"])
+    transcript = StreamingTranscript(whisper, 16000)
+    transcript.push(second(), 1000, final=False)
+    assert transcript.push(second(), 2000, final=False) == ["what", "is"]
+    # speech ended at 1.7 s: the pass at 2.0 s heard 300 ms past it
+    assert transcript.push(second()[:8000], 2500, final=True, speech_end_ms=1700) == [
+        "the", "capital", "of", "France?"]
+    assert whisper.heard_s == [1.0, 2.0]  # no third pass
+    # a pass that stopped short of the end does not count: the last pass runs
+    whisper = ScriptedWhisper(["what is", "what is", "what is the capital?"])
+    transcript = StreamingTranscript(whisper, 16000)
+    transcript.push(second(), 1000, final=False)
+    transcript.push(second(), 2000, final=False)
+    assert transcript.push(second()[:8000], 2500, final=True, speech_end_ms=1950) == [
+        "the", "capital?"]
+    assert whisper.heard_s == [1.0, 2.0, 2.5]
+
+
 def test_before_speech_only_the_last_seconds_are_kept_and_no_pass_runs():
     whisper = ScriptedWhisper(["hello", "hello there"])
     transcript = StreamingTranscript(whisper, 16000)

@@ -26,6 +26,7 @@ from metronome.audio.resample import StreamingResampler
 WHISPER_RATE_HZ = 16000
 WHISPER_MAX_S = 30.0  # one pass hears at most this much: a longer turn keeps its last 30 s
 ROLLING_S = 3.0  # audio kept before speech is detected (VAD reports a frame or so late)
+HEARD_THE_END_MS = 150.0  # a pass that heard this far past the speech's end heard it all
 
 
 class Whisper:
@@ -59,19 +60,24 @@ class StreamingTranscript:
     _previous: list[str] = field(default_factory=list)  # the last pass's words
     _audio: list[np.ndarray] = field(default_factory=list)  # this turn's, at 16 kHz
     _resampler: StreamingResampler | None = None
+    _previous_end_ms: float | None = None  # where the last pass's audio ended
 
     def __post_init__(self) -> None:
         if self.sample_rate_hz != WHISPER_RATE_HZ:
             self._resampler = StreamingResampler(self.sample_rate_hz, WHISPER_RATE_HZ)
 
     def push(self, samples: np.ndarray, end_ms: float, final: bool,
-             speech_from_ms: float | None = 0.0, pass_now: bool = True) -> list[str]:
+             speech_from_ms: float | None = 0.0, pass_now: bool = True,
+             speech_end_ms: float | None = None) -> list[str]:
         """This turn's audio continues with `samples` (float32 at the session's rate), which
         end at `end_ms` of the input stream; the words committed by it: agreed by two passes,
         or, `final` (the turn ended), all the rest (the next turn starts afresh).
         `speech_from_ms`: where the turn's speech starts (earlier audio is dropped); None: no
         speech yet (only the last `ROLLING_S` are kept, for the speech that may start in
-        them). `pass_now` False: only keep the audio."""
+        them). `pass_now` False: only keep the audio. `speech_end_ms` (a final push, where
+        server VAD placed the end of speech): if the last pass already heard past it, that
+        pass's words are the turn's and no new pass runs (it would hear the same speech; the
+        turn's reply starts one pass sooner)."""
         if self._resampler is not None:
             samples = self._resampler.push(samples)
         self._audio.append(samples.astype(np.float32, copy=False))
@@ -83,11 +89,19 @@ class StreamingTranscript:
         self._audio = [audio]
         if not final and (speech_from_ms is None or not pass_now):
             return []
-        words = self.whisper.words(audio[-int(WHISPER_MAX_S * WHISPER_RATE_HZ):])
         done = len(self.committed)
+        heard_the_end = (final and speech_end_ms is not None and self._previous_end_ms is not None
+                         and self._previous_end_ms >= speech_end_ms + HEARD_THE_END_MS
+                         and len(self._previous) >= done)
+        if heard_the_end:
+            words = self._previous
+        else:
+            words = self.whisper.words(audio[-int(WHISPER_MAX_S * WHISPER_RATE_HZ):])
+            self._previous_end_ms = end_ms
         if final:
             new = words[done:]  # committed words stand, even where this pass revised them
             self.committed, self._previous, self._audio = [], [], []
+            self._previous_end_ms = None
             return new
         agreed = _common_prefix(words, self._previous)
         self._previous = words

@@ -50,6 +50,7 @@ class Hearing:
         # ---- the loop's
         self.latest_cut_ms = 0.0  # the end of the newest frame queued
         self.speech_from_ms: float | None = None  # the turn's speech start (server VAD's)
+        self.speech_end_ms: float | None = None  # and its end, once VAD stopped it
         self.turn_words: list[str] = []  # the turn's words heard so far
         self._sent_words = 0  # of them, in transcription deltas already
         self.turn_audio_s = 0.0  # the committed turn's audio
@@ -64,7 +65,7 @@ class Hearing:
 
     # ---- on the encoder thread ---------------------------------------------------------------
     def hear(self, pcm: bytes, final: bool, audio_end_ms: float, speech_from_ms: float | None,
-             heard: Heard, queued_at_s: float) -> list[int]:
+             heard: Heard, queued_at_s: float, speech_end_ms: float | None = None) -> list[int]:
         """One frame's audio heard: the token ids of the words it commits (framed), and the
         words in `heard`; `speech_from_ms`: where its turn's speech starts, as the loop knew
         when it queued the frame (None: no speech yet; `queued_at_s`: `time.monotonic()`
@@ -77,7 +78,8 @@ class Hearing:
         waited_s = time.monotonic() - queued_at_s
         pass_now = final or (self.latest_cut_ms <= audio_end_ms
                              and waited_s <= PARTIAL_PASS_MAX_WAIT_S)
-        words = self.transcript.push(samples, audio_end_ms, final, speech_from_ms, pass_now)
+        words = self.transcript.push(samples, audio_end_ms, final, speech_from_ms, pass_now,
+                                     speech_end_ms)
         heard.words, heard.final = words, final
         text = " ".join(words)
         opens = bool(words) and not self._message_open

@@ -391,7 +391,8 @@ class RealtimeSession:
                                                previous_item_id=self.conversation.last_item_id))
         self._add_item(item)
         if self.hearing is not None:
-            self.hearing.speech_from_ms = None  # the next turn's speech is still to come
+            # the next turn's speech is still to come
+            self.hearing.speech_from_ms = self.hearing.speech_end_ms = None
             audio_s = turn_bytes / (2 * self.settings.sample_rate_hz)
             self._transcribed(item_id, self.hearing.committed(item_id, audio_s), None)
 
@@ -527,6 +528,11 @@ class RealtimeSession:
         if self.hearing is not None:
             self.hearing.speech_from_ms = start_ms
 
+    def speech_stopped(self, end_ms: float) -> None:
+        """Server VAD heard the speech end at `end_ms` (before the silence that confirmed it)."""
+        if self.hearing is not None:
+            self.hearing.speech_end_ms = end_ms
+
     def interrupt_response(self) -> None:
         """Cancel the response under way (its frame: in the beat now, or once it is)."""
         if self._client_response is not None:
@@ -554,10 +560,12 @@ class RealtimeSession:
         heard = Heard()
         stage = self.serving.stage_seconds.labels("encoder")
         queued_at_s = time.monotonic()
+        speech_end_ms = hearing.speech_end_ms if final else None
 
         def hear() -> torch.Tensor:
             start = time.perf_counter()
-            ids = hearing.hear(pcm, final, audio_end_ms, speech_from_ms, heard, queued_at_s)
+            ids = hearing.hear(pcm, final, audio_end_ms, speech_from_ms, heard, queued_at_s,
+                               speech_end_ms)
             if heard.words or final:
                 stage.observe(time.perf_counter() - start)
             return _ids(ids)

@@ -48,6 +48,9 @@ class TurnTaker(Protocol):
     def speech_started(self, start_ms: float) -> None:
         """Speech starts at `start_ms` of the input stream (prefix padding included)."""
 
+    def speech_stopped(self, end_ms: float) -> None:
+        """Speech ended at `end_ms` of the input stream (the silence after it confirmed it)."""
+
     def interrupt_response(self) -> None:
         """The user spoke: cancel the response under way, if any."""
 
@@ -113,4 +116,5 @@ class TurnDetection:
                 end_ms = event.end_ms + settings.silence_duration_ms
                 session.emit(se.InputAudioBufferSpeechStopped(audio_end_ms=round(end_ms),
                                                              item_id=item_id))
+                session.speech_stopped(event.end_ms)
                 session.end_turn(item_id)

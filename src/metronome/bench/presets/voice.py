@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -229,11 +230,11 @@ async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, 
     rows = []
     for turn in turns_out:
         first, end, stopped = turn["first_output"], turn["speech_end"], turn["stopped"]
-        rows.append({"status": turn["status"], "errors": len(errors),
+        rows.append({"status": turn["status"], "errors": len(errors), "codes": errors,
                      "ttfa_ms": None if None in (first, end) else 1e3 * (first - end),
                      "from_stop_ms": None if None in (first, stopped) else
                      1e3 * (first - stopped)})
-    return rows or [{"status": "none", "errors": len(errors), "ttfa_ms": None,
+    return rows or [{"status": "none", "errors": len(errors), "codes": errors, "ttfa_ms": None,
                      "from_stop_ms": None}]
 
 
@@ -286,7 +287,8 @@ def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
                                           cfg.silence_duration_ms) for off in offsets))
 
                     before = stage_totals(server.url)
-                    turns = [t for session in asyncio.run(run_all()) for t in session]
+                    by_session = asyncio.run(run_all())
+                    turns = [t for session in by_session for t in session]
                     stage_ms = stage_means_ms(before, stage_totals(server.url))
                     ttfa = [t["ttfa_ms"] for t in turns]
                     rows.append({
@@ -294,6 +296,8 @@ def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
                         "replies": sum(t["status"] != "none" for t in turns),
                         "completed": sum(t["status"] == "completed" for t in turns),
                         "errors": max(t["errors"] for t in turns),
+                        "error_codes": dict(Counter(c for session_turns in by_session
+                                                    for c in session_turns[0]["codes"])),
                         "ttfa_p50_ms": pct(ttfa, 0.5), "ttfa_p95_ms": pct(ttfa, 0.95),
                         "from_stop_p50_ms": pct([t["from_stop_ms"] for t in turns], 0.5),
                         "from_stop_p95_ms": pct([t["from_stop_ms"] for t in turns], 0.95),
