@@ -88,7 +88,7 @@ class Serving:
                                        initializer=single_threaded)
         self._silero: SileroVad | None = None  # the VAD thread's only
         # The voice speaks every session's replies on a thread of its own (Piper: ONNX
-        # Runtime on one core), so speaking never delays hearing or a frame's input.
+        # Runtime, 2 threads that yield), so speaking never delays hearing or a frame's input.
         self._voice_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-voice",
                                                 initializer=single_threaded)
         # An executor starts its thread on its first submit, on the caller's thread: the loop

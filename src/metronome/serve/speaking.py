@@ -2,8 +2,8 @@
 
 The session pushes the response's text as each engine step brings tokens (`Stream.on_tokens`);
 each whole sentence (`audio.voice.Sentences`) is spoken by Piper on the server's voice thread
-(one thread for every session: ONNX Runtime on one core, never the loop's or the engine's),
-and comes back to the loop in order as `response.output_audio_transcript.delta` (the
+(one for every session, its ONNX Runtime on 2 threads that yield; never the loop or the
+engine thread), and comes back to the loop in order as `response.output_audio_transcript.delta` (the
 sentence) and `response.output_audio.delta` events (PCM16 at 24 kHz, in pieces of at most
 `AUDIO_DELTA_MS`). So the first audio goes out while the model still writes the next
 sentence. When the frame is answered the rest is flushed; once the last sentence is out,
