@@ -235,19 +235,22 @@ class ResponseContentPartDone(_ContentEvent):
     part: PartOut | AudioPartOut
 
 
-class InputAudioTranscriptionDelta(ServerEvent):
-    type: Literal["conversation.item.input_audio_transcription.delta"] = (
-        "conversation.item.input_audio_transcription.delta")
+class _TranscriptionEvent(ServerEvent):
+    """An event about the transcript of a user item's audio part."""
+
     item_id: str
     content_index: int = 0
+
+
+class InputAudioTranscriptionDelta(_TranscriptionEvent):
+    type: Literal["conversation.item.input_audio_transcription.delta"] = (
+        "conversation.item.input_audio_transcription.delta")
     delta: str
 
 
-class InputAudioTranscriptionCompleted(ServerEvent):
+class InputAudioTranscriptionCompleted(_TranscriptionEvent):
     type: Literal["conversation.item.input_audio_transcription.completed"] = (
         "conversation.item.input_audio_transcription.completed")
-    item_id: str
-    content_index: int = 0
     transcript: str
     usage: DurationUsage
 
