@@ -92,11 +92,9 @@ def spoken_close_events(frame: Frame, transcript: str,
     response = frame.tag
     status = "cancelled" if cancelled_reason else _RESPONSE_STATUS.get(frame.status, "failed")
     rid, item_id = response.response_id, response.item_id
-    item = se.ItemOut(id=item_id, role="assistant",
-                      status="completed" if status == "completed" else "incomplete",
-                      content=[se.ContentOut(type="output_audio", transcript=transcript)])
-    done = _response_out(frame, status, item, cancelled_reason)
-    done.output_modalities = ["audio"]
+    item = assistant_item(response, "completed" if status == "completed" else "incomplete",
+                          transcript, spoken=True)
+    done = _response_out(frame, status, item, cancelled_reason, spoken=True)
     return [
         se.ResponseOutputAudioDone(response_id=rid, item_id=item_id),
         se.ResponseOutputAudioTranscriptDone(response_id=rid, item_id=item_id,
@@ -109,9 +107,13 @@ def spoken_close_events(frame: Frame, transcript: str,
     ]
 
 
-def assistant_item(response: Response, status: str, text: str | None) -> se.ItemOut:
-    """A response's output item; `text` None: no content yet (in progress)."""
-    content = [] if text is None else [se.ContentOut(type="output_text", text=text)]
+def assistant_item(response: Response, status: str, text: str | None,
+                   spoken: bool = False) -> se.ItemOut:
+    """A response's output item; `text` None: no content yet (in progress); `spoken`: its
+    content is audio, `text` its transcript."""
+    content = [] if text is None else [
+        se.ContentOut(type="output_audio", transcript=text) if spoken
+        else se.ContentOut(type="output_text", text=text)]
     return se.ItemOut(id=response.item_id, role="assistant", status=status, content=content)
 
 
@@ -126,7 +128,7 @@ def _frame_out(frame: Frame) -> se.FrameOut:
 
 
 def _response_out(frame: Frame, status: str, item: se.ItemOut,
-                  cancelled_reason: str | None = None) -> se.ResponseOut:
+                  cancelled_reason: str | None = None, spoken: bool = False) -> se.ResponseOut:
     reason = cancelled_reason
     if status == "cancelled" and frame.reason in (TURN_DETECTED, CLIENT_CANCELLED):
         reason = reason or frame.reason
@@ -139,6 +141,7 @@ def _response_out(frame: Frame, status: str, item: se.ItemOut,
         id=response.response_id, status=status,
         status_details=se.StatusDetails(type=status, reason=reason, error=error),
         output=[item], metadata=response.metadata,
+        output_modalities=["audio"] if spoken else ["text"],
         usage=se.Usage(total_tokens=frame.input_tokens + num_output,
                        input_tokens=frame.input_tokens, output_tokens=num_output),
     )
