@@ -667,7 +667,12 @@ class RealtimeSession:
             self._on_spoken_result(frame, speech)
             return
         text = self._text_of(frame.token_ids, flush=frame.kind == "response")
-        for event in result_events(frame, text, self.extensions):
+        self._close(frame, result_events(frame, text, self.extensions))
+
+    def _close(self, frame: Frame, events: list[p.ServerEvent]) -> None:
+        """A frame's closing events out (its item's final form kept in the conversation);
+        the client's response, if it was this frame's, is over."""
+        for event in events:
             if isinstance(event, se.ResponseOutputItemDone):
                 self.conversation.update(event.item)
             self.emit(event)
@@ -688,15 +693,9 @@ class RealtimeSession:
         speech.finish(lambda: self._close_speech(frame, speech))
 
     def _close_speech(self, frame: Frame, speech: Speech) -> None:
-        for event in spoken_close_events(frame, speech.spoken, speech.cancel_reason):
-            if isinstance(event, se.ResponseOutputItemDone):
-                self.conversation.update(event.item)
-            self.emit(event)
         if self.speech is speech:
             self.speech = None
-        if frame is self._client_response_frame:
-            self._client_response = self._client_response_frame = None
-        self.serving.resume.settled(self)
+        self._close(frame, spoken_close_events(frame, speech.spoken, speech.cancel_reason))
 
     def _text_of(self, token_ids: list[int], flush: bool) -> str:
         if self.decoder is None:
