@@ -132,11 +132,12 @@ def test_a_busy_encoder_sheds_partial_passes_but_never_the_last():
     hearing = Hearing(whisper, ChatText(load_tokenizer()), 16000)
     pcm = np.zeros(16000, np.int16).tobytes()
     long_ago = time.monotonic() - 1.0
-    assert hearing.hear(pcm, False, 1000.0, 0.0, Heard(), long_ago) == []
-    assert whisper.heard_s == []  # shed
+    shed = Heard()
+    assert hearing.hear(pcm, False, 1000.0, 0.0, shed, long_ago) == []
+    assert whisper.heard_s == [] and not shed.passed  # shed (the stage metric skips it)
     heard = Heard()
     assert hearing.hear(pcm, True, 2000.0, 0.0, heard, long_ago)
-    assert whisper.heard_s == [2.0] and heard.words[-1] == "France?"
+    assert whisper.heard_s == [2.0] and heard.words[-1] == "France?" and heard.passed
 
 
 def test_the_default_server_hears_and_speaks():

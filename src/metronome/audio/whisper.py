@@ -57,6 +57,7 @@ class StreamingTranscript:
     whisper: Whisper
     sample_rate_hz: int
     committed: list[str] = field(default_factory=list)  # this turn's, final
+    passes: int = 0  # Whisper passes run (the rest were shed or not needed)
     _previous: list[str] = field(default_factory=list)  # the last pass's words
     _audio: list[np.ndarray] = field(default_factory=list)  # this turn's, at 16 kHz
     _resampler: StreamingResampler | None = None
@@ -98,6 +99,7 @@ class StreamingTranscript:
         else:
             words = self.whisper.words(audio[-int(WHISPER_MAX_S * WHISPER_RATE_HZ):])
             self._previous_end_ms = end_ms
+            self.passes += 1
         if final:
             new = words[done:]  # committed words stand, even where this pass revised them
             self.committed, self._previous, self._audio = [], [], []

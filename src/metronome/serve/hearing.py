@@ -39,6 +39,7 @@ class Heard:
 
     words: list[str] = field(default_factory=list)
     final: bool = False
+    passed: bool = False  # a Whisper pass ran for it (not shed, not skipped)
 
 
 class Hearing:
@@ -78,9 +79,11 @@ class Hearing:
         waited_s = time.monotonic() - queued_at_s
         pass_now = final or (self.latest_cut_ms <= audio_end_ms
                              and waited_s <= PARTIAL_PASS_MAX_WAIT_S)
+        passes = self.transcript.passes
         words = self.transcript.push(samples, audio_end_ms, final, speech_from_ms, pass_now,
                                      speech_end_ms)
         heard.words, heard.final = words, final
+        heard.passed = self.transcript.passes > passes
         text = " ".join(words)
         opens = bool(words) and not self._message_open
         closes = final and (self._message_open or opens)

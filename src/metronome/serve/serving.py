@@ -105,8 +105,8 @@ class Serving:
             self.voice = self._voice_thread.submit(_load_voice).result()
         self.stage_seconds = Histogram(
             "metronome_voice_stage_seconds", "Time of each stage of a voice frame: encoder (one "
-            "Whisper pass, or the embedding front end), lm (a response frame, first input "
-            "step to its answer), voice (Piper, one sentence).", ["stage"],
+            "Whisper pass that ran: shed and skipped ones are not counted), lm (a response "
+            "frame, first input step to its answer), voice (Piper, one sentence).", ["stage"],
             buckets=STAGE_BUCKETS_S, registry=registry)
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         limit = make_limit(config.admission, config.admission_cap)

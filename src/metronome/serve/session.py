@@ -566,7 +566,7 @@ class RealtimeSession:
             start = time.perf_counter()
             ids = hearing.hear(pcm, final, audio_end_ms, speech_from_ms, heard, queued_at_s,
                                speech_end_ms)
-            if heard.words or final:
+            if heard.passed:
                 stage.observe(time.perf_counter() - start)
             return _ids(ids)
 

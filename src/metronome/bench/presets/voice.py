@@ -255,8 +255,7 @@ def stage_totals(url: str) -> dict[str, tuple[float, float]]:
 
 def stage_means_ms(before: dict, after: dict) -> dict[str, float | None]:
     """Each stage's mean time over one run (the difference of two readings): encoder (a
-    Whisper pass that committed words or ended a turn), lm (a reply frame), voice (a
-    sentence)."""
+    Whisper pass that ran), lm (a reply frame), voice (a sentence)."""
     means = {}
     for stage in ("encoder", "lm", "voice"):
         s0, c0 = before.get(stage, (0.0, 0.0))
