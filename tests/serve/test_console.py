@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect
 
+from metronome.audio.whisper import normalise_word
 from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
 from metronome.serve.server import ServerThread
@@ -94,8 +95,7 @@ def answered(state: dict | None) -> bool:
 
 
 def words(text: str) -> list[str]:
-    normalised = ("".join(ch for ch in word.lower() if ch.isalnum()) for word in text.split())
-    return [word for word in normalised if word]
+    return [word for word in map(normalise_word, text.split()) if word]
 
 
 def heard(audio_base64: list[str]) -> list[str]:

@@ -18,7 +18,7 @@ from websockets.sync.client import connect
 
 from metronome.audio.resample import StreamingResampler
 from metronome.audio.voice import Sentences, Voice
-from metronome.audio.whisper import StreamingTranscript, Whisper
+from metronome.audio.whisper import StreamingTranscript, Whisper, normalise_word
 from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
 from metronome.serve.hearing import Heard, Hearing
@@ -198,13 +198,10 @@ def test_a_spoken_question_gets_a_spoken_answer(smollm2):
     resampler = StreamingResampler(24000, 16000)
     heard = Whisper().words(np.concatenate([resampler.push(samples),
                                             resampler.push(np.zeros(4000, np.float32))]))
-    said = {_norm(w) for w in transcript.split()} - {""}
-    back = {_norm(w) for w in heard}
+    said = {normalise_word(w) for w in transcript.split()} - {""}
+    back = {normalise_word(w) for w in heard}
     assert len(said & back) >= max(1, 0.6 * len(said)), (transcript, heard)
 
-
-def _norm(word: str) -> str:
-    return "".join(ch for ch in word.lower() if ch.isalnum())
 
 
 class CountingVoice:

@@ -107,8 +107,8 @@ class StreamingTranscript:
             return new
         agreed = _common_prefix(words, self._previous)
         self._previous = words
-        if len(agreed) <= done or [_norm(w) for w in agreed[:done]] != [
-                _norm(w) for w in self.committed]:
+        if len(agreed) <= done or [normalise_word(w) for w in agreed[:done]] != [
+                normalise_word(w) for w in self.committed]:
             return []
         new = agreed[done:]
         self.committed += new
@@ -117,10 +117,11 @@ class StreamingTranscript:
 
 def _common_prefix(a: list[str], b: list[str]) -> list[str]:
     n = 0
-    while n < min(len(a), len(b)) and _norm(a[n]) == _norm(b[n]):
+    while n < min(len(a), len(b)) and normalise_word(a[n]) == normalise_word(b[n]):
         n += 1
     return a[:n]
 
 
-def _norm(word: str) -> str:
+def normalise_word(word: str) -> str:
+    """A word as transcripts are compared: lower case, letters and digits only."""
     return "".join(ch for ch in word.lower() if ch.isalnum())

@@ -30,12 +30,14 @@ import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from metronome.audio.whisper import normalise_word
 from metronome.bench.presets import Knobs, knob
 from metronome.bench.server import Server, served_facts
 from metronome.load.client import Connection
 from metronome.load.speech import SENTENCES, SPEECH_DIR, read_wav, resample
 from metronome.results.context import RunContext
 from metronome.results.report import Plot, Report, Table, derived
+from metronome.stats import percentile
 
 NAME = "voice"
 RATE_HZ = 24000
@@ -80,7 +82,7 @@ def wer(reference: str, hypothesis: str) -> float:
 
 
 def _words(text: str) -> list[str]:
-    return [w for w in ("".join(c for c in t.lower() if c.isalnum()) for t in text.split()) if w]
+    return [w for w in map(normalise_word, text.split()) if w]
 
 
 def to16k(samples: np.ndarray, rate_hz: int) -> np.ndarray:
@@ -264,9 +266,9 @@ def stage_means_ms(before: dict, after: dict) -> dict[str, float | None]:
     return means
 
 
-def pct(values: list[float], q: float) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    return None if not values else values[min(len(values) - 1, round(q * (len(values) - 1)))]
+def pct(values: list[float | None], q: float) -> float | None:
+    """The project's percentile (`metronome.stats`) of the values measured (None: not)."""
+    return percentile([v for v in values if v is not None], q)
 
 
 def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
@@ -297,9 +299,9 @@ def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
                         "errors": max(t["errors"] for t in turns),
                         "error_codes": dict(Counter(c for session_turns in by_session
                                                     for c in session_turns[0]["codes"])),
-                        "ttfa_p50_ms": pct(ttfa, 0.5), "ttfa_p95_ms": pct(ttfa, 0.95),
-                        "from_stop_p50_ms": pct([t["from_stop_ms"] for t in turns], 0.5),
-                        "from_stop_p95_ms": pct([t["from_stop_ms"] for t in turns], 0.95),
+                        "ttfa_p50_ms": pct(ttfa, 50), "ttfa_p95_ms": pct(ttfa, 95),
+                        "from_stop_p50_ms": pct([t["from_stop_ms"] for t in turns], 50),
+                        "from_stop_p95_ms": pct([t["from_stop_ms"] for t in turns], 95),
                         **{f"{stage}_mean_ms": ms for stage, ms in stage_ms.items()}})
                     ctx.log(f"{arm} x {n}: {rows[-1]}")
                     advance()
