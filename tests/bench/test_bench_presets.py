@@ -14,6 +14,7 @@ import torch
 
 from metronome.bench.presets import (
     cluster,
+    endless,
     engine,
     engine_paths,
     engine_vs_vllm,
@@ -198,3 +199,16 @@ def test_importing_the_presets_changes_no_environment_variable():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_endless_session_rolls_and_stays_bounded(tmp_path):
+    """The smoke size: 8 s of frames, a 64-token position limit the session passes in ~4 s."""
+    res, text = smoke(endless, tmp_path)
+    (stopped,) = res["stopped"]
+    assert stopped["arm"] == "native" and stopped["rolled_at_s"] is not None
+    assert stopped["session_tokens"] > 64  # went on past the position limit
+    rows = res["buckets"]
+    assert sum(r["frames"] for r in rows) >= 6 and all(r["answered"] == r["frames"] for r in rows)
+    bound_blocks = endless.ResidencyPolicy.parse(res["config"]["policy"]).max_blocks(16, 64)
+    assert max(s["used_blocks"] for s in res["samples"]) <= bound_blocks
+    assert "By session age" in text

@@ -35,6 +35,7 @@ BENCHES = {
     "soak": ("soak", False),
     "vad": ("vad", False),
     "voice": ("voice", False),
+    "endless": ("endless", False),
     "resume": ("resume", False),
     "prompt": ("prompt", False),
     "vllm": ("vllm", True),

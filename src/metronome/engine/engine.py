@@ -27,7 +27,7 @@ from metronome.engine.snapshot import SessionSnapshot, restore, take
 from metronome.engine.types import PoolStats, Rebound, StepOutput, WorkStatus
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.cache import KVCache, num_blocks_for
-from metronome.kv.residency import ResidencyPolicy
+from metronome.kv.residency import Positions, ResidencyPolicy
 from metronome.model.linear import packing_supported
 from metronome.model.llama import LlamaModel
 from metronome.workload_defaults import BLOCK_SIZE_TOKENS, POOL_TOKENS
@@ -63,6 +63,10 @@ class EngineConfig:
     # "dense" is the reference path alone. Results agree within float rounding.
     attention: str = "auto"
     paged_max_chunk_tokens: int = PAGED_MAX_CHUNK_TOKENS
+    # The positions the model was trained on (None: its config's max_position_embeddings). A
+    # bounded session with sinks under absolute positions that would go past it goes on
+    # under rolling positions (`Session.roll`) instead: a session under a bound never ends.
+    position_limit_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_MODES:
@@ -207,6 +211,8 @@ class Engine:
             model.dtype,
         )
         self.kernel, self.paged_max_chunk_tokens = _attention_kernel(config)
+        self.position_limit_tokens = (config.position_limit_tokens
+                                      or model.config.max_position_embeddings)
         self.sessions: dict[str, Session] = {}
         self._rotation = 0  # where the next step starts handing out its token budget
         self.step_thread_id: int | None = None  # the engine's thread (engine.snapshot's rule)
@@ -317,6 +323,7 @@ class Engine:
             if budget <= 0:
                 break
             chunk, fed = session.next_chunk(min(limit, budget))
+            self._keep_in_range(session, len(chunk), out)
             status = self._reserve(session, len(chunk))
             if status is WorkStatus.STALLED_KV and self._relieve(session, len(chunk), work,
                                                                  out):
@@ -329,6 +336,16 @@ class Engine:
             out.status[session.id] = WorkStatus.OK  # the output keeps this (rotation) order
             work.append(session)
         return work
+
+    def _keep_in_range(self, session: Session, num_tokens: int, out: StepOutput) -> None:
+        """A bounded session whose next positions would leave the model's trained range rolls
+        (its sinks would be further from the query than any distance it was trained on)."""
+        policy = session.spec.policy
+        if (policy.bounded and policy.sink_tokens and policy.positions is Positions.ABSOLUTE
+                and session.table.num_tokens + num_tokens > self.position_limit_tokens):
+            rolled = session.roll(self.pool)
+            out.rebounds.append(Rebound(session.id, rolled, 0, session.table.resident_tokens,
+                                        reason="position_limit"))
 
     def _reserve(self, session: Session, num_tokens: int) -> WorkStatus:
         limit = session.spec.max_session_tokens

@@ -23,7 +23,7 @@ import torch
 from metronome.engine.sampling import SamplingParams
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.block_table import BlockTable
-from metronome.kv.residency import ResidencyPolicy
+from metronome.kv.residency import Positions, ResidencyPolicy
 
 
 @dataclass(frozen=True)
@@ -134,14 +134,31 @@ class Session:
         assert self.read_tokens <= self.fed_tokens, (self.read_tokens, self.fed_tokens)
         self.chunk = None
 
-    def rebound(self, policy: ResidencyPolicy, pool: BlockPool) -> int:
-        """Switch to a bounded `policy` from now on; blocks no future query can see under it
-        (the middle, between sinks and window) go back to `pool`. Returns how many. Only
-        between steps of this session: a chunk planned but not yet run still needs them."""
-        assert policy.bounded and not self.spec.policy.bounded, (self.spec.policy, policy)
+    def set_policy(self, policy: ResidencyPolicy, pool: BlockPool) -> int:
+        """Serve this session under `policy` from now on; blocks no future query can see
+        under it go back to `pool`. Returns how many. A bound that grows (a longer window,
+        more sinks) sees what is still resident of what it covers: freed blocks do not come
+        back. Only between steps of this session: a chunk planned but not yet run still
+        needs its blocks."""
+        assert self.chunk is None, "a planned chunk still needs its blocks"
         self.spec = replace(self.spec, policy=policy)
         self.table.policy = policy
         return self.table.slide(pool)
+
+    def rebound(self, policy: ResidencyPolicy, pool: BlockPool) -> int:
+        """Switch an unbounded session to a bounded `policy` (KV pressure): its middle
+        blocks go back to `pool`. Returns how many."""
+        assert policy.bounded and not self.spec.policy.bounded, (self.spec.policy, policy)
+        return self.set_policy(policy, pool)
+
+    def roll(self, pool: BlockPool) -> ResidencyPolicy:
+        """From now on, rolling positions (StreamingLLM): the session's next positions would
+        put its sinks further from its queries than the model was trained on. Window keys
+        keep their distances (RoPE scores depend on `p_q - p_k` only, `model.llama`); sink
+        keys are scored at the query's slot in the cache, at most S + W + block away."""
+        policy = replace(self.spec.policy, positions=Positions.ROLLING)
+        self.set_policy(policy, pool)
+        return policy
 
     def end(self) -> None:
         self.ended = True

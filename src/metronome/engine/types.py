@@ -18,13 +18,18 @@ class WorkStatus(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Rebound:
-    """An unbounded session switched to the engine's pressure bound during a step, because
-    the pool could not otherwise supply a session's blocks (`EngineConfig.pressure_policy`)."""
+    """A session's bound changed during a step, for `reason`:
+    - "kv_pressure": an unbounded session switched to the engine's pressure bound, because
+      the pool could not otherwise supply a session's blocks (`EngineConfig.pressure_policy`);
+    - "position_limit": a bounded session with sinks reached the model's trained position
+      range and goes on with rolling positions (`Session.roll`);
+    - "pinned": its pinned prefix was rewritten with new instructions (`Engine.repin`)."""
 
     session_id: str
     policy: ResidencyPolicy
-    freed_blocks: int  # its middle blocks, back in the pool at once
+    freed_blocks: int  # blocks back in the pool at once
     resident_tokens: int  # its live KV afterwards
+    reason: str = "kv_pressure"
 
 
 @dataclass(frozen=True)

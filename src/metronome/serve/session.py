@@ -230,10 +230,12 @@ class RealtimeSession:
         self.serving.beat.close(self.stream, self.serving.now_s())
 
     def _on_rebound(self, rebound: Rebound) -> None:
-        """The engine bound this session under KV pressure: tell a client that opted in."""
+        """The engine changed this session's bound (KV pressure, the position limit, a re-pin):
+        tell a client that opted in."""
         if self.extensions:
             self.emit(se.MetronomeSessionBounded(session_id=self.id, bound=se.BoundOut(
-                policy=str(rebound.policy), freed_blocks=rebound.freed_blocks,
+                policy=str(rebound.policy), reason=rebound.reason,
+                freed_blocks=rebound.freed_blocks,
                 resident_kv_tokens=rebound.resident_tokens)))
 
     # ---- client messages ---------------------------------------------------------------

@@ -307,7 +307,10 @@ class MetronomeFrame(ServerEvent):
 # ---- metronome.* extensions ----------------------------------------------------------
 class BoundOut(BaseModel):
     policy: str  # the bound now in force, e.g. sinks_window:4:512@absolute
-    reason: Literal["kv_pressure"] = "kv_pressure"
+    # kv_pressure: an unbounded session bound as the pool ran dry (--degrade-policy);
+    # position_limit: the session reached the model's trained positions and goes on under
+    # rolling positions (it never ends); pinned: its instructions were re-pinned
+    reason: Literal["kv_pressure", "position_limit", "pinned"] = "kv_pressure"
     freed_blocks: int  # returned to the pool when it was bound
     resident_kv_tokens: int  # the session's live KV right after
 
