@@ -16,7 +16,7 @@ policies = st.one_of(
     st.just(ResidencyPolicy.unbounded()),
     st.builds(ResidencyPolicy.window, st.integers(1, 12), st.sampled_from(["absolute", "rolling"])),
     st.builds(ResidencyPolicy.sinks_window, st.integers(0, 6), st.integers(1, 12),
-              st.sampled_from(["absolute", "rolling"])),
+              st.sampled_from(["absolute", "rolling"]), st.sampled_from([None, 4, 12])),
 )
 actions = st.lists(
     st.one_of(
@@ -24,6 +24,7 @@ actions = st.lists(
         st.tuples(st.just("submit"), st.integers(0, 7), st.integers(1, 9), st.integers(0, 3)),
         st.tuples(st.just("step")),
         st.tuples(st.just("close"), st.integers(0, 7)),
+        st.tuples(st.just("rewind"), st.integers(0, 7), st.integers(0, 4)),
     ),
     max_size=40,
 )
@@ -39,9 +40,12 @@ def check_books(engine: Engine) -> None:
         bound = policy.max_resident_tokens(BLOCK)
         if bound is not None:
             assert table.resident_tokens <= bound
-        # the blocks actually held are exactly the sink blocks and the window's blocks
+        # the blocks actually held are exactly the sink blocks and the window's blocks (from
+        # where a query at the rewind horizon would see, while the latest reply has one)
         if table.num_tokens:
             first = policy.window_start(table.num_tokens, BLOCK) // BLOCK
+            if table.hold_from is not None:
+                first = min(first, policy.window_start(table.hold_from, BLOCK) // BLOCK)
             window = range(first, (table.num_tokens - 1) // BLOCK + 1)
             sinks = range(min(table.num_sink_blocks, (table.num_tokens - 1) // BLOCK + 1))
             assert set(table.logical_to_block_id) == set(sinks) | set(window)
@@ -68,6 +72,12 @@ def test_random_sessions_keep_pool_books(tiny_model, script):
             assert all(s in WorkStatus for s in result.status.values())
         elif action[0] == "close" and open_ids:
             engine.close(open_ids.pop(action[1] % len(open_ids)))
+        elif action[0] == "rewind" and open_ids:
+            session = engine.sessions[open_ids[action[1] % len(open_ids)]]
+            reply = len(session.reply)
+            if reply and not session.has_work:
+                forgotten = engine.rewind_reply(session.id, min(action[2], reply))
+                assert forgotten == reply - min(action[2], reply)
         check_books(engine)
     for _ in range(3):
         engine.step()

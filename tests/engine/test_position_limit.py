@@ -80,3 +80,14 @@ def test_an_unbounded_or_window_only_session_is_left_as_it_is(tiny_model):
         assert not [r for out in run(engine, sid) for r in out.rebounds]
         assert engine.sessions[sid].spec.policy == policy
         engine.close(sid)
+
+
+def test_a_policy_with_a_step_reads_back_from_its_text():
+    policy = ResidencyPolicy.sinks_window(40, 417, "rolling", slide_tokens=96)
+    assert str(policy) == "sinks_window:40:417/96@rolling"
+    assert ResidencyPolicy.parse(str(policy)) == policy
+    assert ResidencyPolicy.parse("window:64/32") == ResidencyPolicy(
+        ResidencyPolicy.window(64).kind, 0, 64, Positions.ABSOLUTE, 32)
+    # between W and W + D - 1 window keys; the window's blocks leave D / block at a time
+    assert policy.max_resident_tokens(16) == 40 + 417 + 96 - 1
+    assert {policy.window_start(p, 16) % 96 for p in range(500, 900)} == {0}

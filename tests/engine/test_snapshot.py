@@ -75,11 +75,14 @@ def test_tiny_session_moved_mid_generation_continues_token_exact(tiny_model, pos
 
 def test_smollm2_session_moved_mid_generation_continues_token_exact(smollm2):
     policy = ResidencyPolicy.sinks_window(4, 32)
-    prompt = [(31 * i + 100) % 5000 + 200 for i in range(48)]
+    prompt = [(31 * i + 100) % 5000 + 200 for i in range(96)]  # the reply's horizon: past
+    # the sink block too
     nbytes = check_moved_session_continues_exactly(smollm2, 16, policy, prompt,
                                                    [1000, 2000, 3000])
     cfg = smollm2.config
-    blocks = 1 + 3  # the sink block and the window's 3 (48 + 19 = 67 tokens written)
+    # the sink block, the window's 3 (96 + 19 = 115 tokens written: from 84, block 5) and
+    # one the reply's rewind horizon holds (a query at its start, 96, sees from 65: block 4)
+    blocks = 1 + 3 + 1
     kv_bytes = blocks * 16 * cfg.kv_bytes_per_token(smollm2.dtype)
     assert kv_bytes <= nbytes < kv_bytes + 64 * 1024  # KV plus header, generator, input
 

@@ -63,10 +63,12 @@ def test_sinks_window_matches_naive_reference(tiny_model, rolling, attention_pat
         ResidencyPolicy.sinks_window(2, 7, positions),
         ResidencyPolicy.window(9, positions),
         ResidencyPolicy.sinks_window(6, 5, positions),  # sinks span two blocks
+        # a session's retention_ratio: the window moves three blocks at a time
+        ResidencyPolicy.sinks_window(3, 9, positions, slide_tokens=3 * BLOCK),
     ]
-    lengths = [61, 47, 38, 55]
+    lengths = [61, 47, 38, 55, 58]
     sequences = [random_tokens(n, tiny_model.config.vocab_size, i) for i, n in enumerate(lengths)]
-    chunks = [[1], [3, 1, 5], [7, 2], [2, 9, 1]]
+    chunks = [[1], [3, 1, 5], [7, 2], [2, 9, 1], [4, 1]]
     got, engine = run_engine(tiny_model, sequences, policies, chunks, path=attention_path)
     for seq, policy, ours in zip(sequences, policies, got, strict=True):
         ref = reference_logits(tiny_model, seq, policy, BLOCK, rolling=rolling)

@@ -152,7 +152,8 @@ def _dense(work: list[Session], block_size: int) -> DenseAttention:
         block_logical[b, : len(logical)] = logical
         pos = torch.arange(w.start_position, w.start_position + w.chunk_tokens)
         query_pos[b, : w.chunk_tokens] = pos
-        window_start[b, : w.chunk_tokens] = _window_starts(pos, policy.window_tokens, block_size)
+        window_start[b, : w.chunk_tokens] = _window_starts(pos, policy.window_tokens,
+                                                            policy.slide(block_size))
         sink_tokens[b] = policy.sink_tokens
         if policy.positions is Positions.ROLLING and policy.sink_tokens:
             # a young session may hold fewer blocks than its sinks span: never past C
@@ -188,12 +189,13 @@ def _sink_cols(own_sink_cols: list[int]) -> torch.Tensor | None:
     return cols.view(1, len(own_sink_cols), 1, n)
 
 
-def _window_starts(pos: torch.Tensor, window_tokens: int | None, block_size: int):
-    """Vectorised `ResidencyPolicy.window_start` over a chunk's positions."""
+def _window_starts(pos: torch.Tensor, window_tokens: int | None, step_tokens: int):
+    """Vectorised `ResidencyPolicy.window_start` over a chunk's positions (`step_tokens`: the
+    window's step, `ResidencyPolicy.slide`)."""
     if window_tokens is None:
         return torch.zeros_like(pos)
     first = pos - window_tokens + 1
-    return torch.clamp(torch.div(first, block_size, rounding_mode="floor") * block_size, min=0)
+    return torch.clamp(torch.div(first, step_tokens, rounding_mode="floor") * step_tokens, min=0)
 
 
 def _embeddings(work: list[Session], embed, dtype: torch.dtype) -> torch.Tensor:

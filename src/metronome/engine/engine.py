@@ -214,6 +214,7 @@ class Engine:
         self.position_limit_tokens = (config.position_limit_tokens
                                       or model.config.max_position_embeddings)
         self.sessions: dict[str, Session] = {}
+        self._notes: list[Rebound] = []  # bounds changed between steps, for the next step's out
         self._rotation = 0  # where the next step starts handing out its token budget
         self.step_thread_id: int | None = None  # the engine's thread (engine.snapshot's rule)
 
@@ -263,6 +264,86 @@ class Engine:
         """Drop the session's remaining generation budget (its input is still processed)."""
         self._get(session_id).decode_budget = 0
 
+    # ---- a session's bound, pinned prefix and latest reply ------------------------------------
+    def set_policy(self, session_id: str, policy: ResidencyPolicy) -> int:
+        """Serve the session under `policy` from now on (its spec's, within the engine's
+        limits); blocks no future query sees under it go back to the pool. Returns how many.
+        A window that grows covers what is still resident; a session whose window has slid
+        cannot become unbounded (`SessionError`). Between steps (a beat's engine command)."""
+        session = self._get(session_id)
+        self._check_policy(policy)
+        table = session.table
+        if not policy.bounded and len(table.logical_to_block_id) < -(
+                -table.num_tokens // self.config.block_size):
+            raise SessionError(f"session {session_id}'s window has slid already: what left it "
+                               "is gone, so it cannot become unbounded")
+        return session.set_policy(policy, self.pool)
+
+    def repin(self, session_id: str, token_ids: list[int] | torch.Tensor) -> bool:
+        """Make `token_ids` the session's pinned prefix (its new instructions), in place of the
+        one it has: re-prefilled at positions 0..n-1 into fresh blocks (attending to each
+        other only, as at a session's start), the old prefix's blocks freed, the bound's sinks
+        n from then on. Done as soon as the window has left the positions both prefixes span
+        (now, or at the end of a later step: until then the old prefix stays pinned). True if
+        done now. Between steps (a beat's engine command)."""
+        session = self._get(session_id)
+        ids = check_token_ids(token_ids, self.model.config.vocab_size)
+        if not session.spec.policy.bounded:
+            raise SessionError(f"session {session_id} is unbounded: it keeps every token, "
+                               "nothing needs pinning")
+        if not 0 < len(ids) <= self.config.max_sink_tokens:
+            raise SessionError(f"a pinned prefix of {len(ids)} tokens is outside the engine's "
+                               f"limit (1 to {self.config.max_sink_tokens})")
+        session.pinning = ids.tolist()
+        return self._pin(session)
+
+    def rewind_reply(self, session_id: str, keep_tokens: int) -> int:
+        """Forget all but the first `keep_tokens` of the session's latest reply, from its KV
+        too (`Session.rewind_reply`): afterwards it is token for token the session that only
+        sampled those. Possible while it has read no input since the reply (its rewind
+        horizon), else `SessionError`. Returns the tokens forgotten."""
+        session = self._get(session_id)
+        reply = len(session.reply)
+        if not reply:
+            raise SessionError(f"session {session_id} has no reply to rewind: input was read "
+                               "after it (or it never sampled)")
+        if not 0 <= keep_tokens <= reply:
+            raise SessionError(f"keep_tokens must be in [0, {reply}], got {keep_tokens}")
+        if session.unread_tokens - (session.feedback is not None) > 0:
+            raise SessionError(f"session {session_id} has input waiting after its reply")
+        session.rewind_reply(keep_tokens, self.pool)
+        return reply - keep_tokens
+
+    def _pin(self, session: Session) -> bool:
+        """`repin`'s work, if the window has left the positions both prefixes span and the
+        pool has the new prefix's blocks."""
+        ids, table, block = session.pinning, session.table, self.config.block_size
+        policy = session.spec.policy
+        num_blocks = -(-len(ids) // block)
+        start = policy.window_start(table.num_tokens, block)
+        if table.hold_from is not None:
+            start = min(start, policy.window_start(table.hold_from, block))
+        if start // block < max(table.num_sink_blocks, num_blocks):
+            return False
+        fresh = self.pool.allocate(num_blocks)
+        if fresh is None:
+            return False
+        old = [table.logical_to_block_id.pop(k) for k in range(table.num_sink_blocks)
+               if k in table.logical_to_block_id]
+        table.logical_to_block_id = dict(enumerate(fresh)) | table.logical_to_block_id
+        session.set_policy(replace(policy, sink_tokens=len(ids)), self.pool)
+        session.chunk = torch.tensor(ids, dtype=torch.int64)
+        session.start_position, session.chunk_fed_tokens = 0, 0
+        session.samples, session.logits_rows = False, "none"
+        try:
+            self.forward([session])
+        finally:
+            session.chunk, session.pinning = None, None
+        self.pool.free(old)
+        self._notes.append(Rebound(session.id, session.spec.policy, len(old),
+                                   table.resident_tokens, reason="pinned"))
+        return True
+
     def close(self, session_id: str) -> None:
         """End a session and return every one of its blocks to the pool."""
         session = self.sessions.pop(session_id, None)
@@ -291,6 +372,11 @@ class Engine:
         if work:
             work = paged_first(work, self.paged_max_chunk_tokens)
             self._finish(work, self.forward(work), out)
+            for session in work:
+                if session.pinning is not None:
+                    self._pin(session)
+        out.rebounds.extend(self._notes)
+        self._notes.clear()
         return out
 
     def forward(self, work: list[Session]) -> torch.Tensor:
@@ -483,15 +569,20 @@ class Engine:
         return session
 
     def _check_spec(self, stream: SessionInput) -> None:
-        spec, cfg = stream.spec, self.config
-        if not spec.policy.bounded and not cfg.allow_unbounded:
-            raise SessionError("this engine does not allow unbounded sessions")
-        try:
-            check_policy_limits(spec.policy, cfg)
-        except ValueError as err:
-            raise SessionError(str(err)) from None
+        spec = stream.spec
+        self._check_policy(spec.policy)
         if spec.max_session_tokens is not None and spec.max_session_tokens < 1:
             raise SessionError(f"max_session_tokens must be >= 1, got {spec.max_session_tokens}")
+
+    def _check_policy(self, policy: ResidencyPolicy) -> None:
+        cfg = self.config
+        if not policy.bounded and not cfg.allow_unbounded:
+            raise SessionError("this engine does not allow unbounded sessions")
+        try:
+            check_policy_limits(policy, cfg)
+            policy.slide(cfg.block_size)
+        except ValueError as err:
+            raise SessionError(str(err)) from None
 
     def _check_embeddings(self, emb: torch.Tensor) -> torch.Tensor:
         hidden = self.model.config.hidden_size

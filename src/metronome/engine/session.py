@@ -69,6 +69,10 @@ class Session:
         self.stop_token_ids = frozenset(stop_ids)
         self.generator = torch.Generator().manual_seed(self.spec.sampling.seed)
         self.ended = False
+        # The tokens sampled since the session last read input (its latest reply), first to
+        # last: the table holds the blocks a rewind to its start needs (`rewind_reply`).
+        self.reply: list[int] = []
+        self.pinning: list[int] | None = None  # new instructions to pin (`Engine.repin`)
         # ---- this step's plan (`plan`) --------------------------------------------------------
         self.chunk: torch.Tensor | None = None  # (n,) int64 ids or (n, hidden) embeddings
         self.start_position = 0  # absolute position of the chunk's first token
@@ -126,10 +130,13 @@ class Session:
         return 0 if self.chunk is None else int(self.chunk.shape[0])
 
     def consume(self) -> None:
-        """The planned chunk is in the KV."""
+        """The planned chunk is in the KV. Input read ends the latest reply's rewind horizon."""
         fed = self.chunk_fed_tokens
         if self.chunk_tokens > fed:
             self.feedback = None
+        if fed:
+            self.reply = []
+            self.table.hold_from = None
         self.read_tokens += fed
         assert self.read_tokens <= self.fed_tokens, (self.read_tokens, self.fed_tokens)
         self.chunk = None
@@ -160,6 +167,20 @@ class Session:
         self.set_policy(policy, pool)
         return policy
 
+    def rewind_reply(self, keep_tokens: int, pool: BlockPool) -> None:
+        """Forget all but the first `keep_tokens` of the latest reply, in the KV too: the
+        session is then as one that sampled only those (the last of them carried, written
+        with its next input). Only between steps, while no input was read since the reply."""
+        assert 0 <= keep_tokens <= len(self.reply) and self.table.hold_from is not None
+        start = self.table.hold_from
+        self.table.rewind(start + max(keep_tokens - 1, 0), pool)
+        self.carry = self.reply[keep_tokens - 1] if keep_tokens else None
+        self.feedback, self.decode_budget = None, 0
+        self.reply = self.reply[:keep_tokens]
+        if not self.reply:
+            self.table.hold_from = None
+        self.table.slide(pool)
+
     def end(self) -> None:
         self.ended = True
         self.feedback = None
@@ -167,6 +188,9 @@ class Session:
 
     def accept_token(self, token_id: int) -> None:
         assert self.decode_budget > 0
+        if not self.reply:  # a reply starts: it is written from here
+            self.table.hold_from = self.table.num_tokens
+        self.reply.append(token_id)
         self.decode_budget -= 1
         if token_id in self.stop_token_ids:
             self.decode_budget = 0

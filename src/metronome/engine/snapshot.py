@@ -74,6 +74,8 @@ class SessionSnapshot:
     decode_budget: int
     generator_state: torch.Tensor  # (n,) uint8: the sampler's torch.Generator
     ended: bool
+    reply: tuple[int, ...] = ()  # its latest reply, while it can be rewound
+    hold_from: int | None = None  # that reply's start: the rewind horizon
 
     @property
     def kv_bytes(self) -> int:
@@ -108,6 +110,8 @@ class SessionSnapshot:
             "carry": list(self.carry),
             "decode_budget": self.decode_budget,
             "ended": self.ended,
+            "reply": list(self.reply),
+            "hold_from": self.hold_from,
             "tensors": layout,
             "payload_bytes": offset,
         }).encode()
@@ -152,6 +156,7 @@ class SessionSnapshot:
             feedback=tuple(header["feedback"]), carry=tuple(header["carry"]),
             decode_budget=header["decode_budget"],
             generator_state=tensors["generator_state"], ended=header["ended"],
+            reply=tuple(header.get("reply", ())), hold_from=header.get("hold_from"),
         )
 
 
@@ -180,6 +185,7 @@ def take(engine, session: Session) -> SessionSnapshot:
         pending=_unread(session), feedback=_one(session.feedback), carry=_one(session.carry),
         decode_budget=session.decode_budget,
         generator_state=session.generator.get_state(), ended=session.ended,
+        reply=tuple(session.reply), hold_from=table.hold_from,
     )
 
 
@@ -219,6 +225,7 @@ def restore(engine, snapshot: SessionSnapshot, stream) -> bool:
     session.stop_token_ids = frozenset(snapshot.stop_token_ids)
     session.generator.set_state(snapshot.generator_state.clone())
     session.ended = snapshot.ended
+    session.reply, session.table.hold_from = list(snapshot.reply), snapshot.hold_from
     return True
 
 

@@ -18,6 +18,10 @@ class BlockTable:
         self.num_tokens = 0  # tokens written so far (the next position to write)
         # logical block index -> physical block id, in increasing logical order
         self.logical_to_block_id: dict[int, int] = {}
+        # The rewind horizon: while set, the blocks a query at this position would see stay
+        # resident though later queries no longer see them, so the session can go back to it
+        # (`rewind`). Visibility is unchanged: only residency lags.
+        self.hold_from: int | None = None
 
     @property
     def block_ids(self) -> list[int]:
@@ -66,13 +70,29 @@ class BlockTable:
         return True
 
     def slide(self, pool: BlockPool) -> int:
-        """Return blocks no future query can see to the pool. Returns how many were freed."""
-        start_block = self.policy.window_start(self.num_tokens, self.block_size) // self.block_size
+        """Return blocks no future query can see (nor one at the rewind horizon) to the pool.
+        Returns how many were freed."""
+        start = self.policy.window_start(self.num_tokens, self.block_size)
+        if self.hold_from is not None:
+            start = min(start, self.policy.window_start(self.hold_from, self.block_size))
+        start_block = start // self.block_size
         sinks = self.num_sink_blocks  # once: a property over the policy, not per block
         stale = [k for k in self.logical_to_block_id if sinks <= k < start_block]
         pool.free([self.logical_to_block_id.pop(k) for k in stale])
         self._check()
         return len(stale)
+
+    def rewind(self, num_tokens: int, pool: BlockPool) -> int:
+        """Go back to `num_tokens` written (at or after the rewind horizon): the blocks of
+        later positions go back to `pool`. Returns how many."""
+        assert self.hold_from is not None and self.hold_from <= num_tokens <= self.num_tokens, (
+            self.hold_from, num_tokens, self.num_tokens)
+        last_block = (num_tokens - 1) // self.block_size  # -1: none left
+        later = [k for k in self.logical_to_block_id if k > last_block]
+        pool.free([self.logical_to_block_id.pop(k) for k in later])
+        self.num_tokens = num_tokens
+        self._check()
+        return len(later)
 
     def blocks_freed_by(self, policy: ResidencyPolicy) -> int:
         """How many of its blocks `slide` would return if this table were under `policy`."""

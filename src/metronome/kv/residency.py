@@ -15,6 +15,10 @@ Semantics (the contract the masked dense reference in the tests reproduces):
 * `window_start(p)` is block-aligned: the start of the block holding `p - W + 1`
   (0 for `unbounded`). So a query sees at most `S + W + block_size - 1` keys, and a block
   leaves the pool exactly when no future query can see it: visibility and residency agree.
+  With `slide_tokens` D (a multiple of the block size; a session's `retention_ratio`), the
+  window moves in steps of D instead: `window_start(p)` is the multiple of D at or below
+  `p - W + 1`, a query sees between W and `W + D - 1` window keys, and D / block_size
+  blocks leave at once.
 * Sink tokens live in the first `ceil(S / block_size)` blocks, which are pinned. Their slots
   beyond `S` are held but never attended once the window has passed them.
 """
@@ -44,8 +48,13 @@ class ResidencyPolicy:
     sink_tokens: int = 0
     window_tokens: int | None = None
     positions: Positions = Positions.ABSOLUTE
+    slide_tokens: int | None = None  # the window's step (None: one block)
 
     def __post_init__(self) -> None:
+        if self.slide_tokens is not None and (self.slide_tokens < 1 or self.window_tokens
+                                              is None):
+            raise ValueError(f"slide_tokens must be >= 1 and needs a window, got "
+                             f"{self.slide_tokens}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.kind is PolicyKind.UNBOUNDED:
@@ -69,28 +78,33 @@ class ResidencyPolicy:
 
     @classmethod
     def sinks_window(
-        cls, sink_tokens: int, window_tokens: int, positions: Positions | str = Positions.ABSOLUTE
+        cls, sink_tokens: int, window_tokens: int, positions: Positions | str = Positions.ABSOLUTE,
+        slide_tokens: int | None = None,
     ) -> ResidencyPolicy:
-        return cls(PolicyKind.SINKS_WINDOW, sink_tokens, window_tokens, Positions(positions))
+        return cls(PolicyKind.SINKS_WINDOW, sink_tokens, window_tokens, Positions(positions),
+                   slide_tokens)
 
     @classmethod
     def parse(cls, text: str) -> ResidencyPolicy:
-        """Parse `unbounded`, `window:W`, `sinks_window:S:W`, optionally `...@rolling`."""
+        """Parse `unbounded`, `window:W`, `sinks_window:S:W`, optionally `/D` (the window's
+        step, `slide_tokens`) and `@rolling`."""
         body, _, positions = text.partition("@")
+        body, _, slide = body.partition("/")
         parts = body.split(":")
-        pos = Positions(positions or "absolute")
         try:
-            if parts == ["unbounded"] and not positions:
+            pos = Positions(positions or "absolute")
+            step = int(slide) if slide else None
+            if parts == ["unbounded"] and not positions and not slide:
                 return cls.unbounded()
             if parts[0] == "window" and len(parts) == 2:
-                return cls.window(int(parts[1]), pos)
+                return cls(PolicyKind.WINDOW, 0, int(parts[1]), pos, step)
             if parts[0] == "sinks_window" and len(parts) == 3:
-                return cls.sinks_window(int(parts[1]), int(parts[2]), pos)
+                return cls.sinks_window(int(parts[1]), int(parts[2]), pos, step)
         except ValueError as err:
             raise ValueError(f"bad residency policy {text!r}: {err}") from None
         raise ValueError(
             f"bad residency policy {text!r}: expected unbounded | window:W | sinks_window:S:W"
-            " (optionally @absolute or @rolling)"
+            " (optionally /D, the window's step, and @absolute or @rolling)"
         )
 
     @property
@@ -103,14 +117,24 @@ class ResidencyPolicy:
         head = f"window:{self.window_tokens}" if self.kind is PolicyKind.WINDOW else (
             f"sinks_window:{self.sink_tokens}:{self.window_tokens}"
         )
-        return f"{head}@{self.positions}"
+        step = "" if self.slide_tokens is None else f"/{self.slide_tokens}"
+        return f"{head}{step}@{self.positions}"
+
+    def slide(self, block_size: int) -> int:
+        """The window's step in tokens: `slide_tokens`, or one block."""
+        step = self.slide_tokens or block_size
+        if step % block_size:
+            raise ValueError(f"the window's step ({step} tokens) must be a multiple of the "
+                             f"block size ({block_size})")
+        return step
 
     def window_start(self, position: int, block_size: int) -> int:
         """First window position visible to a query at `position` (block-aligned)."""
         if self.window_tokens is None:
             return 0
         first = position - self.window_tokens + 1
-        return max(0, first // block_size * block_size)
+        step = self.slide(block_size)
+        return max(0, first // step * step)
 
     def num_sink_blocks(self, block_size: int) -> int:
         return -(-self.sink_tokens // block_size)
@@ -125,14 +149,16 @@ class ResidencyPolicy:
             return None
         # Past the first window, window blocks no longer overlap the sink blocks and the
         # count repeats with the block period: one period of positions covers every case.
-        first = (self.sink_tokens + self.window_tokens + chunk_tokens + block_size) * 2
+        step = self.slide(block_size)
+        first = (self.sink_tokens + self.window_tokens + chunk_tokens + step) * 2
         window = max((n + chunk_tokens - 1) // block_size
                      - self.window_start(n, block_size) // block_size + 1
-                     for n in range(first, first + block_size))
+                     for n in range(first, first + step))
         return self.num_sink_blocks(block_size) + window
 
     def max_resident_tokens(self, block_size: int) -> int | None:
-        """Most keys any query can see: S + W + block_size - 1 (None when unbounded)."""
+        """Most keys any query can see: S + W + D - 1, D the window's step (one block unless
+        `slide_tokens`; None when unbounded)."""
         if self.window_tokens is None:
             return None
-        return self.sink_tokens + self.window_tokens + block_size - 1
+        return self.sink_tokens + self.window_tokens + self.slide(block_size) - 1
