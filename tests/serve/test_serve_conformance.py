@@ -211,11 +211,12 @@ def test_items_are_retrieved_appended_at_the_end_and_refused_by_name(turn_server
         ws.send(json.dumps(user_text("Before", previous_item_id=first["id"])))  # the middle
         assert error_code(ws) == "unsupported"
         for event in ({"type": "conversation.item.delete", "item_id": first["id"]},
-                      {"type": "conversation.item.truncate", "item_id": first["id"],
-                       "content_index": 0, "audio_end_ms": 0},
                       {"type": "output_audio_buffer.clear"}):
             ws.send(json.dumps(event))
             assert error_code(ws) == "unsupported", event
+        ws.send(json.dumps({"type": "conversation.item.truncate", "item_id": first["id"],
+                            "content_index": 0, "audio_end_ms": 0}))
+        assert error_code(ws) == "invalid_value"  # a user item: only replies are truncated
         ws.send(json.dumps({"type": "conversation.item.create", "item": {
             "type": "function_call_output", "call_id": "c", "output": "{}"}}))
         assert error_code(ws) == "unsupported"

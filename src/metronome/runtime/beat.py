@@ -37,12 +37,13 @@ clock and no engine thread here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from metronome.engine.engine import EngineConfig, SessionError
 from metronome.engine.types import Rebound, StepOutput, WorkStatus
+from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.ports import EnginePort, Listeners, Timer
 from metronome.stream import Frame, FrameStatus, Stream
 
@@ -299,6 +300,13 @@ class Beat:
             budget, flight.budget_fed = flight.max_new_tokens, True
         stream.fed_tokens = end
         self.run_on_engine(lambda: self.engine.feed(stream.id, end - start, budget))
+
+    def set_policy(self, stream: Stream, policy: ResidencyPolicy) -> None:
+        """The session is served under `policy` from now on (its spec's, checked against the
+        engine's limits by its owner): in the engine's order, before any input fed later."""
+        stream.spec = replace(stream.spec, policy=policy)
+        stream.bound = None
+        self.run_on_engine(lambda: self.engine.set_policy(stream.id, policy))
 
     # ---- engine steps ------------------------------------------------------------------
     def on_step(self, out: StepOutput) -> None:

@@ -18,6 +18,7 @@ from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.serve.edge.guard import TransportLimits
 from metronome.serve.edge.peers import PeerLimits
 from metronome.serve.protocol.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
+from metronome.serve.truncation import BoundLimits
 from metronome.workload_defaults import (
     BLOCK_SIZE_TOKENS,
     DEADLINE_FRACTION,
@@ -48,6 +49,19 @@ class ServerConfig(BaseModel):
     policy: str = Field(POLICY_SPEC, description="every session's KV bound: "
                         "unbounded | window:W | sinks_window:S:W, optionally @rolling")
     pool_tokens: int = Field(POOL_TOKENS, ge=16, description="KV pool size in tokens")
+    # A session may choose its own bound (session.truncation: serve.truncation) within these.
+    max_window_tokens: int = Field(2048, ge=1, description="the largest window a session may "
+                                   "choose (session.truncation's post_instructions)")
+    max_pinned_tokens: int = Field(512, ge=1, description="the largest pinned prefix: a "
+                                   "session's instructions (as a system message) are its sinks; "
+                                   "longer ones are refused")
+    allow_unbounded_sessions: bool = Field(False, description="sessions may choose "
+                                           "session.truncation \"disabled\" (no bound, up to "
+                                           "the model's trained positions)")
+    session_reservation_tokens: int | None = Field(
+        None, ge=1, description="KV tokens admission counts per session for its memory "
+        "ceiling (default: what a session under --policy holds at its peak); sessions that "
+        "choose larger bounds or pin long instructions hold more")
     degrade_policy: str | None = Field(
         None, description="opt-in graceful degradation: when the KV pool runs dry, switch "
         "unbounded sessions (largest first) to this bound, e.g. sinks_window:4:512, freeing "
@@ -192,6 +206,11 @@ class ServerConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
         policy, engine = ResidencyPolicy.parse(self.policy), self.engine_config()
+        if policy.bounded and (policy.window_tokens > self.max_window_tokens
+                               or policy.sink_tokens > self.max_pinned_tokens):
+            raise ValueError(f"the default bound {policy} passes the ceilings a session may "
+                             f"choose within (--max-window-tokens {self.max_window_tokens}, "
+                             f"--max-pinned-tokens {self.max_pinned_tokens})")
         check_policy_limits(policy, engine)
         check_pool_fits(policy, engine, self.pool_tokens // self.block_size)
         if engine.pressure_policy is not None:
@@ -256,7 +275,15 @@ class ServerConfig(BaseModel):
             self.degrade_policy)
         return EngineConfig(block_size=self.block_size, pool_tokens=self.pool_tokens,
                             pressure_policy=pressure,
-                            max_prefill_chunk_tokens=self.prefill_chunk_tokens)
+                            max_prefill_chunk_tokens=self.prefill_chunk_tokens,
+                            max_window_tokens=self.max_window_tokens,
+                            max_sink_tokens=self.max_pinned_tokens)
+
+    def bound_limits(self) -> BoundLimits:
+        """What a session's `session.truncation` and instructions are held to."""
+        return BoundLimits(ResidencyPolicy.parse(self.policy), self.block_size,
+                           self.max_window_tokens, self.max_pinned_tokens,
+                           self.allow_unbounded_sessions, per_session=self.engine == "native")
 
     @property
     def ws_max_message_bytes(self) -> int:

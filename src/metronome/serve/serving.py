@@ -65,6 +65,7 @@ class Serving:
         self.engine = engine
         self.model_name = model_name
         self.chat = ChatText(tokenizer) if tokenizer is not None else None
+        self.bound_limits = config.bound_limits()  # what a session's bound may be
         # Health covers one control interval, and frames slow by their own session's input
         # (more than one step's chunk of it) are no sign of load: the controller's rules.
         self_paced_tokens = engine.config.max_chunk_tokens
@@ -113,7 +114,7 @@ class Serving:
         self.controller = AdmissionController(
             limit, lambda: len(self.sessions), config.admission_interval_s,
             on_update=self._on_admission_update,
-            memory_ceiling=engine.memory_ceiling(_ceiling_policy(config, engine)),
+            memory_ceiling=_memory_ceiling(config, engine),
             self_paced_tokens=self_paced_tokens, frame_period_s=config.frame_period_s,
         )
         # Health leaves out the frames the controller judged self-paced (more than one step's
@@ -245,6 +246,11 @@ class Serving:
                 AudioFrontEnd(fmt, hidden_size=1, embed_rms=1.0))  # framing only: never encodes
         return self._frontends[sample_rate_hz]
 
+    def on_engine(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `work` on the engine thread between steps, after the commands queued so far;
+        its result as a future on the loop."""
+        return self.driver.run_on_engine(work)
+
     def encode(self, work: Callable[[], T]) -> asyncio.Future[T]:
         """Run `work` (encoding audio, tokenizing text) on the encoder thread; its future
         resolves on the loop, futures in the order of the calls."""
@@ -354,6 +360,16 @@ def _load_voice() -> Voice:
     voice = Voice()
     voice.speak("Ready.", OUTPUT_RATE_HZ)  # ONNX Runtime's first run sets up its kernels
     return voice
+
+
+def _memory_ceiling(config: ServerConfig, engine: EnginePort) -> int | None:
+    """Sessions the pool holds, each counted at `--session-reservation-tokens`, or at what one
+    under the server's bound holds at its peak (None: unbounded, no ceiling)."""
+    tokens = config.session_reservation_tokens
+    if tokens is None:
+        return engine.memory_ceiling(_ceiling_policy(config, engine))
+    pool = engine.pool_stats()
+    return pool.num_blocks // -(-tokens // pool.block_size)
 
 
 def _ceiling_policy(config: ServerConfig, engine: EnginePort) -> ResidencyPolicy:

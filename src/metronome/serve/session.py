@@ -29,9 +29,10 @@ has started: the stream's profile is. With server VAD, a turn's end commits the 
 in turn mode with `create_response`, creates a response, as the client's events would.
 `response.cancel` cancels a response's frame in the beat (`client_cancelled`); items only
 join the conversation at its end (`serve.conversation`); what the GA API has and the server
-cannot do (deleting or truncating an item already in the KV, the output audio buffer) is refused by
-name (`UNSUPPORTED_EVENT_TYPES`). `metronome.*` events go only to a client that opted in
-(`extensions`).
+cannot do (deleting an item already in the KV, the output audio buffer) is refused by
+name (`UNSUPPORTED_EVENT_TYPES`); `conversation.item.truncate` rewinds the latest reply's
+unheard tokens out of the KV (`serve.rewind`). `metronome.*` events go only to a client that
+opted in (`extensions`).
 
 Every event the session emits goes through its `EventChannel` (`resume.event_log`):
 numbered and kept, then to the connection, so a client that drops and resumes gets what it
@@ -56,6 +57,7 @@ from metronome.engine.types import Rebound
 from metronome.runtime.beat import Beat
 from metronome.runtime.profile import SessionMode
 from metronome.serve import protocol as p
+from metronome.serve import truncation
 from metronome.serve.audio_input import AudioFramer, decode_pcm16
 from metronome.serve.config import ServerConfig
 from metronome.serve.conversation import Conversation
@@ -81,6 +83,7 @@ from metronome.serve.responses import (
 from metronome.serve.resume.event_log import EventChannel, EventLog, Sink
 from metronome.serve.resume.lease import Grant
 from metronome.serve.resume.takeover import CheckpointState, LoggedEvents
+from metronome.serve.rewind import Reply
 from metronome.serve.settings import OUTPUT_RATE_HZ, SessionSettings
 from metronome.serve.speaking import Speech
 from metronome.serve.text import ChatText
@@ -89,6 +92,8 @@ from metronome.stream import Frame, FrameStatus, Stream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_BYTES_PER_TOKEN = 16  # instructions longer than this many bytes per pinned token allowed
+# cannot be pinned in any real text: refused before they are tokenized
 
 
 class Host(Protocol):
@@ -100,10 +105,14 @@ class Host(Protocol):
     beat: Beat  # the session's stream is in it
     resume: ResumeHooks
     accepts_audio: bool  # the engine takes the audio front end's embeddings
+    bound_limits: truncation.BoundLimits  # what a session's bound may be
 
     def now_s(self) -> float: ...
 
     def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
+
+    def on_engine(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `work` on the engine thread between steps, in order with the beat's commands."""
 
     def encode(self, work: Callable[[], T]) -> asyncio.Future[T]:
         """Run `work` on the encoder thread; futures resolve on the loop in call order."""
@@ -125,10 +134,6 @@ _UNSUPPORTED = {
     "conversation.item.delete": (
         "an item cannot leave the model's context once it is in the session's KV (written "
         "in order; it leaves as the window slides past it)", "item_id"),
-    "conversation.item.truncate": (
-        "the served model produces no audio, so there is no played position to truncate at: "
-        "every word of the item was sent to the client and stays in its context",
-        "audio_end_ms"),
     "output_audio_buffer.clear": (
         "no audio is produced, so there is no output audio buffer (OpenAI has it on WebRTC "
         "and SIP only)", None),
@@ -192,6 +197,8 @@ class RealtimeSession:
         self._client_response_frame: Frame | None = None  # the frame that answers it
         self.told_not_honored: set[str] = set()  # logged once per session
         self.instructions: str | None = None
+        self.bound = truncation.SessionBound()  # its session.truncation and pinned prefix
+        self.last_reply: Reply | None = None  # what a conversation.item.truncate may cut
         self.turns: TurnDetection | None = None  # server VAD; None: the client commits
         self.hearing = self._new_hearing()  # Whisper hears a turn session's audio
         self.speech: Speech | None = None  # the response being spoken
@@ -232,6 +239,9 @@ class RealtimeSession:
     def _on_rebound(self, rebound: Rebound) -> None:
         """The engine changed this session's bound (KV pressure, the position limit, a re-pin):
         tell a client that opted in."""
+        if rebound.reason == "pinned":
+            self.bound = truncation.pinned(self.bound, rebound.policy.sink_tokens,
+                                           self.serving.bound_limits)
         if self.extensions:
             self.emit(se.MetronomeSessionBounded(session_id=self.id, bound=se.BoundOut(
                 policy=str(rebound.policy), reason=rebound.reason,
@@ -286,7 +296,9 @@ class RealtimeSession:
                 self._create_item(event)
             case p.ConversationItemRetrieve():
                 self.emit(se.ConversationItemRetrieved(item=self.conversation.get(event.item_id)))
-            case p.ConversationItemDelete() | p.ConversationItemTruncate():
+            case p.ConversationItemTruncate():
+                self._truncate(event)
+            case p.ConversationItemDelete():
                 self.conversation.get(event.item_id)  # item_not_found first
                 raise unsupported(event)
             case p.OutputAudioBufferClear():
@@ -303,27 +315,71 @@ class RealtimeSession:
                                          serving.speaks, serving.hears)
         instructions = update.instructions
         new_instructions = instructions is not None and instructions != self.instructions
-        if new_instructions:  # refused before anything changes
+        # refused before anything changes: the text, the bound chosen, the instructions' pin
+        limits = serving.bound_limits
+        bound = self.bound
+        if "truncation" in update.model_fields_set and update.truncation is not None:
+            bound = truncation.choose(update.truncation, bound, limits, self.started)
+        instruction_ids = None
+        if new_instructions:
             check_text_length(instructions, config.max_text_chars, "session.instructions")
+            if serving.chat is not None:
+                instruction_ids = self._instruction_ids(instructions, limits)
+                if not self.started and limits.per_session:  # its first input: pinned
+                    bound = truncation.pinned(bound, len(instruction_ids), limits)
         current = self.settings
         if (settings.mode, settings.sample_rate_hz) != (current.mode, current.sample_rate_hz):
             self._reconfigure(settings)
+        self._set_bound(bound)
         not_honored = update.not_honored(serving.speaks, serving.hears)
         if new_instructions:
-            if self.serving.chat is None:
+            if instruction_ids is None:
                 not_honored.append("instructions (the model has no tokenizer)")
             else:
-                self._instruct(instructions)
+                self._instruct(instructions, instruction_ids)
         self.settings = settings
         self.set_turns(settings.turns)
         self._tell_not_honored(not_honored)
         self.emit(se.SessionUpdated(session=self.describe()))
 
-    def _instruct(self, instructions: str) -> None:
-        """Instructions are a system message at this point of the conversation (a KV is
-        written in order: earlier ones stay until the window slides past them)."""
-        self._queue_text("system", instructions, "session.instructions", content_type=None)
+    def _instruction_ids(self, instructions: str, limits: truncation.BoundLimits) -> list[int]:
+        """The instructions' tokens as a system message, within the pinned-prefix ceiling.
+        Tokenized on the loop (instructions change rarely; ~0.3 us a byte) only when they can
+        be that short: a text of more than `MAX_BYTES_PER_TOKEN` bytes a token allowed is
+        refused unread."""
+        chat = self.serving.chat
+        upper = chat.max_item_tokens("system", instructions)
+        if upper > limits.max_pinned_tokens * MAX_BYTES_PER_TOKEN:
+            truncation.check_instructions(upper // MAX_BYTES_PER_TOKEN, limits)
+        ids = chat.item_ids("system", instructions)
+        if limits.per_session:
+            truncation.check_instructions(len(ids), limits)
+        return ids
+
+    def _set_bound(self, bound: truncation.SessionBound) -> None:
+        """Serve the session under `bound` from now on (the engine applies it in order, before
+        any input queued after this)."""
+        limits = self.serving.bound_limits
+        policy = bound.policy(limits)
+        self.bound = bound
+        if limits.per_session and policy != self.stream.policy:
+            self.serving.beat.set_policy(self.stream, policy)
+
+    def _instruct(self, instructions: str, ids: list[int]) -> None:
+        """Instructions are a system message at this point of the conversation; pinned when
+        they are its first input (`_update` set the bound), else re-pinned: the engine
+        rewrites the pinned prefix with them once the window has left the old one
+        (`Engine.repin`, told back as a `pinned` rebound)."""
+        started = self.started
+        self._queue_ids("system", ids, "session.instructions")
         self.instructions = instructions
+        if started and self.serving.bound_limits.per_session and self.stream.policy.bounded:
+            sid = self.id
+            engine = self.serving.beat.engine
+            self.serving.on_engine(lambda: engine.repin(sid, ids)).add_done_callback(
+                lambda done: done.cancelled() or done.exception() is None or log.error(
+                    "session %s: re-pinning its instructions failed: %s", sid,
+                    done.exception()))
 
     def _tell_not_honored(self, fields: list[str]) -> None:
         new = [name for name in fields if name not in self.told_not_honored]
@@ -444,6 +500,64 @@ class RealtimeSession:
             self._add_item(se.ItemOut(id=item_id or p.new_id("item"), role=role,
                                       content=[se.ContentOut(type=content_type, text=text)]))
         self._queue_frame("text", lambda: _ids(chat.item_ids(role, text)), max_tokens)
+
+    def _queue_ids(self, role: str, ids: list[int], param: str) -> None:
+        """A message tokenized already (instructions) into the model's context: a frame."""
+        config = self.serving.config
+        check_room_for_a_frame(self.stream, config.frame_period_s, config.max_buffered_audio_s)
+        check_input_room(self.stream, len(ids), f"{role} message", ErrorCode.TOO_MANY_PENDING,
+                         param)
+        self._queue_frame("text", lambda: _ids(ids), len(ids))
+
+    def _truncate(self, event: p.ConversationItemTruncate) -> None:
+        """Cut an assistant item where the client's audio stopped (`serve.rewind`): its unheard
+        tokens leave the item and the KV; `conversation.item.truncated` once the engine has
+        rewound. Errors as OpenAI's: an unknown item, a user item, a content index or time
+        past the item's end; and here, an item that is not the latest reply any more."""
+        item = self.conversation.get(event.item_id)
+        if item.role != "assistant":
+            raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} is a {item.role} "
+                              "item: only assistant items can be truncated", "item_id")
+        if event.content_index >= max(1, len(item.content)):
+            raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} has "
+                              f"{len(item.content)} content part(s); content_index "
+                              f"{event.content_index} is past them", "content_index")
+        engine = self.serving.beat.engine
+        if not hasattr(engine, "rewind_reply"):
+            raise ClientError(ErrorCode.UNSUPPORTED, "this server's engine (vLLM) cannot "
+                              "rewind a streaming request: its KV only grows (vLLM would have "
+                              "to abort the request and prefill the whole context again)",
+                              "item_id")
+        reply = self.last_reply
+        if reply is None or reply.item_id != item.id:
+            raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} can no longer be "
+                              "truncated: only the session's latest reply can, until its next "
+                              "input is in the context", "item_id")
+        audio_ms = reply.audio_ms
+        if event.audio_end_ms > audio_ms:
+            raise ClientError(ErrorCode.INVALID_VALUE, f"audio_end_ms {event.audio_end_ms} is "
+                              f"past the end of the item's audio ({audio_ms:.0f} ms)",
+                              "audio_end_ms")
+        decode = self._chat().tokenizer.decode
+        keep = reply.kept_tokens(event.audio_end_ms, decode)
+        sid = self.id
+
+        def rewound(done: asyncio.Future) -> None:
+            if self.closed or done.cancelled():
+                return
+            if done.exception() is not None:  # input was read meanwhile: the horizon passed
+                self.emit(p.ErrorEvent.of(ClientError(
+                    ErrorCode.INVALID_VALUE, f"item {item.id!r} can no longer be truncated: "
+                    f"{done.exception()}", "item_id"), event.event_id))
+                return
+            text = decode(reply.token_ids[:keep])
+            reply.token_ids = reply.token_ids[:keep]
+            self.conversation.update(_cut(self.conversation.get(item.id), text))
+            self.emit(se.ConversationItemTruncated(item_id=item.id,
+                                                   content_index=event.content_index,
+                                                   audio_end_ms=event.audio_end_ms))
+
+        self.serving.on_engine(lambda: engine.rewind_reply(sid, keep)).add_done_callback(rewound)
 
     def _create_response(self, params: p.ResponseParamsIn) -> None:
         chat = self._chat()
@@ -678,6 +792,11 @@ class RealtimeSession:
             if isinstance(event, se.ResponseOutputItemDone):
                 self.conversation.update(event.item)
             self.emit(event)
+        if frame.tag is not None:
+            speech = self.speech if self.speech is not None and self.speech.response is \
+                frame.tag else None
+            self.last_reply = Reply(frame.tag.item_id, list(frame.token_ids),
+                                    [] if speech is None else list(speech.said))
         if frame is self._client_response_frame:
             self._client_response = self._client_response_frame = None
         self.serving.resume.settled(self)
@@ -695,9 +814,9 @@ class RealtimeSession:
         speech.finish(lambda: self._close_speech(frame, speech))
 
     def _close_speech(self, frame: Frame, speech: Speech) -> None:
+        self._close(frame, spoken_close_events(frame, speech.spoken, speech.cancel_reason))
         if self.speech is speech:
             self.speech = None
-        self._close(frame, spoken_close_events(frame, speech.spoken, speech.cancel_reason))
 
     def _text_of(self, token_ids: list[int], flush: bool) -> str:
         if self.decoder is None:
@@ -734,7 +853,7 @@ class RealtimeSession:
             "committed_ms": self.committed_ms,
             "appended_since_commit_bytes": self.appended_since_commit_bytes,
             "decoder_held_ids": [] if self.decoder is None else self.decoder.held_ids,
-            "instructions": self.instructions,
+            "instructions": self.instructions, "bound_choice": self.bound.saved(),
             "told_not_honored": sorted(self.told_not_honored),
             "last_client_event_id": self.last_client_event_id,
         }
@@ -751,6 +870,7 @@ class RealtimeSession:
         if self.decoder is not None:
             self.decoder.hold(saved["decoder_held_ids"])
         self.instructions = saved["instructions"]
+        self.bound = truncation.SessionBound.load(saved.get("bound_choice"))  # older: auto
         self.told_not_honored = set(saved["told_not_honored"])
         self.last_client_event_id = saved.get("last_client_event_id")  # older checkpoints
         self.set_turns(self.settings.turns)  # server VAD listens afresh from here
@@ -759,7 +879,8 @@ class RealtimeSession:
     def describe(self) -> p.SessionOut:
         return self.settings.describe(self.id, self.serving.model_name, self.stream.profile,
                                       self.stream.policy, self.serving.config.token_rate_hz,
-                                      self.instructions, self.extensions, self.resume)
+                                      self.instructions, self.extensions, self.resume,
+                                      self.bound.describe(self.serving.bound_limits))
 
     def summary(self, now_s: float) -> dict:
         """What `GET /v1/sessions` shows of this session (the server adds its connection)."""
@@ -777,6 +898,13 @@ class RealtimeSession:
             "unanswered_frames": stream.unanswered_frames,
             "queued_input_tokens": stream.queued_input_tokens,
         }
+
+
+def _cut(item: se.ItemOut, text: str) -> se.ItemOut:
+    """`item` with its content's words cut to `text` (a transcript, or the text)."""
+    content = [part.model_copy(update={"transcript": text} if part.type == "output_audio"
+                               else {"text": text}) for part in item.content[:1]]
+    return item.model_copy(update={"content": content})
 
 
 def _ids(token_ids: list[int]) -> torch.Tensor:

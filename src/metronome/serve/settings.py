@@ -105,12 +105,14 @@ class SessionSettings:
 
     def describe(self, session_id: str, model_name: str, profile: SessionProfile,
                  policy: ResidencyPolicy, token_rate_hz: float, instructions: str | None,
-                 extensions: bool, resume: ResumeOut | None = None) -> SessionOut:
+                 extensions: bool, resume: ResumeOut | None = None,
+                 truncation="auto") -> SessionOut:
         """The session as `session.created` / `session.updated` tell it, the effective values
         (`serve.protocol.schema`); `policy`: the KV bound in force (the profile's, or the one
-        KV pressure imposed); the `metronome` block only for a client that opted in."""
+        KV pressure imposed); `truncation`: the session's choice in force
+        (`serve.truncation`); the `metronome` block only for a client that opted in."""
         return SessionOut(
-            id=session_id, model=model_name, instructions=instructions,
+            id=session_id, model=model_name, instructions=instructions, truncation=truncation,
             output_modalities=["audio"] if self.speak else ["text"],
             audio=AudioOut(input=AudioInputOut(
                 format=AudioFormatOut(rate=self.sample_rate_hz),

@@ -39,6 +39,7 @@ class Speech:
         self._sentences = Sentences()
         self.text = ""  # everything the model wrote
         self.spoken = ""  # the transcript of what went out as audio
+        self.said: list[tuple[str, float]] = []  # each sentence that went out, its audio ms
         self.audio_bytes = 0
         self._pending = 0  # sentences on the voice thread
         self._finished = False  # no more text will come
@@ -109,6 +110,7 @@ class Speech:
                 response_id=rid, item_id=item_id,
                 delta=base64.b64encode(pcm[start:start + step]).decode()))
         self.audio_bytes += len(pcm)
+        self.said.append((sentence, len(pcm) / (2 * self.rate_hz) * 1000))
         self._maybe_done()
 
     def _maybe_done(self) -> None:

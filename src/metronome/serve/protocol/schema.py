@@ -8,7 +8,8 @@ What each field does here (the README's protocol table says the same):
   (a system message at that point of the conversation), `output_modalities` (`audio`: the
   Piper voice speaks the reply, where the server has it; else `["text"]`),
   `audio.input.transcription` (Whisper tiny.en, where the server hears),
-  `audio.input.format` (PCM16 at a served rate), `audio.input.turn_detection` (`server_vad`;
+  `audio.input.format` (PCM16 at a served rate), `truncation` (the session's KV bound within
+  the server's ceilings: `serve.truncation`), `audio.input.turn_detection` (`server_vad`;
   `semantic_vad` is served as `server_vad` with its `create_response` and
   `interrupt_response`: no turn-end model is served), the `metronome` extension (mode);
 - accepted, not honored (the effective value in `session.updated` says so, and the server logs
@@ -16,7 +17,7 @@ What each field does here (the README's protocol table says the same):
   of `audio.output` (one voice is served), `tools`,
   `tool_choice`, `parallel_tool_calls` (the served model calls no tools: `[]`, `"none"`),
   `max_output_tokens` (the server's per-response budget is the profile's: that number),
-  `truncation` (the KV bound is the server's policy: `"auto"`), `tracing`, `prompt`,
+  `tracing`, `prompt`,
   `include`, `reasoning` (null).
 """
 
@@ -203,7 +204,7 @@ class SessionIn(Strict):
         """The fields this update set that the server accepts but does not act on; `speaks`:
         the server has a voice (audio output is served), `hears`: it transcribes audio."""
         fields = [name for name in ("tools", "tool_choice", "parallel_tool_calls", "tracing",
-                                    "truncation", "prompt", "include", "reasoning",
+                                    "prompt", "include", "reasoning",
                                     "max_output_tokens") if name in self.model_fields_set]
         if self.output_modalities and "audio" in self.output_modalities and not speaks:
             fields.append("output_modalities (audio)")
@@ -286,7 +287,9 @@ class SessionOut(BaseModel):
     max_output_tokens: int  # the server's per-response budget
     tools: list = []
     tool_choice: Literal["none"] = "none"
-    truncation: Literal["auto"] = "auto"  # the KV bound is the server's policy
+    # the session's KV bound (serve.truncation): "auto" (the server's), "disabled", or a
+    # retention_ratio with the post_instructions limit in force
+    truncation: Literal["auto", "disabled"] | RetentionRatio = "auto"
     tracing: None = None
     metronome: MetronomeSessionOut | None = None  # only for a client that opted in
 

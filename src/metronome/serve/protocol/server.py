@@ -136,6 +136,15 @@ class ConversationItemDone(_ConversationItemEvent):
     type: Literal["conversation.item.done"] = "conversation.item.done"
 
 
+class ConversationItemTruncated(ServerEvent):
+    """The unheard part of an assistant item left the conversation (and the KV)."""
+
+    type: Literal["conversation.item.truncated"] = "conversation.item.truncated"
+    item_id: str
+    content_index: int
+    audio_end_ms: int
+
+
 class ConversationItemRetrieved(ServerEvent):
     type: Literal["conversation.item.retrieved"] = "conversation.item.retrieved"
     item: ItemOut

@@ -1,0 +1,252 @@
+"""A session's bound through the standard API (`session.truncation`, `serve.truncation`): the
+choices map to bounds within the server's ceilings (hypothesis), `session.updated` shows the
+one in force and the engine serves it; instructions given first are pinned; and
+`conversation.item.truncate` cuts the latest reply, in the item and in the KV."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from websockets.sync.client import connect
+
+from metronome.kv.residency import ResidencyPolicy
+from metronome.model.weights import load_tokenizer
+from metronome.serve import truncation
+from metronome.serve.config import ServerConfig
+from metronome.serve.protocol import EXTENSIONS_QUERY, ClientError
+from metronome.serve.protocol.schema import RetentionRatio, TokenLimits
+from metronome.serve.rewind import Reply
+from metronome.serve.server import ServerThread
+from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
+from tests.served import TEXT_SERVER, recv, recv_until
+
+choices = st.one_of(
+    st.sampled_from(["auto", "disabled"]),
+    st.builds(lambda r, n: RetentionRatio(type="retention_ratio", retention_ratio=r,
+                                          token_limits=None if n is None
+                                          else TokenLimits(post_instructions=n)),
+              st.floats(-0.5, 1.5, allow_nan=False),
+              st.one_of(st.none(), st.integers(-10, 5000))))
+limits_st = st.builds(
+    lambda s, w, block, max_w, max_p, unbounded: truncation.BoundLimits(
+        ResidencyPolicy.sinks_window(s, min(w, max_w)), block, max_w, max(max_p, s),
+        unbounded),
+    st.integers(0, 8), st.integers(16, 1024), st.sampled_from([4, 16, 32]),
+    st.integers(32, 4096), st.integers(4, 600), st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(limits_st, st.lists(st.tuples(choices, st.integers(0, 700), st.booleans()),
+                           min_size=1, max_size=6))
+def test_a_sessions_bound_never_passes_the_servers_ceilings(limits, updates):
+    """Any sequence of session.updates (a truncation choice, instructions of some length,
+    input started or not): each is refused with a ClientError or gives a bound within the
+    ceilings, and `session.updated`'s truncation says what the bound keeps."""
+    bound = truncation.SessionBound()
+    for choice, instruction_tokens, started in updates:
+        try:
+            bound = truncation.choose(choice, bound, limits, started)
+            if not started:
+                bound = truncation.pinned(bound, instruction_tokens, limits)
+        except ClientError as err:
+            assert err.param.startswith("session.")
+            continue
+        policy = bound.policy(limits)
+        block = limits.block_size
+        if not policy.bounded:
+            assert limits.allow_unbounded and bound.truncation == "disabled"
+            continue
+        assert policy.sink_tokens <= limits.max_pinned_tokens
+        after_pin = policy.max_resident_tokens(block) - policy.sink_tokens
+        assert after_pin <= max(limits.max_window_tokens, limits.default.window_tokens
+                                + block - 1)
+        described = bound.describe(limits)
+        if isinstance(described, RetentionRatio):
+            assert after_pin == described.token_limits.post_instructions
+            assert policy.window_tokens >= 1
+            step = policy.slide(block)
+            # between r x n and n stay: the step is (1 - r) x n in whole blocks, at least one
+            n, r = after_pin, described.retention_ratio
+            assert step == max(block, min(int((1 - r) * n) // block * block, n // block * block))
+
+
+def test_what_each_choice_maps_to():
+    limits = truncation.BoundLimits(ResidencyPolicy.sinks_window(4, 512), 16, 2048, 512, False)
+    auto = truncation.SessionBound()
+    assert auto.policy(limits) == ResidencyPolicy.sinks_window(4, 512)
+    assert truncation.pinned(auto, 57, limits).policy(limits) == ResidencyPolicy.sinks_window(
+        57, 512)
+    ratio = truncation.choose(RetentionRatio(type="retention_ratio", retention_ratio=0.8,
+                                             token_limits=TokenLimits(post_instructions=1000)),
+                              auto, limits, started=True)
+    assert ratio.policy(limits) == ResidencyPolicy.sinks_window(4, 809, slide_tokens=192)
+    with pytest.raises(ClientError, match="--allow-unbounded-sessions"):
+        truncation.choose("disabled", auto, limits, started=False)
+    with pytest.raises(ClientError, match=r"post_instructions must be in \[16, 2048\]"):
+        truncation.choose(RetentionRatio(type="retention_ratio", retention_ratio=1,
+                                         token_limits=TokenLimits(post_instructions=4096)),
+                          auto, limits, started=False)
+    with pytest.raises(ClientError, match="pins at most 512"):
+        truncation.pinned(auto, 513, limits)
+    allowing = truncation.BoundLimits(limits.default, 16, 2048, 512, True)
+    with pytest.raises(ClientError, match="once its input has started"):
+        truncation.choose("disabled", auto, allowing, started=True)
+    one_bound = truncation.BoundLimits(limits.default, 16, 2048, 512, per_session=False)
+    with pytest.raises(ClientError, match="one bound for every session"):
+        truncation.choose(ratio.truncation, auto, one_bound, started=False)
+
+
+def test_the_heard_part_of_a_spoken_reply():
+    tokenizer = load_tokenizer()
+    ids = tokenizer.encode("The capital of France is Paris. It is big.").ids
+    reply = Reply("item", ids, [("The capital of France is Paris.", 2000.0),
+                                ("It is big.", 1000.0)])
+    decode = tokenizer.decode
+    assert reply.kept_tokens(3000, decode) == len(ids)
+    assert decode(ids[:reply.kept_tokens(2000, decode)]) == "The capital of France is Paris."
+    # 60 % of the first sentence's 2 s: its first 18 of 31 characters, back to a whole word
+    assert decode(ids[:reply.kept_tokens(1200, decode)]) == "The capital of"
+    assert reply.kept_tokens(0, decode) == 0
+    assert Reply("item", ids).kept_tokens(0, decode) == 0  # a text reply: no audio
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    config = ServerConfig(**TEXT_SERVER, mode="turn", pool_tokens=8192, admission="off",
+                          response_tokens=24, policy="sinks_window:4:64",
+                          max_pinned_tokens=128, max_window_tokens=256,
+                          deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
+    with ServerThread(config, smollm2, load_tokenizer()) as running:
+        yield running
+
+
+def send(ws, **event) -> None:
+    ws.send(json.dumps(event))
+
+
+def engine_session(server, session_id: str):
+    return server.app.state.serving.engine.sessions[session_id]
+
+
+@pytest.mark.model
+def test_truncation_and_pinned_instructions_through_the_api(server):
+    with connect(server.ws_url + f"?{EXTENSIONS_QUERY}=true") as ws:
+        sid = recv(ws)["session"]["id"]
+        instructions = "You are Tobias. Answer in one short sentence."
+        send(ws, type="session.update", session={"type": "realtime", "instructions":
+                                                 instructions})
+        updated = recv(ws)["session"]
+        pinned = len(load_tokenizer().encode(
+            f"<|im_start|>system\n{instructions}<|im_end|>\n").ids)
+        assert updated["truncation"] == "auto"
+        assert updated["metronome"]["policy"] == f"sinks_window:{pinned}:64@absolute"
+        send(ws, type="session.update", session={"type": "realtime", "truncation": {
+            "type": "retention_ratio", "retention_ratio": 0.5,
+            "token_limits": {"post_instructions": 128}}})
+        updated = recv(ws)["session"]
+        assert updated["truncation"] == {"type": "retention_ratio", "retention_ratio": 0.5,
+                                         "token_limits": {"post_instructions": 128}}
+        assert updated["metronome"]["policy"] == f"sinks_window:{pinned}:65/64@absolute"
+        for refused, code in ((
+                {"type": "retention_ratio", "retention_ratio": 0.5,
+                 "token_limits": {"post_instructions": 257}}, "invalid_value"),
+                ("disabled", "unsupported")):
+            send(ws, type="session.update", session={"type": "realtime",
+                                                     "truncation": refused})
+            error = recv(ws)
+            assert error["type"] == "error" and error["error"]["code"] == code, error
+        send(ws, type="session.update", session={"type": "realtime",
+                                                 "instructions": "x " * 400})
+        error = recv(ws)
+        assert error["error"]["param"] == "session.instructions", error
+        assert "pins at most 128" in error["error"]["message"]
+        send(ws, type="conversation.item.create", item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hello"}]})
+        recv_until(ws, "conversation.item.done")
+        send(ws, type="response.create")
+        recv_until(ws, "response.done", timeout_s=60)
+        spec = engine_session(server, sid).spec.policy
+        assert spec == ResidencyPolicy.sinks_window(pinned, 65, slide_tokens=64)
+
+
+@pytest.mark.model
+def test_truncate_cuts_the_latest_reply_out_of_the_item_and_the_kv(server):
+    with connect(server.ws_url) as ws:
+        sid = recv(ws)["session"]["id"]
+        send(ws, type="conversation.item.create", item={
+            "type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Tell me about the city of Paris."}]})
+        user_item = recv_until(ws, "conversation.item.done")[-1]["item"]
+        send(ws, type="response.create")
+        done = recv_until(ws, "response.done", timeout_s=60)[-1]["response"]
+        item = done["output"][0]
+        engine = engine_session(server, sid)
+        before = engine.table.num_tokens
+        reply = list(engine.reply)
+        assert len(reply) == 24 and before == engine.table.hold_from + 23
+
+        send(ws, type="conversation.item.truncate", item_id=user_item["id"], content_index=0,
+             audio_end_ms=0)
+        assert recv(ws)["error"]["code"] == "invalid_value"  # a user item
+        send(ws, type="conversation.item.truncate", item_id=item["id"], content_index=0,
+             audio_end_ms=1)
+        error = recv(ws)["error"]
+        assert error["param"] == "audio_end_ms" and "past the end" in error["message"]
+        send(ws, type="conversation.item.truncate", item_id="item_nope", content_index=0,
+             audio_end_ms=0)
+        assert recv(ws)["error"]["code"] == "item_not_found"
+        send(ws, type="conversation.item.truncate", item_id=item["id"], content_index=0,
+             audio_end_ms=0)
+        truncated = recv(ws)
+        assert truncated == truncated | {"type": "conversation.item.truncated",
+                                         "item_id": item["id"], "content_index": 0,
+                                         "audio_end_ms": 0}
+        assert engine.table.num_tokens == before - 23 and engine.carry is None
+        send(ws, type="conversation.item.retrieve", item_id=item["id"])
+        assert recv(ws)["item"]["content"][0]["text"] == ""
+        # the next turn reads on from the cut (and the old reply can no longer be cut)
+        send(ws, type="conversation.item.create", item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "And of France?"}]})
+        recv_until(ws, "conversation.item.done")
+        send(ws, type="response.create")
+        recv_until(ws, "response.done", timeout_s=60)
+        send(ws, type="conversation.item.truncate", item_id=item["id"], content_index=0,
+             audio_end_ms=0)
+        assert "no longer be truncated" in recv(ws)["error"]["message"]
+
+
+@pytest.mark.model
+def test_instructions_changed_mid_session_are_re_pinned(server):
+    tokenizer = load_tokenizer()
+    with connect(server.ws_url + f"?{EXTENSIONS_QUERY}=true") as ws:
+        sid = recv(ws)["session"]["id"]
+        send(ws, type="session.update", session={"type": "realtime",
+                                                 "instructions": "You are Tobias."})
+        recv_until(ws, "metronome.frame")  # the instructions are in the KV
+        for k in range(4):  # past the 64-token window: the first instructions' blocks free
+            send(ws, type="conversation.item.create", item={
+                "type": "message", "role": "user", "content": [{
+                    "type": "input_text", "text": f"Line {k}: to be, or not to be, that is "
+                    "the question, whether 'tis nobler in the mind to suffer."}]})
+            recv_until(ws, "metronome.frame")  # one at a time: the session's frame room
+        second = "You are Ada, a terse assistant. Answer in one short sentence."
+        send(ws, type="session.update", session={"type": "realtime", "instructions": second})
+        recv(ws)
+        send(ws, type="conversation.item.create", item={
+            "type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "What is your name?"}]})
+        events = recv_until(ws, "conversation.item.done")
+        send(ws, type="response.create")
+        events += recv_until(ws, "response.done", timeout_s=60)
+        bounded = [e for e in events if e["type"] == "metronome.session.bounded"]
+        pinned = len(tokenizer.encode(f"<|im_start|>system\n{second}<|im_end|>\n").ids)
+        assert [(e["bound"]["reason"], e["bound"]["policy"]) for e in bounded] == [
+            ("pinned", f"sinks_window:{pinned}:64@absolute")]
+        assert engine_session(server, sid).spec.policy.sink_tokens == pinned
+        send(ws, type="session.update", session={"type": "realtime"})
+        assert recv(ws)["session"]["metronome"]["policy"] == f"sinks_window:{pinned}:64@absolute"
