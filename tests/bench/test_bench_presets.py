@@ -15,6 +15,7 @@ import torch
 from metronome.bench.presets import (
     cluster,
     endless,
+    instructions,
     engine,
     engine_paths,
     engine_vs_vllm,
@@ -212,3 +213,14 @@ def test_endless_session_rolls_and_stays_bounded(tmp_path):
     bound_blocks = endless.ResidencyPolicy.parse(res["config"]["policy"]).max_blocks(16, 64)
     assert max(s["used_blocks"] for s in res["samples"]) <= bound_blocks
     assert "By session age" in text
+
+
+def test_instructions_arms_and_repin_cost(tmp_path):
+    res, text = smoke(instructions, tmp_path)
+    arms = {row["arm"]: row for row in res["arms"]}
+    assert set(arms) == {"pinned", "window", "fresh"}
+    assert all(row["prompts"] == 3 for row in arms.values())
+    assert arms["pinned"]["policy"].startswith("sinks_window sinks_window:")
+    assert arms["window"]["context_tokens"] > 3 * 64 > arms["fresh"]["context_tokens"]
+    assert res["repin"][0]["pinned_tokens"] == 32 and res["repin"][0]["median_ms"] > 0
+    assert "Every reply" in text

@@ -250,3 +250,39 @@ def test_instructions_changed_mid_session_are_re_pinned(server):
         assert engine_session(server, sid).spec.policy.sink_tokens == pinned
         send(ws, type="session.update", session={"type": "realtime"})
         assert recv(ws)["session"]["metronome"]["policy"] == f"sinks_window:{pinned}:64@absolute"
+
+
+@pytest.mark.model
+def test_a_spoken_reply_is_cut_where_its_audio_stopped(smollm2):
+    """Barge-in as the Agents SDK does it: the reply was played up to `audio_end_ms`; the
+    item's transcript ends at the last whole word heard and the KV at its last token."""
+    config = ServerConfig(audio_input="embeddings", server_vad=False, mode="turn",
+                          pool_tokens=4096, admission="off", response_tokens=24,
+                          deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
+    tokenizer = load_tokenizer()
+    with ServerThread(config, smollm2, tokenizer) as running, connect(running.ws_url) as ws:
+        sid = recv(ws)["session"]["id"]
+        send(ws, type="conversation.item.create", item={
+            "type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Tell me about the city of Paris."}]})
+        recv_until(ws, "conversation.item.done")
+        send(ws, type="response.create")
+        events = recv_until(ws, "response.done", timeout_s=60)
+        done = events[-1]["response"]
+        transcript = done["output"][0]["content"][0]["transcript"]
+        audio_bytes = sum(len(e["delta"]) * 3 // 4 for e in events
+                          if e["type"] == "response.output_audio.delta")
+        audio_ms = audio_bytes / 48
+        session = engine_session(running, sid)
+        reply, start = list(session.reply), session.table.hold_from
+        half = int(audio_ms / 2)
+        send(ws, type="conversation.item.truncate", item_id=done["output"][0]["id"],
+             content_index=0, audio_end_ms=half)
+        assert recv(ws)["type"] == "conversation.item.truncated"
+        send(ws, type="conversation.item.retrieve", item_id=done["output"][0]["id"])
+        cut = recv(ws)["item"]["content"][0]["transcript"]
+        kept = len(session.reply)
+        assert 0 < kept < len(reply) and session.reply == reply[:kept]
+        assert cut == tokenizer.decode(reply[:kept]) and transcript.startswith(cut.strip())
+        assert 0.25 < len(cut) / len(transcript) < 0.75, (cut, transcript)
+        assert session.table.num_tokens == start + kept - 1 and session.carry == reply[kept - 1]

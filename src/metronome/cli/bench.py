@@ -36,6 +36,7 @@ BENCHES = {
     "vad": ("vad", False),
     "voice": ("voice", False),
     "endless": ("endless", False),
+    "instructions": ("instructions", False),
     "resume": ("resume", False),
     "prompt": ("prompt", False),
     "vllm": ("vllm", True),
