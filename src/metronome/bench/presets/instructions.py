@@ -146,7 +146,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         started = time.perf_counter()
         replies = ask(engine, prompts, cfg.reply_tokens, tokenizer)
         ctx.log(f"instructions: {arm}: {time.perf_counter() - started:.0f} s")
-        for (sid, ids, policy), name, reply in zip(prompts, NAMES, replies, strict=False):
+        for (_sid, ids, policy), name, reply in zip(prompts, NAMES, replies, strict=False):
             rows.append({"arm": arm, "name": name, "policy": str(policy),
                          "context_tokens": len(ids), "follows": name.lower() in reply.lower(),
                          "exact": reply.strip().startswith(f"My name is {name}"),
