@@ -15,10 +15,10 @@ import torch
 from metronome.bench.presets import (
     cluster,
     endless,
-    instructions,
     engine,
     engine_paths,
     engine_vs_vllm,
+    instructions,
     plan,
     prompt,
     resume,
