@@ -78,7 +78,7 @@ def test_what_each_choice_maps_to():
     auto = truncation.SessionBound()
     assert auto.policy(limits) == ResidencyPolicy.sinks_window(4, 512)
     assert truncation.pinned(auto, 57, limits).policy(limits) == ResidencyPolicy.sinks_window(
-        57, 512)
+        57, 512, "rolling")  # pinned instructions: scored just before the window
     ratio = truncation.choose(RetentionRatio(type="retention_ratio", retention_ratio=0.8,
                                              token_limits=TokenLimits(post_instructions=1000)),
                               auto, limits, started=True)
@@ -142,14 +142,14 @@ def test_truncation_and_pinned_instructions_through_the_api(server):
         pinned = len(load_tokenizer().encode(
             f"<|im_start|>system\n{instructions}<|im_end|>\n").ids)
         assert updated["truncation"] == "auto"
-        assert updated["metronome"]["policy"] == f"sinks_window:{pinned}:64@absolute"
+        assert updated["metronome"]["policy"] == f"sinks_window:{pinned}:64@rolling"
         send(ws, type="session.update", session={"type": "realtime", "truncation": {
             "type": "retention_ratio", "retention_ratio": 0.5,
             "token_limits": {"post_instructions": 128}}})
         updated = recv(ws)["session"]
         assert updated["truncation"] == {"type": "retention_ratio", "retention_ratio": 0.5,
                                          "token_limits": {"post_instructions": 128}}
-        assert updated["metronome"]["policy"] == f"sinks_window:{pinned}:65/64@absolute"
+        assert updated["metronome"]["policy"] == f"sinks_window:{pinned}:65/64@rolling"
         for refused, code in ((
                 {"type": "retention_ratio", "retention_ratio": 0.5,
                  "token_limits": {"post_instructions": 257}}, "invalid_value"),
@@ -170,7 +170,7 @@ def test_truncation_and_pinned_instructions_through_the_api(server):
         send(ws, type="response.create")
         recv_until(ws, "response.done", timeout_s=60)
         spec = engine_session(server, sid).spec.policy
-        assert spec == ResidencyPolicy.sinks_window(pinned, 65, slide_tokens=64)
+        assert spec == ResidencyPolicy.sinks_window(pinned, 65, "rolling", slide_tokens=64)
 
 
 @pytest.mark.model
@@ -246,10 +246,10 @@ def test_instructions_changed_mid_session_are_re_pinned(server):
         bounded = [e for e in events if e["type"] == "metronome.session.bounded"]
         pinned = len(tokenizer.encode(f"<|im_start|>system\n{second}<|im_end|>\n").ids)
         assert [(e["bound"]["reason"], e["bound"]["policy"]) for e in bounded] == [
-            ("pinned", f"sinks_window:{pinned}:64@absolute")]
+            ("pinned", f"sinks_window:{pinned}:64@rolling")]
         assert engine_session(server, sid).spec.policy.sink_tokens == pinned
         send(ws, type="session.update", session={"type": "realtime"})
-        assert recv(ws)["session"]["metronome"]["policy"] == f"sinks_window:{pinned}:64@absolute"
+        assert recv(ws)["session"]["metronome"]["policy"] == f"sinks_window:{pinned}:64@rolling"
 
 
 @pytest.mark.model

@@ -47,6 +47,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Protocol, TypeVar
 
 import torch
@@ -239,9 +240,9 @@ class RealtimeSession:
     def _on_rebound(self, rebound: Rebound) -> None:
         """The engine changed this session's bound (KV pressure, the position limit, a re-pin):
         tell a client that opted in."""
-        if rebound.reason == "pinned":
-            self.bound = truncation.pinned(self.bound, rebound.policy.sink_tokens,
-                                           self.serving.bound_limits)
+        if rebound.reason == "pinned":  # re-pinned: scored at rolling positions from now on
+            self._set_bound(truncation.pinned(self.bound, rebound.policy.sink_tokens,
+                                              self.serving.bound_limits))
         if self.extensions:
             self.emit(se.MetronomeSessionBounded(session_id=self.id, bound=se.BoundOut(
                 policy=str(rebound.policy), reason=rebound.reason,
@@ -854,6 +855,7 @@ class RealtimeSession:
             "appended_since_commit_bytes": self.appended_since_commit_bytes,
             "decoder_held_ids": [] if self.decoder is None else self.decoder.held_ids,
             "instructions": self.instructions, "bound_choice": self.bound.saved(),
+            "last_reply": None if self.last_reply is None else asdict(self.last_reply),
             "told_not_honored": sorted(self.told_not_honored),
             "last_client_event_id": self.last_client_event_id,
         }
@@ -871,6 +873,9 @@ class RealtimeSession:
             self.decoder.hold(saved["decoder_held_ids"])
         self.instructions = saved["instructions"]
         self.bound = truncation.SessionBound.load(saved.get("bound_choice"))  # older: auto
+        reply = saved.get("last_reply")
+        self.last_reply = None if reply is None else Reply(
+            reply["item_id"], reply["token_ids"], [tuple(said) for said in reply["said"]])
         self.told_not_honored = set(saved["told_not_honored"])
         self.last_client_event_id = saved.get("last_client_event_id")  # older checkpoints
         self.set_turns(self.settings.turns)  # server VAD listens afresh from here

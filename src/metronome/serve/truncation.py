@@ -16,9 +16,11 @@ What each choice means here (the KV is the model's context; docs/serving.md says
 
 The session's instructions are pinned: when they are its first input they are the sinks
 (their tokens, the model's first ones: the S attention sinks among them), so they never slide
-out; up to `--max-pinned-tokens` (longer ones are refused). Instructions changed later are
-re-pinned: the engine re-prefills them into fresh pinned blocks once the window has left the
-old ones (`Engine.repin`); meanwhile they are in the window as a system message.
+out; up to `--max-pinned-tokens` (longer ones are refused). They are scored at rolling
+positions (just before the window), which is what makes the model follow them 10 windows on.
+Instructions changed later are re-pinned: the engine re-prefills them into fresh pinned
+blocks once the window has left the old ones (`Engine.repin`); meanwhile they are in the
+window as a system message.
 
 The ceilings (`--max-window-tokens`, `--max-pinned-tokens`) hold for every session: a choice
 above them is refused with the limit named, never clipped; `session.updated` shows the bound
@@ -30,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from metronome.kv.residency import PolicyKind, ResidencyPolicy
+from metronome.kv.residency import PolicyKind, Positions, ResidencyPolicy
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.protocol.schema import RetentionRatio, TokenLimits
 
@@ -59,18 +61,24 @@ class SessionBound:
     pinned_tokens: int = 0  # its instructions, when they were its first input (0: none)
 
     def policy(self, limits: BoundLimits) -> ResidencyPolicy:
+        """Pinned instructions are scored at rolling positions: the window's keys keep their
+        distances, the instructions sit just before the window, as at the start of a short
+        conversation (at absolute positions, thousands of tokens back, the bundled model
+        ignored them as it ignores them kept in a whole context: docs/results/
+        instructions.md)."""
         base = limits.default
         if self.truncation == "disabled":
             return ResidencyPolicy.unbounded()
         sinks = max(base.sink_tokens, self.pinned_tokens)
+        positions = Positions.ROLLING if self.pinned_tokens else base.positions
         if isinstance(self.truncation, RetentionRatio):
             n, step = _window_and_step(self.truncation, limits)
-            return ResidencyPolicy(PolicyKind.SINKS_WINDOW, sinks, n - step + 1, base.positions,
+            return ResidencyPolicy(PolicyKind.SINKS_WINDOW, sinks, n - step + 1, positions,
                                    step if step != limits.block_size else None)
         if not base.bounded:
             return base
         return replace(base, kind=PolicyKind.SINKS_WINDOW if sinks else base.kind,
-                       sink_tokens=sinks)
+                       sink_tokens=sinks, positions=positions)
 
     def describe(self, limits: BoundLimits) -> Choice:
         """`truncation` as `session.updated` shows it: the effective values."""

@@ -1,11 +1,13 @@
 """`metronome bench instructions`: do a session's instructions survive a long conversation?
 Each prompt gives the assistant a name in its instructions (a system message, the session's
 first input, as `session.update` sends it), then `turns_factor` x W tokens of conversation
-(Hamlet, in user and assistant turns, from a different place for each name), then asks its
-name. The reply follows the instructions if it says that name (greedy, the bundled model);
-`exact_style` counts replies in the answer style they fix ("My name is NAME").
-Arms, each a bound as `serve.truncation` makes it: `pinned` (the instructions are the sinks:
-S = their tokens, window W), `sinks` (4 attention sinks, window W: the server's bound before
+(Hamlet from a different place for each name: `verse`, the user asks for a line of the play's
+verse and the assistant says it back; or `dialogue`, the play's lines as they are, speakers'
+names and all), then asks its name. The reply follows the instructions if it says that name
+(greedy, the bundled model); `exact_style` counts replies in the answer style they fix ("My
+name is NAME"). Arms, each a bound as `serve.truncation` makes it: `pinned` (the
+instructions are the sinks, scored at rolling positions: as served), `pinned_absolute` (the
+same at absolute positions), `sinks` (4 attention sinks, window W: the server's bound without
 pinning), `window` (window W only); and two controls: `fresh` (the question right after the
 instructions: what the model can do at all) and `unbounded` (the whole conversation kept,
 within the model's trained positions). Then the cost of re-pinning new instructions mid-
@@ -15,8 +17,9 @@ pinned arm's share of replies that follow the instructions.
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from metronome.bench import systems as sy
 from metronome.bench.engine.facts import BUNDLED_MODEL
@@ -24,10 +27,11 @@ from metronome.bench.presets import Knobs, knob
 from metronome.corpus import play_text
 from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
-from metronome.kv.residency import ResidencyPolicy
+from metronome.kv.residency import Positions, ResidencyPolicy
 from metronome.model.weights import load_tokenizer
 from metronome.results.context import RunContext
 from metronome.results.report import Plot, Report, Table, derived
+from metronome.serve import truncation
 from metronome.stream import Stream
 
 NAME = "instructions"
@@ -35,7 +39,8 @@ NAMES = ("Tobias", "Ada", "Marlowe", "Zephyr", "Octavia", "Leopold", "Imogen", "
          "Rosalind", "Thaddeus", "Beatrix", "Evander", "Juniper", "Lysander", "Ottoline",
          "Percival", "Seraphina", "Wendell", "Cordelia", "Barnaby", "Florian", "Matilda",
          "Ignatius", "Philippa")
-ARMS = ("pinned", "sinks", "window", "fresh", "unbounded")
+ARMS = ("pinned", "pinned_absolute", "sinks", "window", "fresh", "unbounded")
+FILLERS = ("verse", "dialogue")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class Config(Knobs):
     window_tokens: int = knob(512, "W: the bound's window (the server's default)")
     sink_tokens: int = knob(4, "S: attention sinks of the sinks arm")
     turns_factor: float = knob(10.0, "conversation length, in windows")
+    filler: str = knob("verse", "the conversation: verse (the user asks for a line of the "
+                       "play's verse, the assistant says it back) | dialogue (the play's lines "
+                       "as they are, speakers' names and all, as user and assistant turns)")
     reply_tokens: int = knob(16, "tokens of the answer read for the name")
     arms: tuple[str, ...] = knob(ARMS, f"arms, of {', '.join(ARMS)}")
     repin_tokens: tuple[int, ...] = knob((32, 64, 128, 256), "re-pin cost: instruction "
@@ -54,9 +62,10 @@ class Config(Knobs):
                  arms=("pinned", "window", "fresh"))
 
     def __post_init__(self) -> None:
-        if set(self.arms) - set(ARMS) or not 1 <= self.prompts <= len(NAMES):
-            raise ValueError(f"arms must be of {', '.join(ARMS)} and prompts in [1, "
-                             f"{len(NAMES)}]")
+        if set(self.arms) - set(ARMS) or not 1 <= self.prompts <= len(NAMES) or (
+                self.filler not in FILLERS):
+            raise ValueError(f"arms must be of {', '.join(ARMS)}, prompts in [1, "
+                             f"{len(NAMES)}], filler one of {', '.join(FILLERS)}")
 
 
 def instructions(name: str) -> str:
@@ -66,19 +75,41 @@ def instructions(name: str) -> str:
             f"name, reply with exactly: My name is {name}.")
 
 
-def conversation(tokenizer, lines: list[str], start: int, tokens: int) -> list[int]:
+def play_lines(filler: str) -> list[str]:
+    """Hamlet's lines: all of them (dialogue), or verse only (no speaker's name, no stage
+    direction: no persona for the model to take on)."""
+    lines = [line.strip() for line in play_text("hamlet").splitlines() if line.strip()]
+    if filler == "dialogue":
+        return lines
+    return [line for line in lines if len(line) > 20 and not line.startswith(("[", "#"))
+            and not re.search(r"\b[A-Z]{3,}\b", line)]
+
+
+def conversation(tokenizer, lines: list[str], start: int, tokens: int, filler: str) -> list[int]:
     """User and assistant turns of the play's lines from `start`, at least `tokens` long."""
     ids, k, role = [], start, "user"
     while len(ids) < tokens:
-        text = " ".join(lines[k % len(lines): k % len(lines) + 3])
+        text = " ".join(lines[k % len(lines): k % len(lines) + (2 if filler == "verse" else 3)])
+        if filler == "verse":
+            ids += tokenizer.encode(f"<|im_start|>user\nPlease say back this line of poetry: "
+                                    f"{text}<|im_end|>\n<|im_start|>assistant\n{text}"
+                                    "<|im_end|>\n").ids
+            k += 2
+            continue
         ids += tokenizer.encode(f"<|im_start|>{role}\n{text}<|im_end|>\n").ids
         k, role = k + 3, "assistant" if role == "user" else "user"
     return ids
 
 
 def policy_of(arm: str, cfg: Config, pinned_tokens: int) -> ResidencyPolicy:
-    return {"pinned": ResidencyPolicy.sinks_window(pinned_tokens, cfg.window_tokens),
-            "sinks": ResidencyPolicy.sinks_window(cfg.sink_tokens, cfg.window_tokens),
+    """Each arm's bound, as `serve.truncation` makes it where the server's is S + W."""
+    limits = truncation.BoundLimits(ResidencyPolicy.sinks_window(cfg.sink_tokens,
+                                                                 cfg.window_tokens),
+                                    16, cfg.window_tokens, 512)
+    pinned = truncation.pinned(truncation.SessionBound(), pinned_tokens, limits).policy(limits)
+    return {"pinned": pinned,
+            "pinned_absolute": replace(pinned, positions=Positions.ABSOLUTE),
+            "sinks": truncation.SessionBound().policy(limits),
             "window": ResidencyPolicy.window(cfg.window_tokens)}.get(
                 arm, ResidencyPolicy.unbounded())
 
@@ -104,7 +135,7 @@ def ask(engine: Engine, prompts: list[tuple[str, list[int], ResidencyPolicy]],
 def repin_cost(engine: Engine, tokenizer, cfg: Config) -> list[dict]:
     """ms of `Engine.repin` of n instruction tokens into a session whose window has slid."""
     rows = []
-    filler = conversation(tokenizer, play_text("hamlet").splitlines(), 0, 1024)
+    filler = conversation(tokenizer, play_lines("verse"), 0, 1024, "verse")
     for n in cfg.repin_tokens:
         times = []
         for k in range(cfg.repeats):
@@ -128,7 +159,7 @@ def repin_cost(engine: Engine, tokenizer, cfg: Config) -> list[dict]:
 def run(ctx: RunContext, cfg: Config) -> dict:
     model, tokenizer = sy.load_model(), load_tokenizer()
     ctx.record(model=BUNDLED_MODEL, dtype=sy.DTYPE)
-    lines = [line for line in play_text("hamlet").splitlines() if line.strip()]
+    lines = play_lines(cfg.filler)
     question = tokenizer.encode("<|im_start|>user\nWhat is your name?<|im_end|>\n"
                                 "<|im_start|>assistant\n").ids
     length = int(cfg.turns_factor * cfg.window_tokens)
@@ -140,7 +171,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         prompts = []
         for k, name in enumerate(NAMES[:cfg.prompts]):
             head = tokenizer.encode(f"<|im_start|>system\n{instructions(name)}<|im_end|>\n").ids
-            talk = [] if arm == "fresh" else conversation(tokenizer, lines, 97 * k, length)
+            talk = [] if arm == "fresh" else conversation(tokenizer, lines, 97 * k, length,
+                                                          cfg.filler)
             prompts.append((f"{arm}-{k}", head + talk + question,
                             policy_of(arm, cfg, len(head))))
         started = time.perf_counter()
