@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
+from metronome.engine.engine import Engine, EngineConfig
+from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.weights import load_tokenizer
 from metronome.serve import truncation
@@ -20,6 +23,7 @@ from metronome.serve.protocol import EXTENSIONS_QUERY, ClientError
 from metronome.serve.protocol.schema import RetentionRatio, TokenLimits
 from metronome.serve.rewind import Reply
 from metronome.serve.server import ServerThread
+from metronome.stream import Stream
 from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
 from tests.served import TEXT_SERVER, recv, recv_until
 
@@ -286,3 +290,53 @@ def test_a_spoken_reply_is_cut_where_its_audio_stopped(smollm2):
         assert cut == tokenizer.decode(reply[:kept]) and transcript.startswith(cut.strip())
         assert 0.25 < len(cut) / len(transcript) < 0.75, (cut, transcript)
         assert session.table.num_tokens == start + kept - 1 and session.carry == reply[kept - 1]
+
+
+@pytest.mark.model
+def test_instructions_stay_pinned_through_ten_windows_of_conversation(server):
+    """After 10 x W tokens the pinned blocks still hold the instructions' KV, bit for bit the
+    KV a fresh session writes for them, while the window slid ten times over."""
+    tokenizer = load_tokenizer()
+    instructions = "You are Tobias. Answer in one short sentence."
+    ids = tokenizer.encode(f"<|im_start|>system\n{instructions}<|im_end|>\n").ids
+    serving = server.app.state.serving
+    with connect(server.ws_url + f"?{EXTENSIONS_QUERY}=true") as ws:
+        sid = recv(ws)["session"]["id"]
+        send(ws, type="session.update", session={"type": "realtime",
+                                                 "instructions": instructions})
+        recv_until(ws, "metronome.frame")
+        line = "To be, or not to be, that is the question: whether 'tis nobler in the mind."
+        while engine_session(server, sid).table.num_tokens < 10 * 64 + len(ids):
+            send(ws, type="conversation.item.create", item={
+                "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": line}]})
+            recv_until(ws, "metronome.frame")
+        session = engine_session(server, sid)
+        table, block = session.table, session.table.block_size
+        assert session.spec.policy.sink_tokens == len(ids)
+        kept = [k for k in table.logical_to_block_id if k * block < len(ids)]
+        assert kept == list(range(-(-len(ids) // block)))  # every pinned block is resident
+        assert min(k for k in table.logical_to_block_id if k not in kept) * block > 10 * 64 - 64
+        cache = serving.engine.cache
+        slots = [table.logical_to_block_id[p // block] * block + p % block
+                 for p in range(len(ids))]
+        pinned_k = cache.k[:, :, slots].clone()
+    fresh = Engine(serving.engine.model, EngineConfig(block_size=block, pool_tokens=1024))
+    fresh.open_session(Stream("fresh", spec=SessionSpec(
+        policy=ResidencyPolicy.sinks_window(len(ids), 64))))
+    fresh.submit("fresh", ids)
+    while fresh.has_work:
+        fresh.step()
+    own = fresh.sessions["fresh"].table.logical_to_block_id
+    fresh_k = fresh.cache.k[:, :, [own[p // block] * block + p % block for p in range(len(ids))]]
+    torch.testing.assert_close(pinned_k, fresh_k, rtol=0, atol=0)
+
+
+def test_a_session_past_the_position_limit_keeps_rolling_whatever_it_chooses():
+    limits = truncation.BoundLimits(ResidencyPolicy.sinks_window(4, 512), 16, 2048, 512, False)
+    rolled = truncation.SessionBound(rolled=True)
+    assert rolled.policy(limits) == ResidencyPolicy.sinks_window(4, 512, "rolling")
+    chosen = truncation.choose(RetentionRatio(type="retention_ratio", retention_ratio=1.0),
+                               rolled, limits, started=True)
+    assert chosen.policy(limits).positions.value == "rolling"
+    assert truncation.SessionBound.load(chosen.saved()) == chosen

@@ -77,3 +77,29 @@ def test_health_and_admission_read_vllms_pool(server):
     sessions = httpx.get(server + "/v1/sessions").json()
     assert sessions["kv_pool"]["num_blocks"] == POOL_TOKENS // 32
     assert sessions["kv_pool"]["block_size"] == 32
+
+
+def test_a_per_session_bound_and_truncate_are_refused_by_name(server):
+    """vLLM's plugin serves one bound per engine and a streaming request only grows its KV."""
+    with connect(server.replace("http", "ws") + "/v1/realtime") as ws:
+        recv(ws)
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "type": "realtime", "truncation": {"type": "retention_ratio",
+                                               "retention_ratio": 0.5}}}))
+        error = recv(ws)["error"]
+        assert error["code"] == "unsupported" and "one bound" in error["message"]
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "type": "realtime", "truncation": "auto", "instructions": "You are Tobias."}}))
+        assert recv(ws)["session"]["truncation"] == "auto"
+        ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hello"}]}}))
+        ws.send(json.dumps({"type": "response.create"}))
+        events = []
+        while not events or events[-1]["type"] != "response.done":
+            events.append(recv(ws))
+        item = events[-1]["response"]["output"][0]
+        ws.send(json.dumps({"type": "conversation.item.truncate", "item_id": item["id"],
+                            "content_index": 0, "audio_end_ms": 0}))
+        error = recv(ws)["error"]
+        assert error["code"] == "unsupported" and "cannot rewind" in error["message"]

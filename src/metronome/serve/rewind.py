@@ -15,7 +15,14 @@ it, anything more is past its end (as OpenAI answers).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from metronome.serve import protocol as p
+from metronome.serve.conversation import Conversation
+from metronome.serve.protocol import ClientError, ErrorCode
+from metronome.serve.protocol import server as se
 
 
 @dataclass
@@ -55,3 +62,70 @@ class Reply:
 
 def _visible(text: str) -> int:
     return sum(not c.isspace() for c in text)
+
+
+class Truncating(Protocol):
+    """What `truncate` uses of a session (`serve.session.RealtimeSession`)."""
+
+    id: str
+    conversation: Conversation
+    last_reply: Reply | None
+    closed: bool
+    serving: object  # its `beat.engine` and `on_engine`
+
+    def emit(self, event: se.ServerEvent) -> None: ...
+
+
+def truncate(session: Truncating, event: p.ConversationItemTruncate, decode) -> None:
+    """Cut an assistant item where the client's audio stopped: its unheard tokens leave the
+    item and the KV; `conversation.item.truncated` once the engine has rewound. Errors as
+    OpenAI's: an unknown item, a user item, a content index or time past the item's end; and
+    here, an item that is not the latest reply any more (`ClientError`, nothing changed)."""
+    item = session.conversation.get(event.item_id)
+    if item.role != "assistant":
+        raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} is a {item.role} item: "
+                          "only assistant items can be truncated", "item_id")
+    if event.content_index >= max(1, len(item.content)):
+        raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} has "
+                          f"{len(item.content)} content part(s); content_index "
+                          f"{event.content_index} is past them", "content_index")
+    engine = session.serving.beat.engine
+    if not hasattr(engine, "rewind_reply"):
+        raise ClientError(ErrorCode.UNSUPPORTED, "this server's engine (vLLM) cannot rewind a "
+                          "streaming request: its KV only grows (vLLM would have to abort the "
+                          "request and prefill the whole context again)", "item_id")
+    reply = session.last_reply
+    if reply is None or reply.item_id != item.id:
+        raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} can no longer be "
+                          "truncated: only the session's latest reply can, until its next "
+                          "input is in the context", "item_id")
+    if event.audio_end_ms > reply.audio_ms:
+        raise ClientError(ErrorCode.INVALID_VALUE, f"audio_end_ms {event.audio_end_ms} is past "
+                          f"the end of the item's audio ({reply.audio_ms:.0f} ms)",
+                          "audio_end_ms")
+    keep = reply.kept_tokens(event.audio_end_ms, decode)
+    sid = session.id
+
+    def rewound(done: asyncio.Future) -> None:
+        if session.closed or done.cancelled():
+            return
+        if done.exception() is not None:  # input was read meanwhile: the horizon passed
+            session.emit(p.ErrorEvent.of(ClientError(
+                ErrorCode.INVALID_VALUE, f"item {item.id!r} can no longer be truncated: "
+                f"{done.exception()}", "item_id"), event.event_id))
+            return
+        reply.token_ids = reply.token_ids[:keep]
+        session.conversation.update(_cut(session.conversation.get(item.id),
+                                         decode(reply.token_ids)))
+        session.emit(se.ConversationItemTruncated(item_id=item.id,
+                                                  content_index=event.content_index,
+                                                  audio_end_ms=event.audio_end_ms))
+
+    session.serving.on_engine(lambda: engine.rewind_reply(sid, keep)).add_done_callback(rewound)
+
+
+def _cut(item: se.ItemOut, text: str) -> se.ItemOut:
+    """`item` with its content's words cut to `text` (a transcript, or the text)."""
+    content = [part.model_copy(update={"transcript": text} if part.type == "output_audio"
+                               else {"text": text}) for part in item.content[:1]]
+    return item.model_copy(update={"content": content})

@@ -47,7 +47,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Protocol, TypeVar
 
 import torch
@@ -84,7 +84,7 @@ from metronome.serve.responses import (
 from metronome.serve.resume.event_log import EventChannel, EventLog, Sink
 from metronome.serve.resume.lease import Grant
 from metronome.serve.resume.takeover import CheckpointState, LoggedEvents
-from metronome.serve.rewind import Reply
+from metronome.serve.rewind import Reply, truncate
 from metronome.serve.settings import OUTPUT_RATE_HZ, SessionSettings
 from metronome.serve.speaking import Speech
 from metronome.serve.text import ChatText
@@ -243,6 +243,8 @@ class RealtimeSession:
         if rebound.reason == "pinned":  # re-pinned: scored at rolling positions from now on
             self._set_bound(truncation.pinned(self.bound, rebound.policy.sink_tokens,
                                               self.serving.bound_limits))
+        elif rebound.reason == "position_limit":  # a later choice keeps rolling positions
+            self.bound = replace(self.bound, rolled=True)
         if self.extensions:
             self.emit(se.MetronomeSessionBounded(session_id=self.id, bound=se.BoundOut(
                 policy=str(rebound.policy), reason=rebound.reason,
@@ -298,7 +300,7 @@ class RealtimeSession:
             case p.ConversationItemRetrieve():
                 self.emit(se.ConversationItemRetrieved(item=self.conversation.get(event.item_id)))
             case p.ConversationItemTruncate():
-                self._truncate(event)
+                truncate(self, event, self._chat().tokenizer.decode)
             case p.ConversationItemDelete():
                 self.conversation.get(event.item_id)  # item_not_found first
                 raise unsupported(event)
@@ -509,56 +511,6 @@ class RealtimeSession:
         check_input_room(self.stream, len(ids), f"{role} message", ErrorCode.TOO_MANY_PENDING,
                          param)
         self._queue_frame("text", lambda: _ids(ids), len(ids))
-
-    def _truncate(self, event: p.ConversationItemTruncate) -> None:
-        """Cut an assistant item where the client's audio stopped (`serve.rewind`): its unheard
-        tokens leave the item and the KV; `conversation.item.truncated` once the engine has
-        rewound. Errors as OpenAI's: an unknown item, a user item, a content index or time
-        past the item's end; and here, an item that is not the latest reply any more."""
-        item = self.conversation.get(event.item_id)
-        if item.role != "assistant":
-            raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} is a {item.role} "
-                              "item: only assistant items can be truncated", "item_id")
-        if event.content_index >= max(1, len(item.content)):
-            raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} has "
-                              f"{len(item.content)} content part(s); content_index "
-                              f"{event.content_index} is past them", "content_index")
-        engine = self.serving.beat.engine
-        if not hasattr(engine, "rewind_reply"):
-            raise ClientError(ErrorCode.UNSUPPORTED, "this server's engine (vLLM) cannot "
-                              "rewind a streaming request: its KV only grows (vLLM would have "
-                              "to abort the request and prefill the whole context again)",
-                              "item_id")
-        reply = self.last_reply
-        if reply is None or reply.item_id != item.id:
-            raise ClientError(ErrorCode.INVALID_VALUE, f"item {item.id!r} can no longer be "
-                              "truncated: only the session's latest reply can, until its next "
-                              "input is in the context", "item_id")
-        audio_ms = reply.audio_ms
-        if event.audio_end_ms > audio_ms:
-            raise ClientError(ErrorCode.INVALID_VALUE, f"audio_end_ms {event.audio_end_ms} is "
-                              f"past the end of the item's audio ({audio_ms:.0f} ms)",
-                              "audio_end_ms")
-        decode = self._chat().tokenizer.decode
-        keep = reply.kept_tokens(event.audio_end_ms, decode)
-        sid = self.id
-
-        def rewound(done: asyncio.Future) -> None:
-            if self.closed or done.cancelled():
-                return
-            if done.exception() is not None:  # input was read meanwhile: the horizon passed
-                self.emit(p.ErrorEvent.of(ClientError(
-                    ErrorCode.INVALID_VALUE, f"item {item.id!r} can no longer be truncated: "
-                    f"{done.exception()}", "item_id"), event.event_id))
-                return
-            text = decode(reply.token_ids[:keep])
-            reply.token_ids = reply.token_ids[:keep]
-            self.conversation.update(_cut(self.conversation.get(item.id), text))
-            self.emit(se.ConversationItemTruncated(item_id=item.id,
-                                                   content_index=event.content_index,
-                                                   audio_end_ms=event.audio_end_ms))
-
-        self.serving.on_engine(lambda: engine.rewind_reply(sid, keep)).add_done_callback(rewound)
 
     def _create_response(self, params: p.ResponseParamsIn) -> None:
         chat = self._chat()
@@ -903,13 +855,6 @@ class RealtimeSession:
             "unanswered_frames": stream.unanswered_frames,
             "queued_input_tokens": stream.queued_input_tokens,
         }
-
-
-def _cut(item: se.ItemOut, text: str) -> se.ItemOut:
-    """`item` with its content's words cut to `text` (a transcript, or the text)."""
-    content = [part.model_copy(update={"transcript": text} if part.type == "output_audio"
-                               else {"text": text}) for part in item.content[:1]]
-    return item.model_copy(update={"content": content})
 
 
 def _ids(token_ids: list[int]) -> torch.Tensor:

@@ -59,6 +59,7 @@ class SessionBound:
 
     truncation: Choice = "auto"
     pinned_tokens: int = 0  # its instructions, when they were its first input (0: none)
+    rolled: bool = False  # it passed the model's trained positions: rolling from then on
 
     def policy(self, limits: BoundLimits) -> ResidencyPolicy:
         """Pinned instructions are scored at rolling positions: the window's keys keep their
@@ -70,7 +71,7 @@ class SessionBound:
         if self.truncation == "disabled":
             return ResidencyPolicy.unbounded()
         sinks = max(base.sink_tokens, self.pinned_tokens)
-        positions = Positions.ROLLING if self.pinned_tokens else base.positions
+        positions = Positions.ROLLING if self.pinned_tokens or self.rolled else base.positions
         if isinstance(self.truncation, RetentionRatio):
             n, step = _window_and_step(self.truncation, limits)
             return ResidencyPolicy(PolicyKind.SINKS_WINDOW, sinks, n - step + 1, positions,
@@ -92,7 +93,8 @@ class SessionBound:
     def saved(self) -> dict:
         truncation = self.truncation
         return {"truncation": truncation if isinstance(truncation, str)
-                else truncation.model_dump(mode="json"), "pinned_tokens": self.pinned_tokens}
+                else truncation.model_dump(mode="json"), "pinned_tokens": self.pinned_tokens,
+                "rolled": self.rolled}
 
     @classmethod
     def load(cls, saved: dict | None) -> SessionBound:
@@ -100,7 +102,8 @@ class SessionBound:
             return cls()
         truncation = saved["truncation"]
         return cls(truncation if isinstance(truncation, str)
-                   else RetentionRatio.model_validate(truncation), saved["pinned_tokens"])
+                   else RetentionRatio.model_validate(truncation), saved["pinned_tokens"],
+                   saved.get("rolled", False))
 
 
 def choose(truncation: Choice, current: SessionBound, limits: BoundLimits,
