@@ -323,7 +323,7 @@ def test_instructions_stay_pinned_through_ten_windows_of_conversation(server):
         pinned_k = cache.k[:, :, slots].clone()
     fresh = Engine(serving.engine.model, EngineConfig(block_size=block, pool_tokens=1024))
     fresh.open_session(Stream("fresh", spec=SessionSpec(
-        policy=ResidencyPolicy.sinks_window(len(ids), 64))))
+        policy=ResidencyPolicy.sinks_window(len(ids), 64, "rolling"))))  # as pinned
     fresh.submit("fresh", ids)
     while fresh.has_work:
         fresh.step()
