@@ -131,6 +131,15 @@ def send(ws, **event) -> None:
     ws.send(json.dumps(event))
 
 
+def turn(ws, text: str) -> list[dict]:
+    """A user text item, then a response: the events up to its `response.done`."""
+    send(ws, type="conversation.item.create", item={
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+    events = recv_until(ws, "conversation.item.done")
+    send(ws, type="response.create")
+    return events + recv_until(ws, "response.done", timeout_s=60)
+
+
 def engine_session(server, session_id: str):
     return server.app.state.serving.engine.sessions[session_id]
 
@@ -167,12 +176,7 @@ def test_truncation_and_pinned_instructions_through_the_api(server):
         error = recv(ws)
         assert error["error"]["param"] == "session.instructions", error
         assert "pins at most 128" in error["error"]["message"]
-        send(ws, type="conversation.item.create", item={
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "Hello"}]})
-        recv_until(ws, "conversation.item.done")
-        send(ws, type="response.create")
-        recv_until(ws, "response.done", timeout_s=60)
+        turn(ws, "Hello")
         spec = engine_session(server, sid).spec.policy
         assert spec == ResidencyPolicy.sinks_window(pinned, 65, "rolling", slide_tokens=64)
 
@@ -213,12 +217,7 @@ def test_truncate_cuts_the_latest_reply_out_of_the_item_and_the_kv(server):
         send(ws, type="conversation.item.retrieve", item_id=item["id"])
         assert recv(ws)["item"]["content"][0]["text"] == ""
         # the next turn reads on from the cut (and the old reply can no longer be cut)
-        send(ws, type="conversation.item.create", item={
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "And of France?"}]})
-        recv_until(ws, "conversation.item.done")
-        send(ws, type="response.create")
-        recv_until(ws, "response.done", timeout_s=60)
+        turn(ws, "And of France?")
         send(ws, type="conversation.item.truncate", item_id=item["id"], content_index=0,
              audio_end_ms=0)
         assert "no longer be truncated" in recv(ws)["error"]["message"]
