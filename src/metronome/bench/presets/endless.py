@@ -270,7 +270,12 @@ def rewrite(path: str) -> None:
 
 REPORT = Report("Endless: one real-time session for hours, Metronome against vLLM's sliding "
                 "window", spec=".2f", tables=(
-                    Table("How each arm ended", "stopped"),
+                    Table("How each arm ended", "stopped", (
+                        ("arm", "arm", ""), ("how", "how", ""), ("at s", "at_s", ".0f"),
+                        ("session tokens", "session_tokens", ""),
+                        ("rolled at s (position limit)", "rolled_at_s", ".0f"),
+                        ("position limit", "position_limit_tokens", ""),
+                        ("max_model_len", "max_model_len", ""))),
                     Table("By session age (latency of answered frames; blocks, RSS and "
                           "tokens: the most sampled in the bucket)", "buckets"),
                     Table("Arms not run", "skipped")),
