@@ -320,10 +320,7 @@ class Engine:
         ids, table, block = session.pinning, session.table, self.config.block_size
         policy = session.spec.policy
         num_blocks = -(-len(ids) // block)
-        start = policy.window_start(table.num_tokens, block)
-        if table.hold_from is not None:
-            start = min(start, policy.window_start(table.hold_from, block))
-        if start // block < max(table.num_sink_blocks, num_blocks):
+        if table.first_held_block < max(table.num_sink_blocks, num_blocks):
             return False
         fresh = self.pool.allocate(num_blocks)
         if fresh is None:

@@ -69,13 +69,19 @@ class BlockTable:
         self.num_tokens += num_new_tokens
         return True
 
-    def slide(self, pool: BlockPool) -> int:
-        """Return blocks no future query can see (nor one at the rewind horizon) to the pool.
-        Returns how many were freed."""
+    @property
+    def first_held_block(self) -> int:
+        """The first logical window block still needed: by the next query, or by one at the
+        rewind horizon while there is one."""
         start = self.policy.window_start(self.num_tokens, self.block_size)
         if self.hold_from is not None:
             start = min(start, self.policy.window_start(self.hold_from, self.block_size))
-        start_block = start // self.block_size
+        return start // self.block_size
+
+    def slide(self, pool: BlockPool) -> int:
+        """Return blocks no future query can see (nor one at the rewind horizon) to the pool.
+        Returns how many were freed."""
+        start_block = self.first_held_block
         sinks = self.num_sink_blocks  # once: a property over the policy, not per block
         stale = [k for k in self.logical_to_block_id if sinks <= k < start_block]
         pool.free([self.logical_to_block_id.pop(k) for k in stale])
