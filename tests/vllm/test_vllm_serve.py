@@ -32,6 +32,17 @@ def recv(ws, timeout_s: float = 60.0) -> dict:
     return json.loads(ws.recv(timeout=timeout_s))
 
 
+def text_turn(ws, text: str) -> list[dict]:
+    """A user text item and a response: the events up to `response.done`."""
+    ws.send(json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+    ws.send(json.dumps({"type": "response.create"}))
+    events = []
+    while not events or events[-1]["type"] != "response.done":
+        events.append(recv(ws))
+    return events
+
+
 @pytest.fixture(scope="module")
 def server():
     config = ServerConfig(**TEXT_SERVER,
@@ -44,13 +55,7 @@ def server():
 def test_a_text_turn_gets_a_complete_reply(server):
     with connect(server.replace("http", "ws") + "/v1/realtime") as ws:
         assert recv(ws)["type"] == "session.created"
-        ws.send(json.dumps({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "What is the capital of France?"}]}}))
-        ws.send(json.dumps({"type": "response.create"}))
-        events = []
-        while not events or events[-1]["type"] != "response.done":
-            events.append(recv(ws))
+        events = text_turn(ws, "What is the capital of France?")
         done = events[-1]["response"]
         assert done["status"] == "completed", done
         text = "".join(e.get("delta", "") for e in events
@@ -91,13 +96,7 @@ def test_a_per_session_bound_and_truncate_are_refused_by_name(server):
         ws.send(json.dumps({"type": "session.update", "session": {
             "type": "realtime", "truncation": "auto", "instructions": "You are Tobias."}}))
         assert recv(ws)["session"]["truncation"] == "auto"
-        ws.send(json.dumps({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "Hello"}]}}))
-        ws.send(json.dumps({"type": "response.create"}))
-        events = []
-        while not events or events[-1]["type"] != "response.done":
-            events.append(recv(ws))
+        events = text_turn(ws, "Hello")
         item = events[-1]["response"]["output"][0]
         ws.send(json.dumps({"type": "conversation.item.truncate", "item_id": item["id"],
                             "content_index": 0, "audio_end_ms": 0}))
