@@ -20,12 +20,29 @@ from vllm import _custom_ops as ops  # noqa: E402
 from metronome.vllm.attention import GatherPlan, sinks_window_attention  # noqa: E402
 from metronome.vllm.config import SinksWindow  # noqa: E402
 from metronome.vllm.kernel import KERNEL, NULL_BLOCK_ID, in_place_kernel  # noqa: E402
-from metronome.vllm.layout import cell_offsets, key_layout  # noqa: E402
+from metronome.vllm.layout import LAYOUT_CODES, cell_offsets, key_layout  # noqa: E402
 from tests.vllm.attention_reference import dense_reference  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64  # SmolLM2's attention shape
 SCALE = HEAD_SIZE**-0.5
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+SLOT_MAJOR, DIM_MAJOR = LAYOUT_CODES["slot_major"], LAYOUT_CODES["dim_major"]
+
+
+def amx_writer() -> bool:
+    """vLLM's AMX cache writer is in this build (it lays bf16 out for AMX tiles; writing
+    needs no AMX, but only a CPU with AMX serves with it)."""
+    try:
+        cell_offsets("amx", 32, HEAD_SIZE, torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+# the writers vLLM picks: "vec" (fp32, or bf16 without AMX), "vec16" (block 16), and "amx"
+# (bf16 on a CPU with AMX tiles, blocks of 32k: VNNI pairs)
+WRITERS = [("vec", 32, None), ("vec", 64, None), ("vec16", 16, None),
+           ("amx", 32, torch.bfloat16), ("amx", 64, torch.bfloat16)]
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +107,12 @@ QUERY_LENS = [1, 16, 64, 1, 2, 16, 1, 1]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bound", BOUNDS, ids=str)
-@pytest.mark.parametrize(("isa", "block_size"), [("vec", 32), ("vec", 64), ("vec16", 16)])
-def test_kernel_matches_the_dense_reference(module, isa, block_size, bound, dtype):
+@pytest.mark.parametrize(("isa", "block_size", "only_dtype"), WRITERS)
+def test_kernel_matches_the_dense_reference(module, isa, block_size, only_dtype, bound, dtype):
+    if only_dtype is not None and dtype != only_dtype:
+        pytest.skip(f"vLLM writes {isa} for {only_dtype} only")
+    if isa == "amx" and not amx_writer():
+        pytest.skip("this vLLM build has no AMX cache writer")
     cache, table, keys, values, query, qsl = make_batch(isa, block_size, dtype, SEQ_LENS,
                                                         QUERY_LENS)
     churn_gap(cache, table, SEQ_LENS, QUERY_LENS, bound, block_size)
@@ -103,9 +124,12 @@ def test_kernel_matches_the_dense_reference(module, isa, block_size, bound, dtyp
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # bit-identical
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_agrees_with_the_gather_path(module, dtype):
-    bound, isa, block_size = SinksWindow(4, 50), "vec", 32
+@pytest.mark.parametrize(("isa", "dtype"), [("vec", torch.float32), ("vec", torch.bfloat16),
+                                            ("amx", torch.bfloat16)], ids=str)
+def test_kernel_agrees_with_the_gather_path(module, isa, dtype):
+    if isa == "amx" and not amx_writer():
+        pytest.skip("this vLLM build has no AMX cache writer")
+    bound, block_size = SinksWindow(4, 50), 32
     cache, table, _, _, query, qsl = make_batch(isa, block_size, dtype, SEQ_LENS, QUERY_LENS,
                                                 seed=1)
     churn_gap(cache, table, SEQ_LENS, QUERY_LENS, bound, block_size)
@@ -136,7 +160,7 @@ def test_slot_major_keys_read_the_same(module):
     qsl = torch.tensor([0, 1, 17], dtype=torch.int32)
     out = torch.empty_like(query)
     module.sinks_window_attention(query, cache, qsl, torch.tensor(seq_lens, dtype=torch.int32),
-                                  table, bound.sink_tokens, bound.window_tokens, SCALE, False,
+                                  table, bound.sink_tokens, bound.window_tokens, SCALE, SLOT_MAJOR,
                                   NULL_BLOCK_ID, out)
     expected = dense_reference(keys, values, query, seq_lens, query_lens, bound, SCALE)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
@@ -156,15 +180,18 @@ def test_bad_shapes_are_refused(module):
     cache = torch.randn(4, NUM_KV_HEADS, 32, 2 * HEAD_SIZE)
     qsl, lens = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
     table = torch.tensor([[1, 2]], dtype=torch.int32)
-    args = (cache, qsl, lens, table, 4, 50, SCALE, True, NULL_BLOCK_ID)
+    args = (cache, qsl, lens, table, 4, 50, SCALE, DIM_MAJOR, NULL_BLOCK_ID)
     with pytest.raises(RuntimeError, match="share a dtype"):
         module.sinks_window_attention(query.bfloat16(), *args,
                                       torch.empty_like(query, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="int32"):
-        module.sinks_window_attention(query, cache, qsl.long(), lens, table, 4, 50, SCALE, True,
+        module.sinks_window_attention(query, cache, qsl.long(), lens, table, 4, 50, SCALE, DIM_MAJOR,
+                                      NULL_BLOCK_ID, torch.empty_like(query))
+    with pytest.raises(RuntimeError, match="layout must be"):
+        module.sinks_window_attention(query, cache, qsl, lens, table, 4, 50, SCALE, 7,
                                       NULL_BLOCK_ID, torch.empty_like(query))
     with pytest.raises(RuntimeError, match="outside the KV cache"):
-        module.sinks_window_attention(query, cache, qsl, lens, table + 10, 4, 50, SCALE, True,
+        module.sinks_window_attention(query, cache, qsl, lens, table + 10, 4, 50, SCALE, DIM_MAJOR,
                                       NULL_BLOCK_ID, torch.empty_like(query))
 
 
@@ -172,3 +199,7 @@ def test_vllm_layouts_here_are_ones_the_kernel_reads():
     for isa, block_size in (("vec", 32), ("vec", 128), ("vec16", 16)):
         for dtype in (torch.float32, torch.bfloat16):
             assert key_layout(cell_offsets(isa, block_size, HEAD_SIZE, dtype)) == "dim_major"
+    if amx_writer():  # what used to send every bounded bf16 layer on AMX to the gather path
+        for block_size in (32, 64, 128):
+            layout = key_layout(cell_offsets("amx", block_size, HEAD_SIZE, torch.bfloat16))
+            assert layout == "amx_tiles"

@@ -4,8 +4,8 @@
 query token of a step over its visible keys straight out of the paged cache (no gather, no
 mask tensor), or None when it cannot serve this layer: no compiler here (the reason is
 logged once; `metronome.model.native` builds and caches it per CPU/venv/torch) or a cache
-layout the kernel does not read (`metronome.vllm.layout`: keys dim-major or slot-major,
-values slot-major, checked against vLLM's own cache writer). Then the gather path of
+layout the kernel does not read (`metronome.vllm.layout`: keys dim-major or slot-major with
+values slot-major, or the AMX writer's VNNI pairs; checked against vLLM's own cache writer). Then the gather path of
 `metronome.vllm.attention` serves the layer, with the same results.
 
 Set METRONOME_NATIVE_ATTENTION=0 to never build or load it (as for the native engine's).
@@ -22,7 +22,7 @@ import torch
 
 from metronome.model.native import Extension
 from metronome.vllm.config import SinksWindow
-from metronome.vllm.layout import cell_offsets, key_layout
+from metronome.vllm.layout import LAYOUT_CODES, cell_offsets, key_layout
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,14 @@ def in_place_kernel(isa: str, block_size: int, head_size: int, dtype: torch.dtyp
         log.warning("sinks+window: %s; the gather path serves the bounded layers",
                     KERNEL.reason())
         return None
-    dim_major = layout == "dim_major"
+    code = LAYOUT_CODES[layout]
 
     def attend(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                seq_lens: torch.Tensor, block_table: torch.Tensor, bound: SinksWindow,
                scale: float, output: torch.Tensor) -> None:
         module.sinks_window_attention(
             query, kv_cache, query_start_loc, seq_lens, block_table, bound.sink_tokens,
-            bound.window_tokens, scale, dim_major, NULL_BLOCK_ID, output)
+            bound.window_tokens, scale, code, NULL_BLOCK_ID, output)
 
     return attend
 

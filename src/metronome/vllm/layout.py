@@ -50,13 +50,27 @@ def cell_offsets(isa: str, block_size: int, head_size: int, dtype: torch.dtype) 
     return offsets
 
 
+# The layouts the in-place kernel reads, by its code (csrc/sinks_window_attention.cpp)
+LAYOUT_CODES = {"slot_major": 0, "dim_major": 1, "amx_tiles": 2}
+
+
 def key_layout(offsets: torch.Tensor) -> str | None:
-    """'dim_major' / 'slot_major' (keys) when values are slot-major and keys one of those
-    two, from `cell_offsets`' (2, block_size, head_size) map; None for any other layout."""
+    """Which of the kernel's layouts `cell_offsets`' (2, block_size, head_size) map is:
+    'dim_major' / 'slot_major' (keys; values slot-major: vLLM's "vec"/"vec16" writers),
+    'amx_tiles' (the "amx" writer's, bf16 on a CPU with AMX: tiles of 16 key slots, each
+    pairs of dims x 16 slots x 2; tiles of 16 value dims, each pairs of slots x 16 dims x 2:
+    the VNNI pairs AMX tiles multiply), or None for any other."""
     _, block_size, head_size = offsets.shape
     slot = torch.arange(block_size)[:, None]
     dim = torch.arange(head_size)[None, :]
-    if not torch.equal(offsets[1], block_size * head_size + slot * head_size + dim):
+    keys_end = block_size * head_size
+    if block_size % 16 == 0 and head_size % 16 == 0 and torch.equal(
+            offsets[0], (slot // 16) * 16 * head_size + (dim // 2) * 32 + (slot % 16) * 2
+            + dim % 2) and torch.equal(
+            offsets[1], keys_end + (dim // 16) * 16 * block_size + (slot // 2) * 32
+            + (dim % 16) * 2 + slot % 2):
+        return "amx_tiles"
+    if not torch.equal(offsets[1], keys_end + slot * head_size + dim):
         return None
     if torch.equal(offsets[0], dim * block_size + slot):
         return "dim_major"

@@ -14,9 +14,13 @@
 // and the values loop stop before them, and a masked column's probability is exactly 0.
 //
 // Cache: one layer's kv_cache, contiguous (num_blocks, kv_heads, block_size, 2 * D); the
-// (block, head) region is block_size * D key cells then block_size * D value cells. Values
-// are slot-major; keys are dim-major (vLLM's "vec"/"vec16" writers) or slot-major, as the
-// caller says (metronome.vllm.kernel checks the layout against vLLM's own cache writer).
+// (block, head) region is block_size * D key cells then block_size * D value cells, in one of
+// three layouts, as the caller says (metronome.vllm.kernel checks it against vLLM's own cache
+// writer): values slot-major with keys dim-major (vLLM's "vec"/"vec16" writers) or
+// slot-major; or the "amx" writer's tiles of VNNI pairs (bf16 on a CPU with AMX):
+// key[c][d] at (c / 16) * 16 * D + (d / 2) * 32 + (c % 16) * 2 + d % 2 (tiles of 16 slots),
+// value[c][d] at (d / 16) * 16 * bs + (c / 2) * 32 + (d % 16) * 2 + c % 2 (tiles of 16
+// dims). Those are always converted to float scratch first (every tile, decode too).
 // Compiled by metronome.vllm.kernel (metronome.model.native's build cache).
 #include <torch/extension.h>
 
@@ -41,6 +45,9 @@ constexpr int kMaxBlock = 256;
 constexpr int kMaxD = 256;
 constexpr int kLanes = 16;           // slot / dim tile of the inner loops (2 ymm, 1 zmm)
 constexpr int kRowTile = 4;          // rows per register tile
+
+// How a (block, head) region is laid out (the caller's `layout` argument).
+enum Layout : int64_t { kKeysSlotMajor = 0, kKeysDimMajor = 1, kAmxTiles = 2 };
 
 template <typename T>
 inline float as_float(T x) { return static_cast<float>(x); }
@@ -118,7 +125,7 @@ inline void over_row_tiles(int rows, Fn&& fn) {
 struct Geometry {
   int64_t H, KVH, D, bs, block_stride, head_stride, max_blocks, sinks, window, sink_blocks;
   int group;
-  bool key_dim_major;
+  Layout layout;
   float scale;
 };
 
@@ -173,11 +180,27 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
     const scalar_t* values = region + bs * D;
     // Few rows (decode) or float: read the cache in place. Columns past ncols may hold
     // garbage; their scores are never used (the softmax and the values loop stop at ncols).
-    const bool direct = g.key_dim_major && (std::is_same<scalar_t, float>::value ||
-                                            rows <= kRowTile);
+    const bool direct = g.layout == kKeysDimMajor && (std::is_same<scalar_t, float>::value ||
+                                                      rows <= kRowTile);
     if (direct) {
       // nothing to convert
-    } else if (g.key_dim_major) {
+    } else if (g.layout == kAmxTiles) {
+      // keys: tiles of 16 slots, each pairs of dims x 16 slots x 2, read in storage order
+      // (slots past ncols are read too, unwritten: their scores are never used)
+      for (int64_t c0 = 0; c0 < bs; c0 += kLanes) {
+        const scalar_t* tile = keys + c0 * D;
+        for (int64_t d = 0; d < D; d += 2) {
+          const scalar_t* pair = tile + d * kLanes;  // (d / 2) * 32
+          float* even = &w.kt[d * bs + c0];
+          float* odd = &w.kt[(d + 1) * bs + c0];
+#pragma omp simd
+          for (int l = 0; l < kLanes; ++l) {
+            even[l] = c0 + l < ncols ? as_float(pair[2 * l]) : 0.f;
+            odd[l] = c0 + l < ncols ? as_float(pair[2 * l + 1]) : 0.f;
+          }
+        }
+      }
+    } else if (g.layout == kKeysDimMajor) {
       for (int64_t d = 0; d < D; ++d) {
 #pragma omp simd
         for (int64_t c = 0; c < ncols; ++c) w.kt[d * bs + c] = as_float(keys[d * bs + c]);
@@ -189,7 +212,18 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
         for (int64_t c = ncols; c < bs; ++c) w.kt[d * bs + c] = 0.f;
       }
     }
-    if (!direct) {
+    if (g.layout == kAmxTiles) {
+      // values: tiles of 16 dims, each pairs of slots x 16 dims x 2
+      for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+        const scalar_t* tile = values + d0 * bs;
+        for (int64_t c = 0; c < ncols; ++c) {
+          const scalar_t* pair = tile + (c / 2) * 2 * kLanes + c % 2;
+          float* vc = &w.v[c * D + d0];
+#pragma omp simd
+          for (int l = 0; l < kLanes; ++l) vc[l] = as_float(pair[2 * l]);
+        }
+      }
+    } else if (!direct) {
       for (int64_t c = 0; c < ncols; ++c) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) w.v[c * D + d] = as_float(values[c * D + d]);
@@ -251,7 +285,7 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "sinks_window_attention:
 void sinks_window_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                             const at::Tensor& block_table, int64_t sink_tokens,
-                            int64_t window_tokens, double scale, bool key_dim_major,
+                            int64_t window_tokens, double scale, int64_t layout,
                             int64_t null_block, at::Tensor& output) {
   check(query.dim() == 3 && query.is_contiguous(), "query must be contiguous (T, H, D)");
   check(output.sizes() == query.sizes() && output.is_contiguous() &&
@@ -267,6 +301,8 @@ void sinks_window_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   check(D % kLanes == 0 && D <= kMaxD, "head_size must be a multiple of 16, at most 256");
   check(bs % kLanes == 0 && bs <= kMaxBlock, "block_size must be a multiple of 16, at most 256");
   check(sink_tokens >= 0 && window_tokens >= 1, "need sink_tokens >= 0 and window_tokens >= 1");
+  check(layout == kKeysSlotMajor || layout == kKeysDimMajor || layout == kAmxTiles,
+        "layout must be 0 (keys slot-major), 1 (keys dim-major) or 2 (AMX tiles)");
   for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table}) {
     check(t->scalar_type() == at::kInt && t->is_contiguous(),
           "query_start_loc, seq_lens and block_table must be contiguous int32");
@@ -285,7 +321,7 @@ void sinks_window_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   g.window = window_tokens;
   g.sink_blocks = (sink_tokens + bs - 1) / bs;
   g.group = static_cast<int>(H / KVH);
-  g.key_dim_major = key_dim_major;
+  g.layout = static_cast<Layout>(layout);
   g.scale = static_cast<float>(scale);
   // Up to 8 tokens a tile (24 rows at SmolLM2's group of 3): a 16-token chunk makes two
   // tiles per kv head, so a streaming step's few chunks spread over the threads.
