@@ -167,7 +167,24 @@ def test_vllm_configs_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="unknown stream arms"):
         vllm.Config(stream_arms=("turbo",))
     with pytest.raises(ValueError, match="unknown parts"):
-        vllm.Config(parts=("steps",))
+        vllm.Config(parts=("grid",))
+    with pytest.raises(ValueError, match="unknown vLLM mode"):
+        vllm.Config(vllm_mode="turbo")
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        vllm.Config(repeats=0)
+
+
+def test_vllm_capacity_is_the_most_sessions_every_run_held():
+    runs = [{"arm": "a", "sessions": n, "goodput": g} for n, g in (
+        (16, 1.0), (16, 0.995), (24, 1.0), (24, 0.98), (32, 0.999), (32, 1.0))] + [
+        {"arm": "b", "sessions": 16, "goodput": 0.5}, {"arm": "b", "sessions": 32,
+                                                       "goodput": None}]
+    rows = {(r["arm"], r["sessions"]): r for r in vllm.capacity(runs)}
+    # a point held only if every run held it: 24 did not, 32 did (capacity is the most held)
+    assert [rows[("a", n)]["held"] for n in (16, 24, 32)] == [True, False, True]
+    assert rows[("a", 24)]["goodput_min"] == 0.98 and rows[("a", 24)]["runs"] == 2
+    assert {r["capacity"] for r in vllm.capacity(runs) if r["arm"] == "a"} == {32}
+    assert {r["capacity"] for r in vllm.capacity(runs) if r["arm"] == "b"} == {0}
 
 
 def test_the_memory_floor_reads_the_steps_own_pages_once(tiny_model):

@@ -58,6 +58,22 @@ def test_the_engine_thread_takes_the_reserved_threads_and_the_rest_run_on_one():
                    "switch_s": 0.0005}
 
 
+def test_the_gil_switch_alone_leaves_torchs_threads():
+    """What `--engine vllm` gets (vLLM binds its own threads): the switch interval only."""
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, torch
+        from metronome.runtime import cores
+        torch.set_num_threads(2)
+        cores.shorten_gil_switch()
+        print(torch.get_num_threads(), cores.reserved_engine_threads(), sys.getswitchinterval())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["2", "None", "0.0005"]
+
+
 def test_a_reservation_below_one_thread_is_refused():
     import pytest
 

@@ -4,11 +4,8 @@ One bounded engine (S = 4, W = 128, a 1,024-token KV pool, max_model_len 8,192) 
 stock engine, each started once (~40 s) and shut down before the next. The long session
 is a 3,000-token Hamlet prompt + 2,000 greedy tokens: 5,000 tokens in a pool of 1,024.
 
-Reference: our own engine at float32 with `sinks_window:4:128` at block size 1, where its
-block-aligned window start is token-exact: the same rule as the plugin (vLLM's sliding
-window convention, p - j < W). It is teacher-forced over the plugin's tokens: its greedy
-choice at every position equals the plugin's token iff free-running greedy decoding of the
-reference would have produced the same sequence.
+Reference: our own engine with the same rule, teacher-forced over the plugin's tokens
+(`tests.vllm.bound_reference`).
 """
 
 from __future__ import annotations
@@ -24,12 +21,8 @@ pytest.importorskip("vllm.v1.kv_cache_spec_registry",
 import torch  # noqa: E402
 
 from metronome.corpus import play_text  # noqa: E402
-from metronome.engine.engine import Engine, EngineConfig  # noqa: E402
-from metronome.engine.session import SessionSpec  # noqa: E402
-from metronome.kv.residency import ResidencyPolicy  # noqa: E402
-from metronome.model.weights import bundled_model_dir, load_model, load_tokenizer  # noqa: E402
-from metronome.stream import Stream  # noqa: E402
-from tests.steps import by_session  # noqa: E402
+from metronome.model.weights import bundled_model_dir, load_tokenizer  # noqa: E402
+from tests.vllm.bound_reference import reference  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -103,27 +96,6 @@ def stock(prompts):
     return runs
 
 
-def reference(token_ids: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Teacher-forced through our engine with the same rule (block size 1: token-exact
-    window): after every prefix token_ids[:i + 1], the greedy next token and the
-    log-probability of the actual token_ids[i + 1]."""
-    engine = Engine(load_model("bundled", torch.float32),
-                    EngineConfig(block_size=1, pool_tokens=1024, max_chunk_tokens=256,
-                                 max_step_tokens=256))
-    sid = engine.open_session(Stream.of(SessionSpec(policy=ResidencyPolicy.parse(BOUND),
-                                                    return_logits=True, stop_token_ids=())))
-    engine.submit(sid, token_ids[:-1], max_new_tokens=0)
-    greedy_ids, chosen, done = [], [], 0
-    while engine.has_work:
-        for step in by_session(engine.step()).values():
-            logprobs = torch.log_softmax(step.logits, dim=-1)  # (chunk, vocab)
-            following = torch.tensor(token_ids[done + 1 : done + 1 + len(logprobs)])
-            greedy_ids += logprobs.argmax(dim=-1).tolist()
-            chosen.append(logprobs[torch.arange(len(logprobs)), following])
-            done += len(logprobs)
-    return greedy_ids, torch.cat(chosen)
-
-
 def test_session_five_times_the_pool_runs_to_the_end(bounded):
     pool_tokens, runs = bounded
     assert pool_tokens == 1024
@@ -133,7 +105,7 @@ def test_session_five_times_the_pool_runs_to_the_end(bounded):
 
 def test_long_session_is_token_exact_against_the_reference(bounded, prompts):
     tokens, logprobs = bounded[1]["long"].token_ids, bounded[1]["long"].logprobs
-    greedy_ids, chosen = reference(prompts["long"] + tokens)
+    greedy_ids, chosen = reference(prompts["long"] + tokens, BOUND)
     assert greedy_ids[PROMPT_TOKENS - 1:] == tokens
     assert (chosen[PROMPT_TOKENS - 1:] - torch.tensor(logprobs)).abs().max() < 1e-3
 

@@ -185,8 +185,8 @@ def test_bad_shapes_are_refused(module):
         module.sinks_window_attention(query.bfloat16(), *args,
                                       torch.empty_like(query, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="int32"):
-        module.sinks_window_attention(query, cache, qsl.long(), lens, table, 4, 50, SCALE, DIM_MAJOR,
-                                      NULL_BLOCK_ID, torch.empty_like(query))
+        module.sinks_window_attention(query, cache, qsl.long(), lens, table, 4, 50, SCALE,
+                                      DIM_MAJOR, NULL_BLOCK_ID, torch.empty_like(query))
     with pytest.raises(RuntimeError, match="layout must be"):
         module.sinks_window_attention(query, cache, qsl, lens, table, 4, 50, SCALE, 7,
                                       NULL_BLOCK_ID, torch.empty_like(query))

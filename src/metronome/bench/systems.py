@@ -116,10 +116,11 @@ def text_ids(count: int) -> list[int]:
 
 
 def vllm_engine(kind: str, bound: ResidencyPolicy, pool_tokens: int, max_len: int,
-                max_num_seqs: int, block_size: int = 32, **budget):
+                max_num_seqs: int, block_size: int = 32, **options):
     """vLLM in-process on the bundled model in `DTYPE`: "vllm" (stock: full attention),
     "vllm_sliding_window" (its own sliding window of the bound's S + W tokens on every
-    layer: the same resident KV) or "vllm_metronome" (the bound: the plugin)."""
+    layer: the same resident KV) or "vllm_metronome" (the bound: the plugin); `options` go
+    to `VllmEngineConfig` (step budgets, `mode`: vLLM's default or eager)."""
     from metronome.model.weights import bundled_model_dir
     from metronome.vllm.engine import VllmEngine, VllmEngineConfig
 
@@ -132,4 +133,4 @@ def vllm_engine(kind: str, bound: ResidencyPolicy, pool_tokens: int, max_len: in
         model_dir=model_dir, policy=bound if kind == "vllm_metronome" else
         ResidencyPolicy.unbounded(), pool_tokens=pool_tokens, block_size=block_size,
         dtype=DTYPE, max_model_len=max_len, max_num_seqs=max_num_seqs, hf_overrides=overrides,
-        **budget))
+        **options))

@@ -57,6 +57,8 @@ def run(
     model: str = typer.Option("bundled", help="'bundled', a HF directory, or preset:NAME[:L]"),
     engine: str = typer.Option("native", help="native | vllm (vLLM + the sinks+window plugin, "
                                "`make vllm-install`; wall clock, text input)"),
+    vllm_mode: str = typer.Option("default", help="--engine vllm: default (vLLM's own: "
+                                  "compiled) | eager (enforce_eager: starts ~4x faster)"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     engine_path: str = typer.Option("fast", help="native engine: fast (paged kernel, prepacked "
                                     "projections) | reference (dense attention, F.linear)"),
@@ -72,16 +74,20 @@ def run(
             duration_jitter=duration_jitter, frame_period_s=frame_period_s,
             deadline_fraction=deadline_fraction, tokens_per_frame=tokens_per_frame,
             output_tokens=output_tokens, mode=mode, policy=policy, pool_tokens=pool_tokens,
-            clock=clock, input=input_kind, model=model, engine=engine, dtype=dtype, seed=seed,
+            clock=clock, input=input_kind, model=model, engine=engine, vllm_mode=vllm_mode,
+            dtype=dtype, seed=seed,
             out=out, engine_path=engine_path,
         )
         config.profile()
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
-    if config.clock == "wall" and config.engine == "native":
-        from metronome.runtime.cores import reserve_for_engine_thread
+    if config.clock == "wall":  # before the model loads: runtime.cores says why
+        from metronome.runtime.cores import reserve_for_engine_thread, shorten_gil_switch
 
-        reserve_for_engine_thread()  # before the model loads: runtime.cores says why
+        if config.engine == "native":
+            reserve_for_engine_thread()
+        else:  # vLLM binds its own threads: the GIL switch only
+            shorten_gil_switch()
     summary = run_local(config)
     typer.echo(json.dumps({k: summary[k] for k in (
         "frames", "goodput", "deadline_met_fraction", "frames_by_status", "latency_ms",

@@ -50,6 +50,10 @@ def serve(log_level: str = "info", **options) -> None:
             hearing = config.audio_input == "transcribe"
             reserve_for_engine_thread(max(1, (os.cpu_count() or 1) - config.whisper_threads)
                                       if hearing else None)
+        else:  # vLLM binds its own threads: the GIL switch only (runtime.cores)
+            from metronome.runtime.cores import shorten_gil_switch
+
+            shorten_gil_switch()
         serve_forever(config, log_level)
         return
     from metronome.cluster.launch import serve_cluster

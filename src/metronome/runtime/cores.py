@@ -22,6 +22,12 @@ events, timers) each take-back waits up to the switch interval, 5 ms by default:
 convoy. Measured on the streaming workload (bench vllm's native arm, 48 sessions, 16 in /
 4 out per 1 s frame, 2 cores): steps took 201 ms at the median with 5 ms and 63 ms with
 0.5 ms, goodput 0.48 -> 0.75, although the loop thread used only 1.2 s of CPU in 33 s.
+
+vLLM (`--engine vllm`) gets the switch interval only (`shorten_gil_switch`): its CPU worker
+binds its own OpenMP threads when it starts, ignores `torch.set_num_threads` from then on,
+and its attention checks that a step runs on the thread count its metadata was planned
+for; a main thread set to one thread before vLLM starts failed a streaming run here with
+`Check failed: input->metadata->thread_num == thread_num (2 vs. 1)`.
 """
 
 from __future__ import annotations
@@ -48,8 +54,13 @@ def reserve_for_engine_thread(threads: int | None = None) -> int:
         if _engine_threads is None:
             _engine_threads = threads or torch.get_num_threads()
         torch.set_num_threads(1)
-        sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
+        shorten_gil_switch()
         return _engine_threads
+
+
+def shorten_gil_switch() -> None:
+    """The GIL switch interval an engine thread beside the event loop needs (see above)."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
 
 
 def reserved_engine_threads() -> int | None:

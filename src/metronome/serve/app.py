@@ -81,7 +81,8 @@ def _engine(config: ServerConfig, model: LlamaModel | None, tokenizer):
         if model is not None:
             raise ValueError("--engine vllm loads its model itself: inject none")
         engine = VllmEngine.for_model(config.model, ResidencyPolicy.parse(config.policy),
-                                      config.pool_tokens, config.block_size, config.dtype)
+                                      config.pool_tokens, config.block_size, config.dtype,
+                                      mode=config.vllm_mode)
         return engine, load_tokenizer(config.model), engine.model_name
     served, tok = (model, tokenizer) if model is not None else _load(config)
     return Engine(served, config.engine_config()), tok, served.config.name

@@ -43,6 +43,9 @@ class ServerConfig(BaseModel):
     engine: Literal["native", "vllm"] = Field(
         "native", description="native (Metronome's engine) | vllm (vLLM with the sinks+window "
         "plugin, in this process; `make vllm-install`; text input only, one policy)")
+    vllm_mode: Literal["default", "eager"] = Field(
+        "default", description="--engine vllm: default (vLLM's own: the model compiled; on "
+        "CPU vLLM schedules synchronously) | eager (enforce_eager: starts ~4x faster)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto (bfloat16 where the CPU has native bf16, else float32) | "
         "float32 | bfloat16")

@@ -62,6 +62,7 @@ class RunConfig:
     input: str = "text"  # text | audio
     model: str = "bundled"
     engine: str = "native"  # native | vllm
+    vllm_mode: str = "default"  # --engine vllm: vLLM's default (compiled) or eager
     engine_path: str = "fast"  # native engine: fast | reference (dense attention, F.linear)
     dtype: str = AUTO_DTYPE
     seed: int = 0
@@ -76,6 +77,8 @@ class RunConfig:
         resolve_dtype(self.dtype)  # raises for an unknown name
         if self.engine not in ("native", "vllm"):
             raise ValueError(f"engine must be native or vllm, got {self.engine!r}")
+        if self.vllm_mode not in ("default", "eager"):
+            raise ValueError(f"vllm_mode must be default or eager, got {self.vllm_mode!r}")
         if self.engine == "vllm" and (self.clock != "wall" or self.input != "text"):
             raise ValueError("--engine vllm runs on the wall clock with text input (vLLM's "
                              "streaming input takes token ids; its steps are timed, not "
@@ -141,7 +144,8 @@ def build(config: RunConfig):
         from metronome.vllm.engine import VllmEngine
 
         engine = VllmEngine.for_model(config.model, config.profile().policy,
-                                      config.pool_tokens, config.block_size or 32, config.dtype)
+                                      config.pool_tokens, config.block_size or 32, config.dtype,
+                                      mode=config.vllm_mode)
         engine.warm_up()
         return engine, text_source(load_tokenizer(config.model), engine.vocab_size,
                                    config.tokens_per_frame)

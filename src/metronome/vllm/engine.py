@@ -61,6 +61,10 @@ from metronome.stream import Stream
 from metronome.vllm.config import HF_OVERRIDE_KEY, parse_bound
 
 REQUEST_PREFIX = "metronome-"
+# How vLLM runs: "default" is what `vllm serve` and `LLM(...)` do unless told otherwise
+# (torch.compile'd model, async scheduling); "eager" is enforce_eager=True with synchronous
+# scheduling (starts ~4x faster; what the tests use).
+VLLM_MODES = ("default", "eager")
 VLLM_CPU_BLOCK_MULTIPLE = 32  # CPU_ATTN's kernel block sizes: MultipleOf(32)
 DEFAULT_VLLM_BLOCK_SIZE = 32
 
@@ -85,8 +89,11 @@ class VllmEngineConfig:
     enable_prefix_caching: bool = False
     seed: int = 0
     hf_overrides: dict | None = None  # more model-config overrides (a bench's stock window)
+    mode: str = "default"  # VLLM_MODES
 
     def __post_init__(self) -> None:
+        if self.mode not in VLLM_MODES:
+            raise ValueError(f"vLLM mode {self.mode!r}: one of {', '.join(VLLM_MODES)}")
         if self.policy.kind is not PolicyKind.UNBOUNDED:
             parse_bound(self.policy_spec)  # raises for a bound the plugin cannot serve
         if self.block_size % VLLM_CPU_BLOCK_MULTIPLE:
@@ -113,6 +120,8 @@ class VllmEngineConfig:
                 extra["attention_backend"] = "TRITON_ATTN"
         if overrides:
             extra["hf_overrides"] = overrides
+        if self.mode == "eager":
+            extra.update(enforce_eager=True, async_scheduling=False)
         # vLLM refuses a pool that cannot hold one request of max_model_len; an unbounded
         # session cannot outgrow the pool anyway
         max_model_len = self.max_model_len if self.policy.bounded else min(
@@ -123,8 +132,7 @@ class VllmEngineConfig:
             max_num_seqs=min(self.max_num_seqs, self.max_step_tokens),  # vLLM requires it
             max_num_batched_tokens=self.max_step_tokens,
             long_prefill_token_threshold=self.max_chunk_tokens,
-            enable_prefix_caching=self.enable_prefix_caching, enforce_eager=True,
-            async_scheduling=False, seed=self.seed,
+            enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
             # one block more: vLLM keeps block 0 as its null block
             kv_cache_memory_bytes=(num_blocks + 1) * self.block_size * kv_bytes_per_token,
             **extra,

@@ -5,8 +5,8 @@ query token of a step over its visible keys straight out of the paged cache (no 
 mask tensor), or None when it cannot serve this layer: no compiler here (the reason is
 logged once; `metronome.model.native` builds and caches it per CPU/venv/torch) or a cache
 layout the kernel does not read (`metronome.vllm.layout`: keys dim-major or slot-major with
-values slot-major, or the AMX writer's VNNI pairs; checked against vLLM's own cache writer). Then the gather path of
-`metronome.vllm.attention` serves the layer, with the same results.
+values slot-major, or the AMX writer's tiles; checked against vLLM's own cache writer).
+Then the gather path of `metronome.vllm.attention` serves the layer, same results.
 
 Set METRONOME_NATIVE_ATTENTION=0 to never build or load it (as for the native engine's).
 """
