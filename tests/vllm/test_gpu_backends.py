@@ -112,6 +112,25 @@ def test_vllm_engine_sets_window_and_triton_on_gpus_only():
     assert "hf_overrides" not in stock and "attention_backend" not in stock
 
 
+def test_vllm_engine_modes():
+    """default: vLLM's own (compiled; vLLM decides async scheduling on CPU, where it turns
+    it off; on GPUs the adapter asks for synchronous steps: it reads each step's outputs in
+    that step); eager: enforce_eager, synchronous; anything else refused by name."""
+    bound = ResidencyPolicy.parse("sinks_window:4:512")
+    default = VllmEngineConfig("model", policy=bound)
+    assert default.mode == "default"
+    cpu = default.engine_args(1024, on_cpu=True)
+    assert "enforce_eager" not in cpu and "async_scheduling" not in cpu
+    gpu = default.engine_args(1024, on_cpu=False)
+    assert "enforce_eager" not in gpu and gpu["async_scheduling"] is False
+    eager = VllmEngineConfig("model", policy=bound, mode="eager")
+    for on_cpu in (True, False):
+        args = eager.engine_args(1024, on_cpu=on_cpu)
+        assert args["enforce_eager"] is True and args["async_scheduling"] is False
+    with pytest.raises(ValueError, match="vLLM mode 'compiled': one of default, eager"):
+        VllmEngineConfig("model", mode="compiled")
+
+
 # ---- the wrapped builds --------------------------------------------------------------------
 def common_metadata(requests, table, prompt_lens):
     starts = [0]

@@ -44,7 +44,7 @@ def text_ids():
 def unbounded():
     engine = VllmEngine.start(VllmEngineConfig(
         model_dir=str(bundled_model_dir()), pool_tokens=UNBOUNDED_POOL, block_size=BLOCK,
-        max_model_len=4096, max_step_tokens=256))
+        max_model_len=4096, max_step_tokens=256, mode="eager"))
     yield engine
     engine.shutdown()
 

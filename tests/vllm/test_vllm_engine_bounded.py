@@ -1,5 +1,7 @@
 """`VllmEngine` with the sinks+window bound: a session far longer than the pool runs on,
-its sink block pinned and its live blocks within vLLM's per-request reservation.
+its sink block pinned and its live blocks within vLLM's per-request reservation, in vLLM's
+default mode (the model compiled) and bf16, as users run it: on a CPU with AMX, the bounded
+layers read the AMX cache layout in place (they once fell back to the gather path there).
 
 Its own module: its engine must not share the process with another module's engine.
 """
@@ -30,8 +32,10 @@ def test_a_bounded_session_far_longer_than_the_pool_runs_on():
     text_ids = load_tokenizer().encode(play_text("hamlet")).ids
     engine = VllmEngine.start(VllmEngineConfig(
         model_dir=str(bundled_model_dir()), policy=BOUND, pool_tokens=512, block_size=BLOCK,
-        max_model_len=8192, max_step_tokens=64, max_chunk_tokens=64))
+        max_model_len=8192, max_step_tokens=64, max_chunk_tokens=64, dtype="bfloat16",
+        mode="default"))
     try:
+        assert not engine.llm.vllm_config.model_config.enforce_eager  # compiled
         ceiling = engine.memory_ceiling(BOUND)
         per_session = engine.num_blocks // ceiling
         frames = [(32 * i, 32, 2) for i in range(60)]  # 1,920 input + 120 output tokens

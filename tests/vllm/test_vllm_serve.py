@@ -46,7 +46,8 @@ def text_turn(ws, text: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def server():
     config = ServerConfig(**TEXT_SERVER,
-                          engine="vllm", pool_tokens=POOL_TOKENS, policy=BOUND, mode="turn",
+                          engine="vllm", vllm_mode="eager", pool_tokens=POOL_TOKENS, policy=BOUND,
+                          mode="turn",
                           deadline_fraction=3.0, response_tokens=8)
     with served(config) as url:
         yield url

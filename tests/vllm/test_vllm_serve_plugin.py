@@ -1,6 +1,6 @@
 """The bound as vLLM users deploy it: `vllm serve` with the plugin's `--hf-overrides`.
 
-One `vllm serve` process in vLLM's default mode (compiled; on CPU vLLM runs scheduling
+One server process (vLLM's OpenAI server, what `vllm serve` runs) in vLLM's default mode (compiled; on CPU vLLM runs scheduling
 synchronously), a KV pool of 1,024 tokens (32 blocks of 32 at float32) and
 `sinks_window:4:128`. One completion of a 2,000-token Hamlet prompt + 1,000 greedy tokens
 (3,000 tokens: 94 blocks, ~3x the whole pool) through vLLM's own OpenAI server must run to
@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -69,8 +68,12 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("vllm_serve") / "server.log"
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                HF_HUB_OFFLINE="1")
-    command = [str(Path(sys.executable).parent / "vllm"), "serve", str(bundled_model_dir()),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    # vLLM's OpenAI server, as `vllm serve` starts it: the `vllm` script of vllm-cpu 0.32.0
+    # dies before parsing (`importlib.metadata.version("vllm")`: its distribution is named
+    # vllm-cpu), so the server's own module is run, the same server and arguments
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(bundled_model_dir()), "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32",
                "--block-size", str(BLOCK), "--max-model-len", "8192", "--max-num-seqs", "2",
                "--max-num-batched-tokens", str(STEP_TOKENS), "--kv-cache-memory-bytes",
                str(POOL_BYTES), "--seed", "0",

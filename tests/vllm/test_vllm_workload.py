@@ -42,7 +42,7 @@ def run(policy: str) -> tuple[dict, list[str], int]:
     bound = ResidencyPolicy.parse(policy)
     engine = VllmEngine.start(VllmEngineConfig(
         model_dir=str(bundled_model_dir()), policy=bound, pool_tokens=POOL_TOKENS,
-        block_size=32, max_model_len=8192, max_step_tokens=128))
+        block_size=32, max_model_len=8192, max_step_tokens=128, mode="eager"))
     engine.warm_up()
     try:
         return asyncio.run(_drive(engine, bound))

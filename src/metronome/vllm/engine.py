@@ -122,6 +122,12 @@ class VllmEngineConfig:
             extra["hf_overrides"] = overrides
         if self.mode == "eager":
             extra.update(enforce_eager=True, async_scheduling=False)
+        elif not on_cpu:
+            # this adapter reads each step's outputs in that step; vLLM's async scheduling
+            # (its default on GPUs; on CPU vLLM turns it off itself) hands them back a step
+            # later. The plugin inside `vllm serve` runs either way (it reserves for
+            # vLLM's max_in_flight_tokens, which counts the batches in flight).
+            extra["async_scheduling"] = False
         # vLLM refuses a pool that cannot hold one request of max_model_len; an unbounded
         # session cannot outgrow the pool anyway
         max_model_len = self.max_model_len if self.policy.bounded else min(
