@@ -3,8 +3,9 @@
 One server process (vLLM's OpenAI server, what `vllm serve` runs) in vLLM's default mode
 (compiled; on CPU vLLM schedules synchronously), a KV pool of 1,024 tokens (32 blocks of 32
 at float32) and `sinks_window:4:128`. One completion of a 2,000-token Hamlet prompt +
-1,000 greedy tokens (3,000 tokens: 94 blocks, ~3x the whole pool) must run to the end, token-exact against our engine's same rule (`tests.vllm.bound_reference`), while
-vLLM's own /metrics show the bound: KV use never above the plugin's per-request reservation
+1,000 greedy tokens (3,000 tokens: 94 blocks, ~3x the whole pool) must run to the end,
+token-exact against our engine's same rule (`tests.vllm.bound_reference`), while vLLM's own
+/metrics show the bound: KV use never above the plugin's per-request reservation
 (14 of 32 blocks), nothing preempted.
 """
 
