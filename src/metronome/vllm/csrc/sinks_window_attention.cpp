@@ -20,13 +20,23 @@
 // slot-major; or the "amx" writer's tiles of VNNI pairs (bf16 on a CPU with AMX):
 // key[c][d] at (c / 16) * 16 * D + (d / 2) * 32 + (c % 16) * 2 + d % 2 (tiles of 16 slots),
 // value[c][d] at (d / 16) * 16 * bs + (c / 2) * 32 + (d % 16) * 2 + c % 2 (tiles of 16
-// dims). Those are always converted to float scratch first (every tile, decode too).
+// dims): the VNNI pairs AVX512-BF16's dot product reads as they lie, so a bf16 cache there is
+// read in place (queries and probabilities as bf16 pairs, sums in float32, as vLLM's own AMX
+// kernel does); without AVX512-BF16 the blocks are converted to float scratch first.
 // Compiled by metronome.vllm.kernel (metronome.model.native's build cache).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -48,6 +58,7 @@ constexpr int kRowTile = 4;          // rows per register tile
 
 // How a (block, head) region is laid out (the caller's `layout` argument).
 enum Layout : int64_t { kKeysSlotMajor = 0, kKeysDimMajor = 1, kAmxTiles = 2 };
+constexpr int kAmxRows = 16;        // rows of an AMX tile register (kMaxRows is a multiple)
 
 template <typename T>
 inline float as_float(T x) { return static_cast<float>(x); }
@@ -68,7 +79,127 @@ struct Scratch {
   alignas(64) float v[kMaxBlock * kMaxD];    // one block's values, slot-major, float
   float run_max[kMaxRows], run_sum[kMaxRows];
   int64_t position[kMaxRows];
+  uint32_t qp[kMaxRows * kMaxD / 2];      // AMX tiles: queries as bf16 pairs (unscaled)
+  uint32_t pp[kMaxRows * kMaxBlock / 2];  // AMX tiles: one block's probabilities, bf16 pairs
+  // AMX tile registers (chunk tiles): queries and probabilities as bf16 rows, one product
+  alignas(64) uint16_t qb[kMaxRows * kMaxD];
+  alignas(64) uint16_t pb[kMaxRows * kMaxBlock];
+  alignas(64) float tile[kAmxRows * kLanes];
 };
+
+inline uint32_t bf16_pair(float low, float high) {
+  return static_cast<uint32_t>(c10::BFloat16(low).x) |
+         (static_cast<uint32_t>(c10::BFloat16(high).x) << 16);
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kDpbf16 = true;
+
+// n floats (a multiple of 16) to bf16, rounded to nearest even, 16 at a time
+inline void to_bf16(const float* from, uint16_t* to, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(from + i)));
+}
+
+// AMX tiles, bf16: s[r][c] = scale * q[r] . k[c] for R rows from r0, every block column.
+// A key tile of 16 slots holds, per dim pair p, 16 x (k[c][2p], k[c][2p+1]): one dpbf16
+// against the row's broadcast pair (q[2p], q[2p+1]) adds both products to 16 lanes.
+template <int R>
+inline void scores_amx(Scratch& w, int r0, int64_t D, int64_t bs, const uint16_t* keys,
+                       float scale) {
+  const int64_t pairs = D / 2;
+  for (int64_t c0 = 0; c0 < bs; c0 += kLanes) {
+    const uint16_t* tile = keys + c0 * D;
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + p * 2 * kLanes);
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm512_dpbf16_ps(
+            a[r], k, (__m512bh)_mm512_set1_epi32(static_cast<int>(w.qp[(r0 + r) * pairs + p])));
+    }
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(&w.s[(r0 + r) * bs + c0], _mm512_mul_ps(a[r], _mm512_set1_ps(scale)));
+  }
+}
+
+// AMX tiles, bf16: acc[r] += sum over the first `pairs` slot pairs of p[r][c] * v[c]. A value
+// tile of 16 dims holds, per slot pair, 16 x (v[2sp][d], v[2sp + 1][d]).
+template <int R>
+inline void values_amx(Scratch& w, int r0, int64_t D, int64_t bs, int64_t pairs,
+                       const uint16_t* values) {
+  for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+    const uint16_t* tile = values + d0 * bs;
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(&w.acc[(r0 + r) * D + d0]);
+    for (int64_t sp = 0; sp < pairs; ++sp) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(tile + sp * 2 * kLanes);
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm512_dpbf16_ps(
+            a[r], v, (__m512bh)_mm512_set1_epi32(static_cast<int>(w.pp[(r0 + r) * (bs / 2) + sp])));
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(&w.acc[(r0 + r) * D + d0], a[r]);
+  }
+}
+#else
+constexpr bool kDpbf16 = false;
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Tile registers: 0 = a product (16 rows x 16 float32), 1 = 16 rows of 32 bf16 (queries or
+// probabilities), 2 = 16 rows of 16 bf16 pairs (keys or values, as the cache holds them).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64};
+  uint8_t rows[16] = {kAmxRows, kAmxRows, kAmxRows};
+};
+
+// Linux gives a process the AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without it a tile instruction is SIGILL. Asked once.
+inline bool amx_usable() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// s[r][c] = scale * q[r] . k[c] for the 16 rows from r0 (rows past the task's are scratch),
+// every block column: tiles of 16 slots, 32 dims a product.
+inline void scores_amx_tiles(Scratch& w, int r0, int64_t D, int64_t bs, const uint16_t* keys,
+                             float scale) {
+  for (int64_t c0 = 0; c0 < bs; c0 += kLanes) {
+    _tile_zero(0);
+    for (int64_t k0 = 0; k0 < D; k0 += 32) {
+      _tile_loadd(1, &w.qb[r0 * D + k0], static_cast<int>(D * 2));
+      _tile_loadd(2, keys + c0 * D + k0 * kLanes, 64);  // dim pairs k0/2 .. k0/2 + 15
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, &w.s[r0 * bs + c0], static_cast<int>(bs * 4));
+  }
+  for (int r = r0; r < r0 + kAmxRows; ++r)
+#pragma omp simd
+    for (int64_t c = 0; c < bs; ++c) w.s[r * bs + c] *= scale;
+}
+
+// acc[r] += p[r] . v for the 16 rows from r0 over a whole block (every slot written): tiles
+// of 16 dims, 32 slots a product.
+inline void values_amx_tiles(Scratch& w, int r0, int rows, int64_t D, int64_t bs,
+                             const uint16_t* values) {
+  for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+    _tile_zero(0);
+    for (int64_t c0 = 0; c0 < bs; c0 += 32) {
+      _tile_loadd(1, &w.pb[r0 * bs + c0], static_cast<int>(bs * 2));
+      _tile_loadd(2, values + d0 * bs + c0 * kLanes, 64);  // slot pairs c0/2 .. c0/2 + 15
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, w.tile, kLanes * 4);
+    for (int r = 0; r < std::min(kAmxRows, rows - r0); ++r)
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) w.acc[(r0 + r) * D + d0 + l] += w.tile[r * kLanes + l];
+  }
+}
+#endif
 
 // s[r][c] = q[r] . k[c] for R rows starting at r0, all block columns (bs a multiple of
 // kLanes); keys dim-major at kt[d * bs + c], float scratch or the cache itself
@@ -126,6 +257,7 @@ struct Geometry {
   int64_t H, KVH, D, bs, block_stride, head_stride, max_blocks, sinks, window, sink_blocks;
   int group;
   Layout layout;
+  bool amx;  // AMX tile registers serve the chunk tiles (see amx_usable)
   float scale;
 };
 
@@ -146,6 +278,9 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
               const int32_t* block_table, scalar_t* out, Scratch& w,
               std::vector<int64_t>& blocks) {
   const int64_t D = g.D, bs = g.bs;
+  // AMX tiles of a bf16 cache with AVX512-BF16: dot products on the pairs as they lie
+  constexpr bool is_bf16 = std::is_same<scalar_t, c10::BFloat16>::value;
+  const bool in_place_pairs = kDpbf16 && is_bf16 && g.layout == kAmxTiles;
   const int tokens = static_cast<int>(t.token_end - t.token_begin);
   const int rows = tokens * g.group;
   for (int i = 0; i < tokens; ++i) {
@@ -159,7 +294,21 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
       w.run_max[r] = kMasked;
       w.run_sum[r] = 0.f;
       w.position[r] = t.first_position + i;
+      if (in_place_pairs && g.amx) {
+        for (int64_t d = 0; d < D; ++d) w.qb[r * D + d] = c10::BFloat16(as_float(qt[h * D + d])).x;
+      }
+      if (in_place_pairs) {
+        for (int64_t d = 0; d < D; d += 2)
+          w.qp[r * (D / 2) + d / 2] =
+              bf16_pair(as_float(qt[h * D + d]), as_float(qt[h * D + d + 1]));
+      }
     }
+  }
+  // AMX tile registers for chunk tiles (decode rows are few: AVX512-BF16 serves them)
+  const bool tiles = in_place_pairs && g.amx && rows > kRowTile;
+  if (tiles) {  // rows past the task's are read by the last product: zeros, not stale data
+    const int padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+    std::fill(&w.qb[rows * D], &w.qb[padded * D], uint16_t{0});
   }
   const int64_t last_position = t.first_position + tokens - 1;
   visited_blocks(g, t.first_position, last_position, blocks);
@@ -167,8 +316,10 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
   for (size_t i = 0; i < blocks.size(); ++i) {
     const int64_t logical = blocks[i];
     const scalar_t* region = cache + table[logical] * g.block_stride + t.kv_head * g.head_stride;
-    if (i + 1 < blocks.size()) {
+    if (i + 1 < blocks.size() && !in_place_pairs) {
       // blocks are scattered through the pool: fetch the next region while this one is used
+      // (not for AMX tiles: their products finish a block faster than 128 prefetches issue,
+      // measured 9 % of a chunk step's kernel time in the prefetch loop alone)
       const char* next = reinterpret_cast<const char*>(
           cache + table[blocks[i + 1]] * g.block_stride + t.kv_head * g.head_stride);
       const int64_t bytes = g.head_stride * static_cast<int64_t>(sizeof(scalar_t));
@@ -182,7 +333,7 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
     // garbage; their scores are never used (the softmax and the values loop stop at ncols).
     const bool direct = g.layout == kKeysDimMajor && (std::is_same<scalar_t, float>::value ||
                                                       rows <= kRowTile);
-    if (direct) {
+    if (direct || in_place_pairs) {
       // nothing to convert
     } else if (g.layout == kAmxTiles) {
       // keys: tiles of 16 slots, each pairs of dims x 16 slots x 2, read in storage order
@@ -212,7 +363,9 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
         for (int64_t c = ncols; c < bs; ++c) w.kt[d * bs + c] = 0.f;
       }
     }
-    if (g.layout == kAmxTiles) {
+    if (in_place_pairs) {
+      // read in place below
+    } else if (g.layout == kAmxTiles) {
       // values: tiles of 16 dims, each pairs of slots x 16 dims x 2
       for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
         const scalar_t* tile = values + d0 * bs;
@@ -229,20 +382,45 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
         for (int64_t d = 0; d < D; ++d) w.v[c * D + d] = as_float(values[c * D + d]);
       }
     }
-    over_row_tiles(rows, [&](auto r_tag, int r0) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles) {
+      for (int r0 = 0; r0 < rows; r0 += kAmxRows)
+        scores_amx_tiles(w, r0, D, bs, reinterpret_cast<const uint16_t*>(keys), g.scale);
+    }
+#endif
+    if (!tiles) over_row_tiles(rows, [&](auto r_tag, int r0) {
+#if defined(__AVX512BF16__)
+      if (in_place_pairs) {
+        scores_amx<decltype(r_tag)::value>(w, r0, D, bs,
+                                           reinterpret_cast<const uint16_t*>(keys), g.scale);
+        return;
+      }
+#endif
       if (direct) scores_tile<decltype(r_tag)::value>(w, r0, D, bs, keys);
       else scores_tile<decltype(r_tag)::value>(w, r0, D, bs, static_cast<const float*>(w.kt));
     });
     for (int r = 0; r < rows; ++r) {
+      // Visible columns of this row: c < n (j <= p), minus the gap [gap_begin, gap_end)
+      // (S <= j <= p - W); as ranges, so the loops below vectorize.
       const int64_t p = w.position[r];
       float* sr = &w.s[r * bs];
       float* ar = &w.acc[r * D];
+      const int64_t n = std::min(ncols, p - first + 1);
+      const int64_t gap_begin = std::max<int64_t>(0, g.sinks - first);
+      const int64_t gap_end = std::min(n, p - g.window + 1 - first);
+      for (int64_t c = gap_begin; c < gap_end; ++c) sr[c] = kMasked;
       float block_max = kMasked;
-      for (int64_t c = 0; c < ncols; ++c) {
-        const int64_t j = first + c;
-        const bool visible = j <= p && (j < g.sinks || p - j < g.window);
-        sr[c] = visible ? sr[c] : kMasked;
-        block_max = std::max(block_max, sr[c]);
+      if (n > 0) {
+#if defined(__AVX512F__)
+        __m512 lanes = _mm512_set1_ps(kMasked);
+        for (int64_t c = 0; c < n; c += kLanes) {
+          const __mmask16 valid = c + kLanes <= n ? 0xffff : (1u << (n - c)) - 1;
+          lanes = _mm512_mask_max_ps(lanes, valid, lanes, _mm512_maskz_loadu_ps(valid, sr + c));
+        }
+        block_max = _mm512_reduce_max_ps(lanes);
+#else
+        for (int64_t c = 0; c < n; ++c) block_max = std::max(block_max, sr[c]);
+#endif
       }
       if (block_max == kMasked) {  // nothing of this block is visible to this row
         for (int64_t c = 0; c < ncols; ++c) sr[c] = 0.f;
@@ -257,13 +435,48 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
       }
       const float m = w.run_max[r];
       float sum = 0.f;
-      for (int64_t c = 0; c < ncols; ++c) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < n; ++c) {
         const float e = sr[c] == kMasked ? 0.f : std::exp(sr[c] - m);
         sr[c] = e;
         sum += e;
       }
+      for (int64_t c = n; c < ncols; ++c) sr[c] = 0.f;  // past the row's own position
       w.run_sum[r] += sum;
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles && ncols == bs) {  // a whole block: every slot a product reads is written
+      for (int r = 0; r < rows; ++r)
+        to_bf16(&w.s[r * bs], &w.pb[r * bs], bs);
+      for (int r0 = 0; r0 < rows; r0 += kAmxRows)
+        values_amx_tiles(w, r0, rows, D, bs, reinterpret_cast<const uint16_t*>(values));
+      continue;
+    }
+#endif
+#if defined(__AVX512BF16__)
+    if (in_place_pairs) {
+      // probabilities as bf16 pairs of whole slot pairs; a last odd slot (its partner is
+      // unwritten, maybe NaN: never multiplied) is added in float32 on its own
+      const int64_t pairs = ncols / 2;
+      for (int r = 0; r < rows; ++r)  // pairs in memory order: (p[2sp], p[2sp + 1])
+        to_bf16(&w.s[r * bs], reinterpret_cast<uint16_t*>(&w.pp[r * (bs / 2)]), bs);
+      const uint16_t* vbits = reinterpret_cast<const uint16_t*>(values);
+      over_row_tiles(rows, [&](auto r_tag, int r0) {
+        values_amx<decltype(r_tag)::value>(w, r0, D, bs, pairs, vbits);
+      });
+      if (ncols % 2) {
+        const int64_t c = ncols - 1;
+        for (int r = 0; r < rows; ++r) {
+          const float p = w.s[r * bs + c];
+          for (int64_t d = 0; d < D; ++d)
+            w.acc[r * D + d] +=
+                p * as_float(values[(d / kLanes) * kLanes * bs + (c / 2) * 2 * kLanes +
+                                    (d % kLanes) * 2 + c % 2]);
+        }
+      }
+      continue;
+    }
+#endif
     over_row_tiles(rows, [&](auto r_tag, int r0) {
       if (direct) values_tile<decltype(r_tag)::value>(w, r0, D, bs, ncols, values);
       else values_tile<decltype(r_tag)::value>(w, r0, D, bs, ncols, static_cast<const float*>(w.v));
@@ -322,10 +535,18 @@ void sinks_window_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   g.sink_blocks = (sink_tokens + bs - 1) / bs;
   g.group = static_cast<int>(H / KVH);
   g.layout = static_cast<Layout>(layout);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  g.amx = layout == kAmxTiles && query.scalar_type() == at::kBFloat16 && amx_usable();
+#else
+  g.amx = false;
+#endif
   g.scale = static_cast<float>(scale);
   // Up to 8 tokens a tile (24 rows at SmolLM2's group of 3): a 16-token chunk makes two
-  // tiles per kv head, so a streaming step's few chunks spread over the threads.
-  const int64_t tile_tokens = std::max<int64_t>(1, std::min<int64_t>(8, kMaxRows / g.group));
+  // tiles per kv head, so a streaming step's few chunks spread over the threads. With AMX
+  // tiles, as many tokens as 48 rows hold (16 at a group of 3): whole 16-row products, and
+  // each block read once per chunk.
+  const int64_t tile_tokens = std::max<int64_t>(
+      1, std::min<int64_t>(g.amx ? kMaxRows : 8, kMaxRows / g.group));
 
   // Tasks, and every block any of them reads checked once: in the table, in the pool, and
   // not the null block (a visible key there would mean the manager freed a live block).
@@ -371,10 +592,18 @@ void sinks_window_attention(const at::Tensor& query, const at::Tensor& kv_cache,
           // per call would page-fault every step
           thread_local std::unique_ptr<Scratch> w(new Scratch);
           thread_local std::vector<int64_t> visited;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+          // every call: another library (oneDNN, vLLM's kernel) may have used the tiles
+          static const TileConfig config;
+          if (g.amx) _tile_loadconfig(&config);
+#endif
           for (int64_t worker = begin; worker < end; ++worker) {
             for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1))
               run_task<scalar_t>(tasks[i], g, qp, cp, table, op, *w, visited);
           }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+          if (g.amx) _tile_release();
+#endif
         });
       });
 }
