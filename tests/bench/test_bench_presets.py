@@ -185,6 +185,13 @@ def test_vllm_capacity_is_the_most_sessions_every_run_held():
     assert rows[("a", 24)]["goodput_min"] == 0.98 and rows[("a", 24)]["runs"] == 2
     assert {r["capacity"] for r in vllm.capacity(runs) if r["arm"] == "a"} == {32}
     assert {r["capacity"] for r in vllm.capacity(runs) if r["arm"] == "b"} == {0}
+    # runs at another GIL switch interval are their own series
+    slow = [{"arm": "a", "sessions": 16, "goodput": 0.9, "gil_switch_ms": 5.0}]
+    by_switch = {(r["arm"], r["gil_switch_ms"]): r["capacity"] for r in vllm.capacity(
+        runs + slow)}
+    assert by_switch == {("a", None): 32, ("a", 5.0): 0, ("b", None): 0}
+    with pytest.raises(ValueError, match="gil_switch_ms must be > 0"):
+        vllm.Config(gil_switch_ms=(0.0,))
 
 
 def test_the_memory_floor_reads_the_steps_own_pages_once(tiny_model):

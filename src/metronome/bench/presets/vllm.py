@@ -15,6 +15,7 @@ worst step ratio if steps ran, else the first arm's goodput at the most sessions
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -29,7 +30,7 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.model.weights import load_tokenizer
 from metronome.results.context import RunContext
 from metronome.results.report import Report, Table, derived
-from metronome.runtime.cores import reserve_for_engine_thread, shorten_gil_switch
+from metronome.runtime.cores import ENGINE_SWITCH_INTERVAL_S, reserve_for_engine_thread
 from metronome.runtime.profile import SessionProfile
 from metronome.sim.local import text_source
 from metronome.sim.workload import Workload
@@ -38,6 +39,7 @@ from metronome.stream import Stream
 NAME = "vllm"
 STOCK, SLIDING, PLUGIN = "vllm", "vllm_sliding_window", "vllm_metronome"
 ARMS = ("stock", "sliding_window", "unbounded", "bounded", "native")
+BEAT_ON_VLLM = ("unbounded", "bounded")  # the arms the GIL switch interval applies to
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Config(Knobs):
     vllm_mode: str = knob("default", "how vLLM runs: default (vLLM's own: compiled; on CPU "
                           "vLLM turns async scheduling off) or eager (enforce_eager)")
     repeats: int = knob(1, "runs of every (sessions, arm) point, each in a fresh process")
+    gil_switch_ms: tuple[float, ...] = knob(
+        (ENGINE_SWITCH_INTERVAL_S * 1e3,), "the beat's vLLM arms: the GIL switch interval, "
+        "each value its own runs (runtime.cores; what serve sets; Python's default is 5)")
     profile: bool = knob(False, "record every vLLM step (metronome.vllm.profile): shapes, "
                          "waiting, preemptions, time inside and outside vLLM's step")
 
@@ -65,6 +70,8 @@ class Config(Knobs):
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"unknown vLLM mode {self.vllm_mode!r}; known: "
                              f"{', '.join(VLLM_MODES)}")
+        if not self.gil_switch_ms or min(self.gil_switch_ms) <= 0:
+            raise ValueError(f"gil_switch_ms must be > 0, got {self.gil_switch_ms}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         for name, given, known in (("parts", self.parts, ("stream", "steps")),
@@ -84,15 +91,15 @@ class Config(Knobs):
                  steps_per_round=2)
 
 
-def stream_arm(cfg: Config, sessions: int, arm: str) -> dict:
+def stream_arm(cfg: Config, sessions: int, arm: str, switch_ms: float | None = None) -> dict:
     """One arm of the streaming workload (in the fresh process `run` starts for it)."""
     bound = ResidencyPolicy.sinks_window(cfg.sink_tokens, cfg.window_tokens)
     # the beat's arms run as `metronome serve` does (runtime.cores): the native engine keeps
     # torch's threads for its thread; vLLM binds its own, so it gets the GIL switch only
     if arm == "native":
         reserve_for_engine_thread()
-    elif arm in ("unbounded", "bounded"):
-        shorten_gil_switch()
+    elif arm in BEAT_ON_VLLM:
+        sys.setswitchinterval((switch_ms or ENGINE_SWITCH_INTERVAL_S * 1e3) / 1e3)
     profiler = None
     if arm == "native":
         engine = Engine(sy.load_model(), EngineConfig(pool_tokens=cfg.stream_pool_tokens))
@@ -199,18 +206,20 @@ def step_cells(cfg: Config, log) -> list[dict]:
 
 
 def capacity(stream: list[dict], floor: float = 0.99) -> list[dict]:
-    """Per arm: every point's runs (goodput: min and max over runs) and the most sessions
-    at which every run kept >= `floor` of its frames on time."""
+    """Per arm (and GIL switch interval, where it has several): every point's runs (goodput:
+    min and max over runs) and the most sessions at which every run kept >= `floor` of its
+    frames on time."""
     rows = []
-    for arm in dict.fromkeys(r["arm"] for r in stream):
-        points = sorted({r["sessions"] for r in stream if r["arm"] == arm})
-        held = [n for n in points if all((r["goodput"] or 0) >= floor for r in stream
-                                         if r["arm"] == arm and r["sessions"] == n)]
+    for arm, switch in dict.fromkeys((r["arm"], r.get("gil_switch_ms")) for r in stream):
+        mine = [r for r in stream if r["arm"] == arm and r.get("gil_switch_ms") == switch]
+        points = sorted({r["sessions"] for r in mine})
+        held = [n for n in points if all((r["goodput"] or 0) >= floor for r in mine
+                                         if r["sessions"] == n)]
         for n in points:
-            runs = [r["goodput"] or 0 for r in stream if r["arm"] == arm and r["sessions"] == n]
-            rows.append({"arm": arm, "sessions": n, "runs": len(runs), "goodput_min": min(runs),
-                         "goodput_max": max(runs), "held": n in held,
-                         "capacity": max(held, default=0)})
+            runs = [r["goodput"] or 0 for r in mine if r["sessions"] == n]
+            rows.append({"arm": arm, "gil_switch_ms": switch, "sessions": n, "runs": len(runs),
+                         "goodput_min": min(runs), "goodput_max": max(runs),
+                         "held": n in held, "capacity": max(held, default=0)})
     return rows
 
 
@@ -226,11 +235,17 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         result["steps"] = step_cells(cfg, ctx.log)
         ctx.keep("steps", result["steps"])
     stream = []
+    # the other arms do not depend on the switch interval: they run once per point and run
+    arms = [(arm, switch) for arm in cfg.stream_arms for switch in (
+        cfg.gil_switch_ms if arm in BEAT_ON_VLLM else (None,))]
     for repeat in range(cfg.repeats if "stream" in cfg.parts else 0):
         for n in cfg.stream_sessions:
-            for arm in cfg.stream_arms:
-                ctx.log(f"streaming: {n} sessions, {arm}, run {repeat + 1} of {cfg.repeats}")
-                stream.append(in_fresh_process(stream_arm, cfg, n, arm) | {"run": repeat + 1})
+            for arm, switch in arms:
+                ctx.log(f"streaming: {n} sessions, {arm}"
+                        f"{'' if switch is None else f' (GIL switch {switch:g} ms)'}, "
+                        f"run {repeat + 1} of {cfg.repeats}")
+                stream.append(in_fresh_process(stream_arm, cfg, n, arm, switch) | {
+                    "run": repeat + 1, "gil_switch_ms": switch})
                 ctx.keep("stream", stream)
     if stream:
         result |= {"stream": stream, "capacity": capacity(stream)}
@@ -264,12 +279,14 @@ REPORT = Report("Metronome on vLLM against vLLM's sliding window", spec=".3f", t
                                 ("sliding window ms", "sliding_window_ms", ".1f"),
                                 ("plugin ms", "plugin_ms", ".1f"), ("ratio", "ratio", ".2f"))),
     Table("Capacity: the most sessions every run held at >= 99 % of frames on time",
-          "capacity", (("arm", "arm", ""), ("sessions", "sessions", ""), ("runs", "runs", ""),
+          "capacity", (("arm", "arm", ""), ("GIL switch ms", "gil_switch_ms", "g"),
+                       ("sessions", "sessions", ""), ("runs", "runs", ""),
                        ("goodput, worst run", "goodput_min", ".3f"),
                        ("goodput, best run", "goodput_max", ".3f"), ("held", "held", ""),
                        ("capacity", "capacity", ""))),
     Table("Streaming runs (frames due: a deadline before the arm stopped)", "stream", (
-        ("sessions", "sessions", ""), ("arm", "arm", ""), ("run", "run", ""),
+        ("sessions", "sessions", ""), ("arm", "arm", ""), ("GIL switch ms", "gil_switch_ms", "g"),
+        ("run", "run", ""),
         ("frames", "frames", ""), ("never answered", "never_answered", ""),
         ("goodput", "goodput", ".3f"), ("p50 ms", "p50_ms", ".0f"),
         ("p95 ms", "p95_ms", ".0f"), ("stalled_kv", "stalled_kv", ""), *PROFILE)),))
