@@ -52,6 +52,7 @@ ARMS = ("native", "vllm_sliding_window")
 class Config(Knobs):
     arms: tuple[str, ...] = knob(ARMS, f"arms, of {', '.join(ARMS)}")
     duration_s: float = knob(7200.0, "how long the session streams (native arm)")
+    vllm_mode: str = knob("default", "how vLLM runs: default (compiled) or eager")
     vllm_duration_s: float = knob(900.0, "the vLLM arm's longest run (it stops at "
                                   "max_model_len well before)")
     period_s: float = knob(1.0, "frame period, and each frame's deadline")
@@ -141,7 +142,7 @@ def vllm_arm(cfg: Config) -> dict:
     output tokens, as the next step of the same request), until vLLM stops it."""
     bound = ResidencyPolicy.parse(cfg.policy)
     engine = sy.vllm_engine("vllm_sliding_window", bound, cfg.pool_tokens, cfg.max_model_len,
-                            1)
+                            1, mode=cfg.vllm_mode)
     engine.warm_up()
     source = text_source(load_tokenizer(), engine.vocab_size, cfg.tokens_in)
     stream = Stream("s0", spec=SessionProfile(max_output_tokens_per_frame=cfg.tokens_out,
@@ -228,9 +229,8 @@ def summarize(arms: list[dict], cfg: Config, skipped: list[dict]) -> dict:
 
 def run(ctx: RunContext, cfg: Config) -> dict:
     has_vllm = importlib.util.find_spec("vllm") is not None
-    ctx.record(model=BUNDLED_MODEL, dtype=sy.DTYPE, vllm_mode=(
-        "in-process, eager (VllmEngine's mode: enforce_eager, no async scheduling)"
-        if has_vllm else None))
+    ctx.record(model=BUNDLED_MODEL, dtype=sy.DTYPE,
+               vllm_mode=f"{cfg.vllm_mode}, in-process" if has_vllm else None)
     arms, skipped = [], []
     for arm in cfg.arms:
         if arm == "vllm_sliding_window" and not has_vllm:

@@ -34,6 +34,7 @@ class Config(Knobs):
     lengths: tuple[int, ...] = knob((1024, 4096), "tokens of context per session (L)")
     sink_tokens: int = knob(4, "the bound's sinks")
     window_tokens: int = knob(512, "the bound's window")
+    vllm_mode: str = knob("default", "how vLLM runs: default (vLLM's own: compiled) or eager")
     max_prefill_tokens: int = knob(65536, "cells with N x L over this are skipped")
     prefill_sessions: int = knob(8, "sessions both systems prefill for real, timed")
     decode_steps: int = knob(6, "decode steps per round and N")
@@ -41,7 +42,7 @@ class Config(Knobs):
     block_size: int = knob(32, "KV block size, both (vLLM's CPU attention: multiples of 32)")
 
     SMOKE = dict(sessions=(2, 4), lengths=(256,), window_tokens=64, decode_steps=3,
-                 repeats=2, prefill_sessions=2)
+                 repeats=2, prefill_sessions=2, vllm_mode="eager")
 
     def sessions_at(self, length: int) -> list[int]:
         return [n for n in self.sessions if n * length <= self.max_prefill_tokens]
@@ -80,7 +81,7 @@ def pair(cfg: Config, model, length: int, bounded: bool, log) -> list[dict]:
     pool = -(-max(sessions) * per_session // cfg.block_size) * cfg.block_size
     max_len = length + added + 1024
     budget = {"max_step_tokens": VLLM_STEP_TOKENS,  # its chunk: at most max_len (its rule)
-              "max_chunk_tokens": min(VLLM_STEP_TOKENS, max_len)}
+              "max_chunk_tokens": min(VLLM_STEP_TOKENS, max_len), "mode": cfg.vllm_mode}
     log(f"L={length:,} {'bounded' if bounded else 'unbounded'} vs {kind}: pools of {pool:,}")
     theirs = sy.vllm_engine(kind, bound, pool, max_len, max(cfg.sessions), cfg.block_size,
                             **budget)
@@ -139,7 +140,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
 
     torch.set_num_threads(os.cpu_count())
     model = sy.load_model()
-    ctx.record(model=BUNDLED_MODEL, dtype=sy.DTYPE, vllm=vllm.__version__, engine_path=
+    ctx.record(model=BUNDLED_MODEL, dtype=sy.DTYPE, vllm=vllm.__version__,
+               vllm_mode=cfg.vllm_mode, engine_path=
                f"vLLM {vllm.__version__} (CPU, in-process) vs native {engine_path('fast', model)}")
     rows = []
     for length in cfg.lengths:
