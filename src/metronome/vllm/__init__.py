@@ -38,7 +38,8 @@ pinned and freed), `attention` (exact CPU attention: vLLM's kernel inside S + W,
 writer puts each K/V element), `plugin` (the entry point); on GPUs `backends` (which
 attention backends apply the bound), `gpu_metadata` (prefix S in the metadata builds),
 `compaction` (Triton's block table cut to sink + window blocks); for the GPU check
-`triton_sources`, `flex_mask`, `gpu_check`.
+`triton_sources`, `flex_mask`, `gpu_check`; `engine` (`VllmEngine`, vLLM behind
+Metronome's engine seam) and `profile` (where its steps' time goes).
 Attention backends: CPU_ATTN on CPU; TRITON_ATTN, FLEX_ATTENTION and FA4 on GPUs (their
 R-SWA mask with the prefix at S); the others are refused with the reason (`backends`).
 """

@@ -316,10 +316,10 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
   for (size_t i = 0; i < blocks.size(); ++i) {
     const int64_t logical = blocks[i];
     const scalar_t* region = cache + table[logical] * g.block_stride + t.kv_head * g.head_stride;
-    if (i + 1 < blocks.size() && !in_place_pairs) {
-      // blocks are scattered through the pool: fetch the next region while this one is used
-      // (not for AMX tiles: their products finish a block faster than 128 prefetches issue,
-      // measured 9 % of a chunk step's kernel time in the prefetch loop alone)
+    if (i + 1 < blocks.size()) {
+      // blocks are scattered through the pool, which is far larger than the caches: fetch
+      // the next region while this one is used (with everything cached, as in a kernel-only
+      // timing, the loop costs ~9 % of a chunk's kernel time; in a step it pays)
       const char* next = reinterpret_cast<const char*>(
           cache + table[blocks[i + 1]] * g.block_stride + t.kv_head * g.head_stride);
       const int64_t bytes = g.head_stride * static_cast<int64_t>(sizeof(scalar_t));
