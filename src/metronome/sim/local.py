@@ -77,8 +77,11 @@ class RunConfig:
         resolve_dtype(self.dtype)  # raises for an unknown name
         if self.engine not in ("native", "vllm"):
             raise ValueError(f"engine must be native or vllm, got {self.engine!r}")
-        if self.vllm_mode not in ("default", "eager"):
-            raise ValueError(f"vllm_mode must be default or eager, got {self.vllm_mode!r}")
+        from metronome.vllm.engine import VLLM_MODES
+
+        if self.vllm_mode not in VLLM_MODES:
+            raise ValueError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got "
+                             f"{self.vllm_mode!r}")
         if self.engine == "vllm" and (self.clock != "wall" or self.input != "text"):
             raise ValueError("--engine vllm runs on the wall clock with text input (vLLM's "
                              "streaming input takes token ids; its steps are timed, not "

@@ -131,6 +131,9 @@ def stream_arm(cfg: Config, sessions: int, arm: str, switch_ms: float | None = N
     return result
 
 
+CHUNK_TOKENS = 16
+
+
 class Chunk:
     """Every session of `sids` feeds 16 tokens of text and samples one, each step (the
     streaming workload's input step)."""
@@ -145,9 +148,6 @@ class Chunk:
         self.offset += CHUNK_TOKENS
         while self.engine.has_work:
             self.engine.step()
-
-
-CHUNK_TOKENS = 16
 
 
 def step_cells(cfg: Config, log) -> list[dict]:

@@ -42,6 +42,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -79,17 +80,18 @@ struct Scratch {
   alignas(64) float v[kMaxBlock * kMaxD];    // one block's values, slot-major, float
   float run_max[kMaxRows], run_sum[kMaxRows];
   int64_t position[kMaxRows];
-  uint32_t qp[kMaxRows * kMaxD / 2];      // AMX tiles: queries as bf16 pairs (unscaled)
-  uint32_t pp[kMaxRows * kMaxBlock / 2];  // AMX tiles: one block's probabilities, bf16 pairs
-  // AMX tile registers (chunk tiles): queries and probabilities as bf16 rows, one product
+  // AMX layout, bf16: queries (unscaled) and one block's probabilities as bf16 rows, what
+  // a tile product loads and, read two at a time, the pairs a dpbf16 broadcasts
   alignas(64) uint16_t qb[kMaxRows * kMaxD];
   alignas(64) uint16_t pb[kMaxRows * kMaxBlock];
   alignas(64) float tile[kAmxRows * kLanes];
 };
 
-inline uint32_t bf16_pair(float low, float high) {
-  return static_cast<uint32_t>(c10::BFloat16(low).x) |
-         (static_cast<uint32_t>(c10::BFloat16(high).x) << 16);
+// the bf16 pair (row[0], row[1]) as one 32-bit lane, row[0] in its low half
+inline int bf16_pair_at(const uint16_t* row) {
+  int pair;
+  std::memcpy(&pair, row, sizeof pair);
+  return pair;
 }
 
 #if defined(__AVX512BF16__)
@@ -117,7 +119,7 @@ inline void scores_amx(Scratch& w, int r0, int64_t D, int64_t bs, const uint16_t
       const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + p * 2 * kLanes);
       for (int r = 0; r < R; ++r)
         a[r] = _mm512_dpbf16_ps(
-            a[r], k, (__m512bh)_mm512_set1_epi32(static_cast<int>(w.qp[(r0 + r) * pairs + p])));
+            a[r], k, (__m512bh)_mm512_set1_epi32(bf16_pair_at(&w.qb[(r0 + r) * D + 2 * p])));
     }
     for (int r = 0; r < R; ++r)
       _mm512_storeu_ps(&w.s[(r0 + r) * bs + c0], _mm512_mul_ps(a[r], _mm512_set1_ps(scale)));
@@ -137,7 +139,7 @@ inline void values_amx(Scratch& w, int r0, int64_t D, int64_t bs, int64_t pairs,
       const __m512bh v = (__m512bh)_mm512_loadu_si512(tile + sp * 2 * kLanes);
       for (int r = 0; r < R; ++r)
         a[r] = _mm512_dpbf16_ps(
-            a[r], v, (__m512bh)_mm512_set1_epi32(static_cast<int>(w.pp[(r0 + r) * (bs / 2) + sp])));
+            a[r], v, (__m512bh)_mm512_set1_epi32(bf16_pair_at(&w.pb[(r0 + r) * bs + 2 * sp])));
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(&w.acc[(r0 + r) * D + d0], a[r]);
   }
@@ -164,17 +166,24 @@ inline bool amx_usable() {
   return granted;
 }
 
+// Tile 0 = A . B over `depth` (a multiple of 32): A is 16 rows of bf16 at `a` (row stride
+// `a_stride_bytes`), B the cache's pairs at `b`, 16 lanes x 2 a row, 32 rows per 32 of depth.
+inline void tile_product(const uint16_t* a, int a_stride_bytes, const uint16_t* b,
+                         int64_t depth) {
+  _tile_zero(0);
+  for (int64_t k0 = 0; k0 < depth; k0 += 32) {
+    _tile_loadd(1, a + k0, a_stride_bytes);
+    _tile_loadd(2, b + k0 * kLanes, 64);  // pairs k0/2 .. k0/2 + 15
+    _tile_dpbf16ps(0, 1, 2);
+  }
+}
+
 // s[r][c] = scale * q[r] . k[c] for the 16 rows from r0 (rows past the task's are scratch),
 // every block column: tiles of 16 slots, 32 dims a product.
 inline void scores_amx_tiles(Scratch& w, int r0, int64_t D, int64_t bs, const uint16_t* keys,
                              float scale) {
-  for (int64_t c0 = 0; c0 < bs; c0 += kLanes) {
-    _tile_zero(0);
-    for (int64_t k0 = 0; k0 < D; k0 += 32) {
-      _tile_loadd(1, &w.qb[r0 * D + k0], static_cast<int>(D * 2));
-      _tile_loadd(2, keys + c0 * D + k0 * kLanes, 64);  // dim pairs k0/2 .. k0/2 + 15
-      _tile_dpbf16ps(0, 1, 2);
-    }
+  for (int64_t c0 = 0; c0 < bs; c0 += kLanes) {  // a tile of 16 slots, dims in pairs
+    tile_product(&w.qb[r0 * D], static_cast<int>(D * 2), keys + c0 * D, D);
     _tile_stored(0, &w.s[r0 * bs + c0], static_cast<int>(bs * 4));
   }
   for (int r = r0; r < r0 + kAmxRows; ++r)
@@ -186,13 +195,8 @@ inline void scores_amx_tiles(Scratch& w, int r0, int64_t D, int64_t bs, const ui
 // of 16 dims, 32 slots a product.
 inline void values_amx_tiles(Scratch& w, int r0, int rows, int64_t D, int64_t bs,
                              const uint16_t* values) {
-  for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-    _tile_zero(0);
-    for (int64_t c0 = 0; c0 < bs; c0 += 32) {
-      _tile_loadd(1, &w.pb[r0 * bs + c0], static_cast<int>(bs * 2));
-      _tile_loadd(2, values + d0 * bs + c0 * kLanes, 64);  // slot pairs c0/2 .. c0/2 + 15
-      _tile_dpbf16ps(0, 1, 2);
-    }
+  for (int64_t d0 = 0; d0 < D; d0 += kLanes) {  // a tile of 16 dims, slots in pairs
+    tile_product(&w.pb[r0 * bs], static_cast<int>(bs * 2), values + d0 * bs, bs);
     _tile_stored(0, w.tile, kLanes * 4);
     for (int r = 0; r < std::min(kAmxRows, rows - r0); ++r)
 #pragma omp simd
@@ -294,13 +298,8 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
       w.run_max[r] = kMasked;
       w.run_sum[r] = 0.f;
       w.position[r] = t.first_position + i;
-      if (in_place_pairs && g.amx) {
-        for (int64_t d = 0; d < D; ++d) w.qb[r * D + d] = c10::BFloat16(as_float(qt[h * D + d])).x;
-      }
       if (in_place_pairs) {
-        for (int64_t d = 0; d < D; d += 2)
-          w.qp[r * (D / 2) + d / 2] =
-              bf16_pair(as_float(qt[h * D + d]), as_float(qt[h * D + d + 1]));
+        for (int64_t d = 0; d < D; ++d) w.qb[r * D + d] = c10::BFloat16(as_float(qt[h * D + d])).x;
       }
     }
   }
@@ -459,7 +458,7 @@ void run_task(const Task& t, const Geometry& g, const scalar_t* q, const scalar_
       // unwritten, maybe NaN: never multiplied) is added in float32 on its own
       const int64_t pairs = ncols / 2;
       for (int r = 0; r < rows; ++r)  // pairs in memory order: (p[2sp], p[2sp + 1])
-        to_bf16(&w.s[r * bs], reinterpret_cast<uint16_t*>(&w.pp[r * (bs / 2)]), bs);
+        to_bf16(&w.s[r * bs], &w.pb[r * bs], bs);
       const uint16_t* vbits = reinterpret_cast<const uint16_t*>(values);
       over_row_tiles(rows, [&](auto r_tag, int r0) {
         values_amx<decltype(r_tag)::value>(w, r0, D, bs, pairs, vbits);
