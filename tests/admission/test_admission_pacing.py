@@ -52,12 +52,65 @@ def test_real_time_input_is_never_self_paced_however_chunked_or_congested():
     assert not any(verdicts(SelfPacing(frame_period_s=1.0), congested, deadline_s=2.0))
 
 
-def test_a_pause_buys_one_frame_of_burst_and_size_is_still_judged():
-    frames = [(0.0, 0.5), (10.0, 10.9), (10.0, 10.95), (10.0, 11.0), (10.0, 11.0)]
-    # ahead: 0, -1 (credit capped at one period), 0, 1, 2
-    assert verdicts(SelfPacing(frame_period_s=1.0), frames) == [False] * 4 + [True]
+def queued(arrivals: list[float], work_s: float) -> list[tuple[float, float]]:
+    """(arrival, finish) of frames each taking `work_s`, each after its session's previous."""
+    frames, finish_s = [], float("-inf")
+    for arrival_s in arrivals:
+        finish_s = max(arrival_s, finish_s) + work_s
+        frames.append((arrival_s, finish_s))
+    return frames
+
+
+def test_a_streamer_fallen_behind_that_catches_up_is_never_ahead():
+    """Issue 43: a real-time streamer (1 s frames) whose frames a lagging loop read 2.5, 3 and
+    1 periods late, each time in a bunch and answered late, each queued behind the last. The
+    one-period cap on credit for lateness (the old rule) counted the catch-up as input ahead
+    of real time (frame 4: -1, 5: 0, 6: 1, 7: 1.55 > 1, queued: self-paced)."""
+    on_time = {i: i + 0.05 for i in range(20)}
+    read_at = on_time | dict.fromkeys((4, 5, 6), 6.6) | dict.fromkeys((10, 11, 12, 13), 13.1) | {
+        16: 17.05}
+    frames = queued([read_at[i] for i in range(20)], work_s=0.4)
+    assert sum(f > a + 1.0 for a, f in frames) >= 3  # late, and queued behind their own
+    assert not any(verdicts(SelfPacing(frame_period_s=1.0), frames))
+
+
+def test_a_client_faster_than_real_time_from_its_start_is_judged_within_a_few_frames():
+    # 1 s of audio every 1/6 s: ahead 0, 0.83, 1.67 s (the lateness allowance is no credit)
+    frames = queued([k / 6 for k in range(12)], work_s=0.3)
+    assert verdicts(SelfPacing(frame_period_s=1.0), frames) == [False] * 2 + [True] * 10
+
+
+def test_a_pause_buys_a_bounded_burst_and_size_is_still_judged():
+    """A pause far longer than the catch-up allowance (`max_behind_s`, 5 s) then a flood (a
+    1 s frame every 0.1 s): credit runs out after 5 s of it (ahead -5, then 0.9 s more with
+    each frame), however long the pause. The old rule capped the credit at one period: the
+    flood was judged from its 4th frame on, and so was a streamer catching up (above)."""
+    for pause_s in (60.0, 600.0):
+        flood = queued([0.0] + [pause_s + 0.1 * k for k in range(12)], work_s=0.3)
+        assert verdicts(SelfPacing(frame_period_s=1.0), flood) == [False] * 8 + [True] * 5
+    flood = queued([0.0] + [60.0 + 0.1 * k for k in range(16)], work_s=0.3)
+    assert verdicts(SelfPacing(frame_period_s=1.0, max_behind_s=7.5),
+                    flood) == [False] * 11 + [True] * 6
+    assert SelfPacing(frame_period_s=4.0, max_behind_s=1.0).max_behind_s == 4.0  # >= a period
     assert SelfPacing(max_own_tokens=64).judge(result(0.0, 1.0, tokens=65))
     assert not SelfPacing(max_own_tokens=64).judge(result(0.0, 1.0, tokens=64))
+
+
+def test_a_streamer_that_answers_nothing_while_behind_keeps_its_pace_across_intervals():
+    """The controller forgets sessions with nothing answered in an interval; a streamer whose
+    frames a lagging loop reads 3.5 s late answers nothing for 4 intervals, and restarted at
+    0 its catch-up bunch would read as 2 periods ahead. Its pace outlives its verdict."""
+    controller = AdmissionController(AIMDLimit(initial_cap=8), lambda: 4, interval_s=1.0,
+                                     frame_period_s=1.0)
+    read_at = [i + 0.05 for i in range(4)] + [7.55] * 4 + [i + 0.05 for i in range(8, 12)]
+    events = [(f, result(a, f, index=i)) for i, (a, f) in enumerate(queued(read_at, 0.3))]
+    events += [(float(t), None) for t in range(1, 14)]
+    for at_s, frame in sorted(events, key=lambda e: e[0]):
+        if frame is None:
+            controller.end_interval(at_s)
+        else:
+            controller.on_result(frame)
+    assert len(controller.history) == 13 and not any(s.self_paced for s in controller.history)
 
 
 SLOW = StepCostModel(fixed_s=0.05, per_token_s=0.001, per_context_token_s=0.0)

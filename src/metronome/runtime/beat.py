@@ -68,8 +68,10 @@ class FeedPolicy:
     large pieces (40 streaming sessions: goodput 0.957 and 0.969 with that vs 1.000 without).
     A limited piece is fed once the engine has consumed the last one (the engine takes one
     chunk per step from a session: pieces fed while one is there would run as fragments).
-    Ahead mirrors `admission.pacing`'s self-paced judgement, so the sessions admission
-    leaves out of its signal are the ones the feed holds back.
+    Ahead is the queue half of `admission.pacing`'s self-paced judgement, so the sessions
+    admission leaves out of its signal are among those the feed holds back; admission also
+    asks that the input arrived ahead of real time by the clock, so a streamer fallen behind
+    is held back here but stays in its signal.
     """
 
     ahead_tokens: int = EngineConfig.max_chunk_tokens
@@ -256,7 +258,8 @@ class Beat:
     # ---- the feed ----------------------------------------------------------------------
     def _ahead(self, stream: Stream) -> bool:
         """Its input runs ahead of real time: a frame queued behind its own, or more than one
-        step's chunk of its own input queued (`admission.pacing`'s two rules). A backlog that
+        step's chunk of its own input queued (the queue halves of `admission.pacing`'s two
+        rules; its pace rule also reads the input's arrival against the clock). A backlog that
         KV stalls left is the server's doing, not the session's: it goes in whole (fed in
         shares it would fit the last free blocks and turn `stalled_kv` frames into slow,
         late ones)."""
