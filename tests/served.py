@@ -90,7 +90,8 @@ def served(config: ServerConfig, env: dict | None = None) -> Iterator[str]:
     """`config` (its port replaced by a free one) served by `serve_forever` in a subprocess
     (with `env` added to its environment)."""
     port = free_port()
-    config = config.model_copy(update={"port": port})
+    config = config.model_copy(update={"port": port,  # and a health listener of its own
+                                       "health_port": config.health_port or free_port()})
     program = ("import sys; from metronome.serve.config import ServerConfig; "
                "from metronome.serve.server import serve_forever; "
                "serve_forever(ServerConfig.model_validate_json(sys.argv[1]), 'warning')")

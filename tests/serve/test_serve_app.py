@@ -175,6 +175,32 @@ def test_healthz_metrics_and_sessions_list(server):
     assert metric(server, "metronome_frames_total", status="ok") >= 1
 
 
+def test_the_health_listener_serves_probes_only_and_readyz_says_draining(server):
+    probes = server.health_url
+    assert probes != server.url
+    assert httpx.get(probes + "/healthz").json()["status"] in ("ok", "degraded", "critical")
+    assert httpx.get(probes + "/readyz").json() == {"status": "ready"}
+    assert httpx.get(server.url + "/readyz").status_code == 200  # the client port too
+    assert "metronome_door_connections" in httpx.get(probes + "/metrics").text
+    other = httpx.get(probes + "/v1/sessions")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
+    with pytest.raises(Exception):  # noqa: B017 - refused before the upgrade
+        connect(probes.replace("http", "ws", 1) + "/v1/realtime", open_timeout=5)
+    door = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+            if line.startswith("metronome_door_connections{")]
+    assert any('listener="health"' in line for line in door), door
+
+
+def test_readyz_is_503_while_draining(model):
+    with ServerThread(ServerConfig(**SMALL), *model) as draining:
+        serving = draining.app.state.serving
+        serving.driver.loop.call_soon_threadsafe(serving.drain, 60.0)  # on its loop
+        time.sleep(0.2)
+        ready = httpx.get(draining.health_url + "/readyz")
+        assert (ready.status_code, ready.json()) == (503, {"status": "draining"})
+        assert httpx.get(draining.health_url + "/healthz").status_code == 200  # alive
+
+
 def test_message_size_binary_and_transport_cap():
     config = ServerConfig(**SMALL, max_message_bytes=16384)  # transport cap: 64 KiB
     with ServerThread(config) as limited, connect(limited.ws_url) as ws:

@@ -20,6 +20,7 @@ from metronome.serve.edge.auth import chosen_subprotocol, key_matches, offered_k
 from metronome.serve.edge.guard import (
     ABORT_EXTENSION,
     REFUSAL_WAIT_S,
+    Door,
     TransportLimits,
     protocols,
 )
@@ -165,6 +166,43 @@ def test_idle_peers_are_forgotten_once_their_bucket_is_full():
     held.release()
 
 
+def test_a_peers_leases_are_capped_and_count_against_its_connections():
+    table = PeerTable(PeerLimits(max_open=3, per_s=100.0, burst=100, max_leases=2))
+    leases = [table.hold_lease("10.0.0.1", 0.0) for _ in range(2)]
+    assert all(isinstance(lease, PeerSlot) for lease in leases)
+    full = table.hold_lease("10.0.0.1", 0.0)
+    assert full.reason == Refusal.TOO_MANY_LEASES and "2 sessions" in full.message
+    assert isinstance(table.hold_lease("10.0.0.2", 0.0), PeerSlot)  # another peer's own
+    assert isinstance(table.open("10.0.0.1", 0.0), PeerSlot)  # 2 leases + 1 open = 3
+    refused = table.open("10.0.0.1", 0.0)
+    assert refused.reason == Refusal.TOO_MANY_OPEN and "2 of them sessions held" in (
+        refused.message)
+    leases[0].release()
+    leases[0].release()  # once only
+    assert table.num_leased("10.0.0.1") == 1 and table.num_open("10.0.0.1") == 1
+    assert isinstance(table.open("10.0.0.1", 0.0), PeerSlot)
+    table.open("10.0.0.9", 10.0)  # a prune: a peer holding a lease is remembered
+    assert table.num_leased("10.0.0.1") == 1
+
+
+def test_resumes_are_rate_limited_per_peer_and_for_the_whole_server():
+    limits = TransportLimits(request_timeout_s=1.0, max_header_bytes=2048, max_connections=8,
+                             pings_per_s=10, ping_burst=8, resumes_per_s=10.0, resume_burst=3,
+                             peers=PeerLimits(max_open=8, per_s=100.0, burst=100,
+                                              resumes_per_s=1.0, resume_burst=2))
+    door = Door(limits)
+    assert door.take_resume("10.0.0.1", 0.0) is None
+    assert door.take_resume("10.0.0.1", 0.0) is None
+    per_peer = door.take_resume("10.0.0.1", 0.0)  # its burst of 2 is spent
+    assert per_peer.reason == Refusal.RESUMES_TOO_FAST and "your address" in per_peer.message
+    assert per_peer.reason.http_status == 429
+    assert door.take_resume("10.0.0.2", 0.0) is None  # the server's third
+    server_wide = door.take_resume("10.0.0.3", 0.0)  # a fresh peer, but the server's spent
+    assert server_wide.reason == Refusal.RESUMES_TOO_FAST and "all clients" in (
+        server_wide.message)
+    assert door.take_resume("10.0.0.3", 0.1) is None  # 0.1 s at 10/s: one back
+
+
 def test_ipv6_peers_are_their_64_and_mapped_ipv4_is_ipv4():
     assert peer_key("2001:db8:1:2:aaaa::1") == peer_key("2001:db8:1:2:bbbb::2") == (
         "2001:db8:1:2::/64")
@@ -292,7 +330,8 @@ def _guarded_server(limits):
     """tiny_app behind the guard with `limits` on a free loopback port: yields the port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(tiny_app, log_level="warning", **protocols(limits)))
+    server = uvicorn.Server(uvicorn.Config(tiny_app, log_level="warning",
+                                           **protocols(Door(limits))))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -393,10 +432,19 @@ def test_headers_within_the_cap_in_one_send_are_served(guarded_port):
     sock.close()
 
 
+def _served(port: int) -> socket.socket:
+    """A connection that completed a request (kept alive: never evicted)."""
+    sock = _open(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = b""
+    while not answer.endswith(b"0\r\n\r\n"):  # chunked: the last chunk
+        answer += sock.recv(4096)
+    return sock
+
+
 def _refused_past_the_cap(port: int, request: bytes) -> tuple[bytes, float]:
-    """What a connection past the cap reads, and when (s): the cap is held by sockets that
-    the request timer drops 0.5 s later, so each case holds it anew."""
-    held = [_open(port) for _ in range(LIMITS.max_connections)]
+    """What a connection past the cap reads, and when (s): the cap is held by connections
+    that completed a request (uvicorn keeps them alive 5 s), so none may be evicted."""
+    held = [_served(port) for _ in range(LIMITS.max_connections)]
     time.sleep(0.1)
     started = time.monotonic()
     answer = _read_all(_open(port, request))
@@ -419,6 +467,41 @@ def test_connections_past_the_cap_get_503_at_their_request(guarded_port, monkeyp
     refused, elapsed_s = _refused_past_the_cap(guarded_port, b"")
     assert refused.startswith(b"HTTP/1.1 503")
     assert elapsed_s < 0.3
+
+
+def test_at_the_cap_the_quietest_half_open_connection_makes_room(guarded_port):
+    """Half-open connections (no request's headers complete) hold the cap: a new one takes
+    the place of the quietest, which is dropped; one that completed a request stays."""
+    time.sleep(LIMITS.request_timeout_s)  # the previous test's sockets are gone
+    served = _served(guarded_port)
+    half_open = [_open(guarded_port, b"GET / HTT") for _ in range(LIMITS.max_connections - 1)]
+    time.sleep(0.05)
+    half_open[0].sendall(b"P")  # the oldest is no longer the quietest
+    time.sleep(0.05)
+    newcomer = _open(guarded_port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert _read_all(newcomer).startswith(b"HTTP/1.1 200")
+    assert _read_all(half_open[1]) == b""  # evicted: closed without a word
+    served.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert _read_all(served).startswith(b"HTTP/1.1 200")  # a completed one is never evicted
+    for sock in half_open:
+        sock.close()
+
+
+def test_near_the_cap_a_new_connection_gets_the_short_handshake_deadline():
+    limits = TransportLimits(request_timeout_s=5.0, max_header_bytes=2048, max_connections=4,
+                             pings_per_s=10, ping_burst=8, peers=UNLIMITED_PEERS,
+                             near_cap_fraction=0.5, near_cap_handshake_s=0.3)
+    for port in _guarded_server(limits):
+        calm = [_open(port, b"GET / HTT") for _ in range(2)]  # below half the cap: 5 s
+        started = time.monotonic()
+        late = _open(port, b"GET / HTT")  # at half the cap: 0.3 s
+        assert _read_all(late) == b""
+        assert time.monotonic() - started < 1.0
+        calm[0].settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            calm[0].recv(1)  # still open, on its own deadline
+        for sock in calm:
+            sock.close()
 
 
 def test_a_websocket_can_drop_its_transport(guarded_port):

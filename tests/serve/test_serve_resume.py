@@ -1,7 +1,8 @@
 """Resuming a session after its connection drops (`serve.resume`), end to end on a real server
-with the bundled SmolLM2: the continuation is token-exact against an uninterrupted session
-with the same inputs, whether the socket ended with a FIN or a reset; the events produced
-while the client was away are delivered in order on resume; a lease that expires gives every
+with the bundled SmolLM2: the answer under way at the drop stops there (a dropped client
+keeps no engine busy), token-exact as far as it got against an uninterrupted session with
+the same inputs, whether the socket ended with a FIN or a reset, and the session goes on;
+the events produced before the client was noticed gone are delivered in order on resume; a lease that expires gives every
 block back; tokens resume once, only their own session, only with the session's key; and a
 resume while the old socket still looks open takes the session over (4001)."""
 
@@ -119,7 +120,7 @@ def test_a_dropped_session_resumes_token_exact(server, reset):
     assert 0 < leased["lease_expires_in_s"] <= 30.0
     health = httpx.get(server.url + "/healthz").json()
     assert health["leased_sessions"] == 1 and health["sessions"] == 1  # admission counts it
-    time.sleep(1.0)  # the answer is made while the client is away
+    time.sleep(1.0)  # nothing more is made while the client is away
     with _resume(server, session_id, resume["token"], seen[-1]["event_id"]) as again:
         resumed = recv(again)
         assert resumed["type"] == "metronome.session.resumed"
@@ -130,15 +131,21 @@ def test_a_dropped_session_resumes_token_exact(server, reset):
                 resumed["resumed"]["last_client_event_id"]) == (2, "q0-create")
         assert resumed["session"]["metronome"]["resume"]["token"] != resume["token"]
         replayed = [recv(again) for _ in range(resumed["resumed"]["replayed_events"])]
-        assert replayed[-1]["type"] == "response.done"  # the whole answer, none of it twice
+        # the answer under way stopped at the drop (a dropped client keeps no engine busy):
+        # replayed as far as it got, cancelled, none of it twice
+        done = [e for e in replayed if e["type"] == "response.done"]
+        assert len(done) == 1 and done[0]["response"]["status"] == "cancelled", replayed
         assert not ({e["event_id"] for e in replayed} & {e["event_id"] for e in seen})
         events = seen + replayed
         for question in QUESTIONS[1:]:
             _ask(again, question)
             events += recv_until(again, "response.done", timeout_s=60.0)
-    assert _answers(events) == expected
+    answers = _answers(events)
+    assert expected[0].startswith(answers[0])  # token-exact as far as it got
+    assert len(answers) == len(QUESTIONS) and all(answers[1:])  # the session goes on
     frames = [e["frame"]["index"] for e in events if e["type"] == "metronome.frame"]
-    assert frames == sorted(frames) and len(set(frames)) == len(frames)  # numbering goes on
+    assert sorted(frames) == list(range(len(frames)))  # numbering goes on (a cancelled
+    # reply's frame may be answered before the input frame ahead of it)
     assert metric(server, "metronome_session_resumes_total", outcome="resumed") >= 1
 
 

@@ -43,6 +43,10 @@ HEALTH_STATE = "metronome_health_state"
 SESSION_RESUMES_TOTAL = "metronome_session_resumes_total"
 SESSION_LEASES_ENDED_TOTAL = "metronome_session_leases_ended_total"
 SESSIONS_LEASED = "metronome_sessions_leased"
+SESSION_LEASES_REFUSED_TOTAL = "metronome_session_leases_refused_total"
+DOOR_CONNECTIONS = "metronome_door_connections"
+DOOR_HALF_OPEN = "metronome_door_half_open_connections"
+DOOR_REFUSALS_TOTAL = "metronome_door_refusals_total"
 SESSION_RESUME_SECONDS = "metronome_session_resume_seconds"
 SESSION_CHECKPOINTS_TOTAL = "metronome_session_checkpoints_total"
 SESSION_MIGRATIONS_TOTAL = "metronome_session_migrations_total"
@@ -154,6 +158,10 @@ class Metrics:
                                    registry=reg)
         for outcome in LEASE_OUTCOMES:
             self._lease_ends.labels(outcome)
+        self._leases_refused = Counter(
+            SESSION_LEASES_REFUSED_TOTAL, "Dropped sessions not held for a resume: their "
+            "peer's held sessions were at --max-leases-per-peer (the session ended).",
+            registry=self.registry)
         self._leased = Gauge(SESSIONS_LEASED, "Sessions held for a client that dropped "
                              "(counted in the open sessions too).", registry=reg)
         self._resume_seconds = Histogram(
@@ -199,6 +207,15 @@ class Metrics:
 
     def observe_resume(self, latency_s: float) -> None:
         self._resume_seconds.observe(latency_s)
+
+    def lease_refused(self) -> None:
+        """A dropped session was not held: its peer's sessions held for a resume are full."""
+        self._leases_refused.inc()
+
+    def watch_door(self, door) -> None:
+        """Export the transport's door (`serve.edge.guard.Door`), read at scrape time:
+        connections per listener, half-open ones, and what it refused or evicted."""
+        self.registry.register(_DoorCollector(door))
 
     def set_sessions_leased(self, num_sessions: int) -> None:
         self._leased.set(num_sessions)
@@ -274,3 +291,33 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format (what /metrics serves)."""
         return generate_latest(self.registry)
+
+
+class _DoorCollector:
+    """The door's numbers as Prometheus families, read when scraped (the loop owns the door;
+    a scrape runs on the loop too)."""
+
+    REASONS = ("at_capacity", "peer_limit", "health_at_capacity", "resume_rate",
+               "evicted_half_open")
+
+    def __init__(self, door) -> None:
+        self.door = door
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        door = self.door
+        connections = GaugeMetricFamily(DOOR_CONNECTIONS, "Open TCP connections counted by "
+                                        "the door, per listener.", labels=["listener"])
+        connections.add_metric(["client"], door.num_open)
+        connections.add_metric(["health"], door.num_health_open)
+        yield connections
+        yield GaugeMetricFamily(DOOR_HALF_OPEN, "Client connections that have not completed "
+                                "a request's headers (evicted first at the cap).",
+                                value=len(door.half_open))
+        refusals = CounterMetricFamily(DOOR_REFUSALS_TOTAL.removesuffix("_total"),
+                                       "Connections the door refused or evicted, by reason.",
+                                       labels=["reason"])
+        for reason in sorted(set(self.REASONS) | set(door.refusals)):
+            refusals.add_metric([reason], door.refusals[reason])
+        yield refusals

@@ -1,4 +1,7 @@
-"""The FastAPI app: `GET /healthz`, `GET /metrics`, `GET /v1/sessions`, `WS /v1/realtime`.
+"""The FastAPI app: `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /v1/sessions`,
+`WS /v1/realtime`. `/healthz` (liveness: the server's health verdict, 200 while it answers)
+and `/readyz` (readiness: 200 while it takes new sessions, 503 draining) are served on the
+client port and on the health listener (`serve.edge.guard`), which probes should use.
 
 The lifespan builds the serving state inside the running loop (the wall driver needs it):
 model (loaded from the config unless injected), engine, `Serving`. With an API key
@@ -14,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, WebSocket
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from metronome.engine.engine import Engine
@@ -27,9 +30,10 @@ from metronome.serve.resume.checkpoint import CheckpointStore
 from metronome.serve.serving import Serving
 from metronome.serve.status import STATUS_PAGE_PATH, add_status_routes
 
-OPEN_PATHS = frozenset({"/healthz", STATUS_PAGE_PATH, CONSOLE_PAGE_PATH})  # /healthz: its
-# status only without the key; the status page and the console hold no data (they poll
-# /v1/status, which needs the key; the console's WebSocket offers it too)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", STATUS_PAGE_PATH, CONSOLE_PAGE_PATH})
+# /healthz: its status only without the key; /readyz says ready or draining; the status page
+# and the console hold no data (they poll /v1/status, which needs the key; the console's
+# WebSocket offers it too)
 
 
 def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=None,
@@ -56,6 +60,9 @@ def create_app(config: ServerConfig, model: LlamaModel | None = None, tokenizer=
                                 model_name=model_name, checkpoint_store=checkpoint_store,
                                 server_name=server_name)
             app.state.serving = state
+            door = getattr(app.state, "door", None)  # under `serve.server`'s uvicorn
+            if door is not None:
+                state.metrics.watch_door(door)
             try:
                 yield
             finally:
@@ -104,6 +111,13 @@ def _routes(app: FastAPI, config: ServerConfig) -> None:
         health = request.app.state.serving.health()
         return health if request_has_key(request.scope, config.api_key) else {
             "status": health["status"]}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> Response:
+        serving = request.app.state.serving
+        ready = not serving.draining
+        return JSONResponse({"status": "ready" if ready else "draining"},
+                            status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -174,8 +174,36 @@ class ServerConfig(BaseModel):
                                      "connect; slower ones are dropped (slowloris)")
     max_header_bytes: int = Field(16 << 10, ge=1024, description="largest HTTP request line "
                                   "plus headers; larger ones are answered 431")
-    max_connections: int = Field(512, ge=2, description="open TCP connections, WebSockets "
-                                 "included; one more is answered 503 at once and closed")
+    max_connections: int = Field(512, ge=2, description="open TCP connections on the client "
+                                 "port, WebSockets included; at the cap a new one takes the "
+                                 "place of the quietest connection that has not completed a "
+                                 "request, else it is answered 503 at once and closed")
+    near_cap_fraction: float = Field(0.75, gt=0, le=1, description="once this share of "
+                                     "max_connections is open, a new connection must send "
+                                     "its first request within near_cap_handshake_s")
+    near_cap_handshake_s: float = Field(1.0, gt=0, description="the first request's deadline "
+                                        "for a connection opened near the cap")
+    health_port: int | None = Field(None, ge=0, le=65535, description="the health listener's "
+                                    "port (/healthz, /readyz, /metrics only, a connection "
+                                    "budget of its own: point probes here); default: port + 1 "
+                                    "(a free port when port is 0)")
+    health_host: str | None = Field(None, description="the health listener's address "
+                                    "(default: host)")
+    health_max_connections: int = Field(16, ge=1, description="open connections on the health "
+                                        "listener; one more is answered 503")
+    resumes_per_s: float = Field(20.0, gt=0, description="resume attempts per second the "
+                                 "server takes from all clients; faster ones are answered "
+                                 "429 before any work")
+    resume_burst: int = Field(40, ge=1, description="resume attempts the server takes at once "
+                              "above that rate")
+    resumes_per_s_per_peer: float = Field(1.0, gt=0, description="resume attempts per second "
+                                          "one peer may make")
+    resume_burst_per_peer: int = Field(8, ge=1, description="resume attempts a peer may make "
+                                       "at once above that rate")
+    max_leases_per_peer: int = Field(16, ge=0, description="sessions of one peer held for a "
+                                     "resume at once (each also counts against its "
+                                     "max_connections_per_peer); a dropped session past it "
+                                     "ends at once")
     # Per peer (one client address; IPv6: its /64), before the upgrade (serve.edge.peers).
     max_connections_per_peer: int = Field(128, ge=1, description="open connections one "
                                           "peer may hold; one more is answered 503 with "
@@ -241,6 +269,13 @@ class ServerConfig(BaseModel):
                              f"least two frame periods (2 x {self.frame_period_s} s)")
         for rate_hz in self.sample_rates_hz:
             self.audio_format(rate_hz).frame_bytes(self.frame_period_s)
+        health_port = self.health_address()[1]
+        if health_port > 65535:
+            raise ValueError(f"port {self.port} leaves no port + 1 for the health listener: "
+                             "give --health-port")
+        if health_port != 0 and health_port == self.port:
+            raise ValueError(f"health_port {health_port} is the client port: the health "
+                             "listener needs a port of its own")
         if self.rate_limit_burst_bytes < self.max_message_bytes:
             raise ValueError(f"rate_limit_burst_bytes ({self.rate_limit_burst_bytes}) must be "
                              f"at least max_message_bytes ({self.max_message_bytes})")
@@ -250,10 +285,22 @@ class ServerConfig(BaseModel):
         """What `serve.edge.guard` enforces before any handler runs."""
         peers = PeerLimits(self.max_connections_per_peer, self.connections_per_s_per_peer,
                            self.connection_burst_per_peer, frozenset(self.trusted_proxies),
-                           self.forwarded_for_header.lower().encode("latin-1"))
+                           self.forwarded_for_header.lower().encode("latin-1"),
+                           self.max_leases_per_peer, self.resumes_per_s_per_peer,
+                           self.resume_burst_per_peer)
         return TransportLimits(self.request_timeout_s, self.max_header_bytes,
                                self.max_connections, self.rate_limit_messages_per_s,
-                               self.rate_limit_burst_messages, peers)
+                               self.rate_limit_burst_messages, peers,
+                               self.near_cap_fraction, self.near_cap_handshake_s,
+                               self.resumes_per_s, self.resume_burst,
+                               self.health_max_connections)
+
+    def health_address(self) -> tuple[str, int]:
+        """Where the health listener binds."""
+        port = self.health_port
+        if port is None:
+            port = 0 if self.port == 0 else self.port + 1
+        return self.health_host or self.host, port
 
     def audio_format(self, sample_rate_hz: int) -> AudioFormat:
         return AudioFormat(sample_rate_hz=sample_rate_hz, token_rate_hz=self.token_rate_hz)

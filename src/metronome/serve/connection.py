@@ -43,7 +43,7 @@ from metronome.serve.edge.auth import (
     offered_keys,
     unauthorized_response,
 )
-from metronome.serve.edge.guard import ABORT_EXTENSION
+from metronome.serve.edge.guard import ABORT_EXTENSION, PEER_EXTENSION
 from metronome.serve.edge.rate_limit import RateLimit, Verdict
 from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode
@@ -132,6 +132,13 @@ class Connection:
         """`?metronome_events=true` on the URL: this client takes `metronome.*` events (and
         the session's `metronome` block); every other client sees OpenAI's events only."""
         return (self.query(p.EXTENSIONS_QUERY) or "").lower() in ("1", "true", "yes")
+
+    def hold_lease(self, now_s: float):
+        """Count the session this connection drops as held for its peer (`PeerSlot`), or say
+        why it cannot be held (`Refused`); None: no peer to count (a Unix socket, an app
+        served without `serve.server`'s transport)."""
+        peer = self.ws.scope.get("extensions", {}).get(PEER_EXTENSION)
+        return None if peer is None else peer["hold_lease"](now_s)
 
     def resume_from(self) -> int:
         """The first session event this connection did not hand to the transport."""

@@ -192,7 +192,7 @@ class Serving:
         if session.connection is not connection:
             return  # resumed on another connection, which has it now
         if dropped and session.channel.attached and self.resume.lease(
-                session, connection.resume_from()):
+                session, connection.resume_from(), connection.hold_lease):
             return  # held for its client to resume
         self.remove(session, outcome)
 

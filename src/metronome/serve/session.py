@@ -237,6 +237,16 @@ class RealtimeSession:
             self.speech.cancel()
         self.serving.beat.close(self.stream, self.serving.now_s())
 
+    def stop_generating(self) -> None:
+        """Its client dropped and it is held for a resume: the reply under way (the client's
+        response, spoken or not, or a duplex frame's) is cancelled where it got to, its
+        events kept for the resume; its input stays in the conversation."""
+        if self._client_response is not None:
+            self._cancel_client_response(CLIENT_CANCELLED)
+        in_flight = self.stream.in_flight
+        if in_flight is not None and in_flight.expects_output:
+            self.serving.beat.cancel(in_flight, self.serving.now_s(), CLIENT_CANCELLED)
+
     def _on_rebound(self, rebound: Rebound) -> None:
         """The engine changed this session's bound (KV pressure, the position limit, a re-pin):
         tell a client that opted in."""

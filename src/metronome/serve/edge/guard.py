@@ -14,11 +14,27 @@ headers are complete, so such sockets are never refused either. Here, per connec
   for headers not complete yet, as they are read (one byte at a time). Nothing of a refused
   request runs (no app call, no upgrade), and its socket lingers at most `LINGER_S` (what
   the client still sends is dropped) so that the answer is read, not reset;
-- with `max_connections` connections open (WebSockets included), one more is answered 503
-  and closed, never counted as open;
+- the client door (`Door`) holds at most `max_connections` connections (WebSockets
+  included). Once `near_cap_fraction` of them are open, a new connection must send its
+  first request within `near_cap_handshake_s` (not `request_timeout_s`); with all of them
+  open, a new one takes the place of the connection that has not completed its request's
+  headers and has been quiet longest (half-open and slow upgrades go first: it is dropped),
+  and only when every open connection has completed one is the new one answered 503 and
+  closed. So a crowd of peers holding half-open sockets at the cap, each within its own
+  limits, delays a real client by one eviction, never refuses it;
+- the health listener (`--health-port`, `Door.health_ports`) is a second socket of the same
+  server with a budget of its own (`health_max_connections`) that the client door's
+  connections never take: it serves `HEALTH_PATHS` only (anything else 404) and counts
+  against no peer. Probes (Kubernetes' liveness and readiness, a load balancer's health
+  check) point there, as Envoy's admin listener and Istio's health port keep probes off the
+  traffic listener: however the client door is crowded, a healthy server answers its
+  probes. `/healthz` on the client port still works, as any request does;
 - per peer (`serve.edge.peers`): one holding its `max_open` connections is answered 503, one
   connecting faster than its rate 429, both with `Retry-After`, and closed. A connection
-  from a trusted proxy is counted at its upgrade, under the forwarded peer.
+  from a trusted proxy is counted at its upgrade, under the forwarded peer;
+- a resume (an upgrade with `?resume=`) takes from its peer's resume bucket and from the
+  server's (`resumes_per_s`); past either it is answered 429 with `Retry-After` once its
+  headers are parsed, before the app runs (no token is hashed, no store is asked).
 - Those refusals are decided at the connect and answered when the request's first bytes
   arrive (at most `REFUSAL_WAIT_S` later): an HTTP client reads a response only to a
   request it has sent, and one answered before it sent its own (the `websockets` client,
@@ -45,23 +61,28 @@ WebSockets:
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from metronome.serve import protocol as p
-from metronome.serve.edge.peers import PeerLimits, PeerSlot, PeerTable, Refused
+from metronome.serve.edge.peers import PeerLimits, PeerSlot, PeerTable, Refusal, Refused
 from metronome.serve.edge.rate_limit import TokenBucket
 
 ABORT_EXTENSION = "metronome.transport.abort"
+PEER_EXTENSION = "metronome.transport.peer"  # {"peer": key, "hold_lease": (now_s) -> slot}
 MAX_WRITE_BACKLOG_BYTES = 1 << 20  # unsent output a pong may not add to
 PARSE_SLICE_BYTES = 16 << 10  # ~13 ms of parsing for the worst frames (2-byte messages)
 LINGER_S = 1.0  # a refused request's socket stays this long at most for its answer to be read
 REFUSAL_WAIT_S = 0.5  # a connection refused at its connect waits this long at most for its request
 MAX_REFUSALS_WAITING = 256  # refused connections waiting for their request, at most, at once
+HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # what the health listener serves
+RESUME_QUERY = b"resume"  # `serve.resume.lease.RESUME_QUERY`, as the URL's bytes
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,11 @@ class TransportLimits:
     pings_per_s: float  # WebSocket pings, pongs and continuation frames, per connection
     ping_burst: int
     peers: PeerLimits
+    near_cap_fraction: float = 0.75  # of max_connections open: new ones get a short deadline
+    near_cap_handshake_s: float = 1.0  # that deadline, for the first request's headers
+    resumes_per_s: float = 20.0  # resume attempts per second, the whole server
+    resume_burst: int = 40
+    health_max_connections: int = 16  # the health listener's own budget
 
 
 HEADER_LINE_OVERHEAD_BYTES = 4  # ": " and CRLF of each header line, which the parser drops
@@ -89,7 +115,7 @@ def _response(status_line: str, code: p.ErrorCode, message: str,
 
 
 def _peer_refusal(refused: Refused) -> bytes:
-    code = refused.reason.value
+    code = refused.reason.http_status
     error_code = p.ErrorCode.AT_CAPACITY if code == 503 else p.ErrorCode.RATE_LIMITED
     return _response(_STATUS_LINES[code], error_code, refused.message, refused.retry_after_s)
 
@@ -111,16 +137,101 @@ class RefusalsWaiting:
         self.count -= 1
 
 
-class GuardedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the request timer, the header cap, and the
-    connection caps (all connections, and per peer)."""
+@dataclass(eq=False)
+class Seat:
+    """One connection counted by the door (`health`: on the health listener); released once
+    (its transport closes, or it is evicted; the WebSocket it became takes it over)."""
 
-    def __init__(self, *args, limits: TransportLimits, peers: PeerTable,
-                 refusals_waiting: RefusalsWaiting, **kwargs) -> None:
+    door: Door
+    health: bool
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.door._release(self)
+
+
+class Door:
+    """A server's connections as the guard counts them: the client door and the health
+    listener, the peers behind them, the half-open connections (oldest-quiet first), the
+    server's resume bucket, and what it refused or evicted (`refusals`, for /metrics)."""
+
+    def __init__(self, limits: TransportLimits) -> None:
+        self.limits = limits
+        self.peers = PeerTable(limits.peers)
+        self.refusals_waiting = RefusalsWaiting()
+        self.health_ports: set[int] = set()  # local ports of the health listener's sockets
+        self.num_open = 0  # the client door's connections
+        self.num_health_open = 0
+        self.half_open: collections.OrderedDict[GuardedHttpProtocol, None] = (
+            collections.OrderedDict())  # no request's headers complete yet; quietest first
+        self.resumes = TokenBucket.full(limits.resumes_per_s, limits.resume_burst, 0.0)
+        self.refusals: collections.Counter[str] = collections.Counter()
+
+    @property
+    def near_cap(self) -> bool:
+        return self.num_open >= self.limits.near_cap_fraction * self.limits.max_connections
+
+    def seat(self, health: bool) -> Seat | None:
+        """A place for a new connection (None: its budget is full, nothing to evict)."""
+        if health:
+            if self.num_health_open >= self.limits.health_max_connections:
+                return None
+            self.num_health_open += 1
+            return Seat(self, True)
+        if self.num_open >= self.limits.max_connections and not self._evict_half_open():
+            return None
+        self.num_open += 1
+        assert self.num_open <= self.limits.max_connections, self.num_open
+        return Seat(self, False)
+
+    def _evict_half_open(self) -> bool:
+        """Drop the quietest connection that has not completed a request's headers."""
+        if not self.half_open:
+            return False
+        quietest, _ = self.half_open.popitem(last=False)
+        quietest.evict()
+        self.refusals["evicted_half_open"] += 1
+        return True
+
+    def _release(self, seat: Seat) -> None:
+        if seat.health:
+            assert self.num_health_open > 0
+            self.num_health_open -= 1
+        else:
+            assert self.num_open > 0
+            self.num_open -= 1
+
+    def take_resume(self, peer: str, now_s: float) -> Refused | None:
+        """One resume attempt from `peer`: None, or refused (over its rate or the server's)."""
+        refused = self.peers.take_resume(peer, now_s)
+        if refused is not None:
+            return refused
+        bucket = self.resumes
+        bucket.refill(now_s)
+        if not bucket.holds(1):
+            return Refused(Refusal.RESUMES_TOO_FAST, 1, f"this server takes "
+                           f"{bucket.rate_per_s:g} resume attempts per second (burst "
+                           f"{bucket.burst:g}) from all clients; retry")
+        bucket.take(1)
+        return None
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the request timer, the header cap, the connection
+    caps (the door's, and per peer), the resume rate and the health listener's paths."""
+
+    def __init__(self, *args, limits: TransportLimits, door: Door, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
-        self.peers = peers
-        self.refusals_waiting = refusals_waiting
+        self.door = door
+        self.peers = door.peers
+        self.refusals_waiting = door.refusals_waiting
+        self._seat: Seat | None = None  # this connection, counted by the door
+        self._on_health_listener = False
+        self._request_timeout_s = limits.request_timeout_s  # shorter near the cap
+        self._resume = False  # the request's URL asks to resume a session
         self._refused_at_connect: bytes | None = None  # its answer, until its request comes
         self._refusal_timer: asyncio.TimerHandle | None = None
         self._peer_slot: PeerSlot | None = None  # this connection, counted for its peer
@@ -132,6 +243,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._lingering = False  # refused and answered: the rest is dropped
 
     def connection_made(self, transport: asyncio.Transport) -> None:
+        self._on_health_listener = _local_port(transport) in self.door.health_ports
         refusal = self._connection_refusal(transport)
         if refusal is not None:
             self.transport = transport  # for connection_lost; never counted as open
@@ -144,7 +256,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                                                        self._answer_refused_at_connect)
             return
         super().connection_made(transport)
+        if not self._on_health_listener:
+            self.door.half_open[self] = None
         self._arm_request_timer()
+
+    def evict(self) -> None:
+        """The door needs this half-open connection's place: it is dropped now."""
+        self._release_seat()
+        self._release_peer_slot()
+        self._disarm_request_timer()
+        self.transport.abort()
 
     def _answer_refused_at_connect(self) -> None:
         """Answer a connection refused at its connect (its request arrived, or the wait is
@@ -164,15 +285,34 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _connection_refusal(self, transport: asyncio.Transport) -> bytes | None:
         """The answer to a connection refused before it sends anything, else None (and the
-        connection is counted for its peer, unless that is a trusted proxy)."""
-        if len(self.connections) >= self.limits.max_connections:
+        connection is counted by the door, and for its peer unless that is a trusted proxy
+        or it came to the health listener)."""
+        door = self.door
+        if self._on_health_listener:
+            self._seat = door.seat(health=True)
+            if self._seat is None:
+                door.refusals["health_at_capacity"] += 1
+                return _response("503 Service Unavailable", p.ErrorCode.AT_CAPACITY,
+                                 f"{self.limits.health_max_connections} health connections "
+                                 "are open; retry later", retry_after_s=1)
+            return None
+        address = _host(transport.get_extra_info("peername"))
+        if address is not None and not self.peers.is_trusted_proxy(address):
+            refusal = self._count_peer(address)  # before a seat: a refused peer evicts none
+            if refusal is not None:
+                door.refusals["peer_limit"] += 1
+                return refusal
+        if door.near_cap:
+            self._request_timeout_s = min(self._request_timeout_s,
+                                          self.limits.near_cap_handshake_s)
+        self._seat = door.seat(health=False)
+        if self._seat is None:
+            self._release_peer_slot()
+            door.refusals["at_capacity"] += 1
             return _response("503 Service Unavailable", p.ErrorCode.AT_CAPACITY,
                              f"{self.limits.max_connections} connections are open; retry "
                              "later", retry_after_s=1)
-        address = _host(transport.get_extra_info("peername"))
-        if address is None or self.peers.is_trusted_proxy(address):
-            return None  # a Unix socket; a proxy: counted at the upgrade, per forwarded peer
-        return self._count_peer(address)
+        return None
 
     def _count_peer(self, address: str) -> bytes | None:
         opened = self.peers.open(address, self.loop.time())
@@ -186,7 +326,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._stop_waiting_for_refused_request()
         self._disarm_request_timer()
         self._release_peer_slot()
+        self._release_seat()
         super().connection_lost(exc)
+
+    def _release_seat(self) -> None:
+        self.door.half_open.pop(self, None)
+        if self._seat is not None:
+            self._seat.release()
+            self._seat = None
 
     def _release_peer_slot(self) -> None:
         if self._peer_slot is not None:
@@ -199,6 +346,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused_at_connect is not None:
             self._answer_refused_at_connect()
             return
+        if self in self.door.half_open:
+            self.door.half_open.move_to_end(self)  # not quiet: evicted after quieter ones
         super().data_received(data)
         if self.transport.is_closing():
             return
@@ -237,6 +386,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_url(url)
         self._header_bytes_parsed += len(url)
         self._check_header_bytes(self._header_bytes_parsed)
+        if self._refusal is not None:
+            return
+        parts = urlsplit(url)
+        if self._on_health_listener and parts.path.decode("latin-1") not in HEALTH_PATHS:
+            self._refusal = _response("404 Not Found", p.ErrorCode.NOT_FOUND,
+                                      "the health listener serves "
+                                      f"{', '.join(sorted(HEALTH_PATHS))} only")
+        self._resume = RESUME_QUERY in parse_qs(parts.query)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         super().on_header(name, value)
@@ -245,8 +402,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._reading_headers = False
-        if self._refusal is None and self._peer_slot is None and self._is_upgrade():
+        if self.door.half_open.pop(self, None) is not None:  # a first request: not half-open
+            self._request_timeout_s = self.limits.request_timeout_s
+        upgrade = self._refusal is None and not self._on_health_listener and self._is_upgrade()
+        if upgrade and self._peer_slot is None:
             self._count_forwarded_peer()
+        if upgrade and self._refusal is None and self._resume:
+            self._take_resume()
         if self._refusal is not None:
             return  # nothing of a refused request runs
         super().on_headers_complete()
@@ -264,6 +426,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._refusal = self._count_peer(self.peers.forwarded_peer(self.headers) or proxy)
 
+    def _take_resume(self) -> None:
+        """A resume upgrade: refused (429) past its peer's or the server's resume rate."""
+        peer = self._peer_slot.peer if self._peer_slot is not None else _host(
+            self.transport.get_extra_info("peername"))
+        if peer is None:
+            return  # a Unix socket: no peer to count
+        refused = self.door.take_resume(peer, self.loop.time())
+        if refused is not None:
+            self.door.refusals["resume_rate"] += 1
+            self._refusal = _peer_refusal(refused)
+
     def on_body(self, body: bytes) -> None:
         if self._refusal is None:
             super().on_body(body)
@@ -280,11 +453,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().handle_websocket_upgrade()
         websocket = self.transport.get_protocol()  # holds this connection from now on
         websocket.peer_slot, self._peer_slot = self._peer_slot, None
+        websocket.seat, self._seat = self._seat, None
 
     # ---- the request timer -------------------------------------------------------------------
     def _arm_request_timer(self) -> None:
         if self._request_timer is None:  # a request still on its way keeps its deadline
-            self._request_timer = self.loop.call_later(self.limits.request_timeout_s,
+            self._request_timer = self.loop.call_later(self._request_timeout_s,
                                                        self._on_request_timeout)
 
     def _disarm_request_timer(self) -> None:
@@ -306,11 +480,13 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._unparsed = bytearray()  # received, not yet parsed: about a slice and a read
         self._slice_scheduled = False
         self.peer_slot: PeerSlot | None = None  # the HTTP protocol's, handed over
+        self.seat: Seat | None = None  # the same
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.peer_slot is not None:
-            self.peer_slot.release()
-            self.peer_slot = None
+        for held in (self.peer_slot, self.seat):
+            if held is not None:
+                held.release()
+        self.peer_slot = self.seat = None
         super().connection_lost(exc)
 
     # ---- parsing in slices ---------------------------------------------------------------
@@ -358,6 +534,11 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         scope = getattr(self, "scope", None)  # set only for a handshake that is accepted
         if scope is not None:
             scope["extensions"][ABORT_EXTENSION] = {"abort": self.transport.abort}
+            slot = self.peer_slot
+            if slot is not None:  # its sessions' leases are held for the same peer
+                scope["extensions"][PEER_EXTENSION] = {
+                    "peer": slot.peer,
+                    "hold_lease": functools.partial(slot.table.hold_lease, slot.peer)}
 
     # ---- frames the app never sees ----------------------------------------------------------
     def handle_ping(self) -> None:
@@ -387,9 +568,12 @@ def _host(peername) -> str | None:
     return peername[0] if isinstance(peername, tuple) and peername else None
 
 
-def protocols(limits: TransportLimits) -> dict:
-    """The `http` and `ws` arguments of `uvicorn.Config` (one peer table for the server)."""
-    peers = PeerTable(limits.peers)
-    return {"http": functools.partial(GuardedHttpProtocol, limits=limits, peers=peers,
-                                      refusals_waiting=RefusalsWaiting()),
-            "ws": functools.partial(GuardedWebSocketProtocol, limits=limits)}
+def _local_port(transport: asyncio.Transport) -> int | None:
+    sockname = transport.get_extra_info("sockname")
+    return sockname[1] if isinstance(sockname, tuple) and len(sockname) > 1 else None
+
+
+def protocols(door: Door) -> dict:
+    """The `http` and `ws` arguments of `uvicorn.Config` (one door for the server)."""
+    return {"http": functools.partial(GuardedHttpProtocol, limits=door.limits, door=door),
+            "ws": functools.partial(GuardedWebSocketProtocol, limits=door.limits)}

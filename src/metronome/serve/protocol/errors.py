@@ -39,6 +39,7 @@ class ErrorCode(enum.StrEnum):
     RATE_LIMITED = "rate_limit_exceeded"
     UNSUPPORTED = "unsupported"  # a GA feature this server does not serve; the message says why
     ITEM_NOT_FOUND = "item_not_found"
+    NOT_FOUND = "not_found"  # a path this listener does not serve
     RESPONSE_NOT_ACTIVE = "response_cancel_not_active"
 
 

@@ -5,8 +5,11 @@ token in `session.created` (`session.metronome.resume`: `token`, `grace_s`) when
 has a grace (`--resume-grace-s`, 0: off). If its socket then drops without a close frame
 (a network loss: close 1006, a reset, a failed send), the session is not ended: it is
 *leased* for the grace. Its KV stays resident, the frames it already submitted are answered
-and their events kept (`resume.event_log`), no new frame is made (no input comes), and
-admission still counts it. Within the grace the client reconnects to the same URL with
+and their events kept (`resume.event_log`), but its reply under way is cancelled where it got
+to (a dropped client keeps no engine busy for the grace), no new frame is made (no input
+comes), and admission still counts it. The lease is its peer's (`serve.edge.peers`): a
+peer's dropped clients hold at most `--max-leases-per-peer` sessions, each counted against
+its connections, and a session past that ends at once. Within the grace the client reconnects to the same URL with
 `resume=<session id>` (and `last_event_id=<the last event it received>`, optional) and the
 token (header `Metronome-Resume-Token`, or, from a browser, the subprotocol
 `metronome-resume-token.<token>`). It gets `metronome.session.resumed` (the session, with a
@@ -86,6 +89,11 @@ class Grant:
     credentials: Credentials
     leased_at_s: float | None = None  # None: connected
     expiry: asyncio.TimerHandle | None = None
+    peer_slot: Releasable | None = None  # the lease, counted for its peer
+
+
+class Releasable(Protocol):
+    def release(self) -> None: ...
 
 
 class Resumable(Protocol):
@@ -131,11 +139,14 @@ class Resumption:
     def resumable(session: Resumable) -> bool:
         return session.grant is not None
 
-    def lease(self, session: Resumable, now_s: float) -> None:
-        """The session's client dropped: hold it for the grace, then expire it."""
+    def lease(self, session: Resumable, now_s: float,
+              peer_slot: Releasable | None = None) -> None:
+        """The session's client dropped: hold it for the grace (counted for its peer by
+        `peer_slot`, released when the lease ends), then expire it."""
         grant = session.grant
         assert grant is not None and grant.leased_at_s is None, session.id
         grant.leased_at_s = now_s
+        grant.peer_slot = peer_slot
         grant.expiry = self.loop.call_later(self.grace_s, self._expire, session,
                                             "lease_expired")
         self.num_leased += 1
@@ -156,7 +167,9 @@ class Resumption:
             return
         if grant.expiry is not None:
             grant.expiry.cancel()
-        grant.leased_at_s = grant.expiry = None
+        if grant.peer_slot is not None:
+            grant.peer_slot.release()
+        grant.leased_at_s = grant.expiry = grant.peer_slot = None
         self.num_leased -= 1
         assert self.num_leased >= 0, self.num_leased
         self.metrics.set_sessions_leased(self.num_leased)

@@ -24,6 +24,8 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.observe.metrics import Metrics
 from metronome.runtime.ports import EnginePort
 from metronome.runtime.wall import WallDriver
+from metronome.serve.edge.peers import PeerSlot
+from metronome.serve.edge.peers import Refused as PeerRefused
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.protocol import server as se
 from metronome.serve.protocol.errors import Refused
@@ -83,6 +85,9 @@ class Client(Protocol):
 
     def resume_from(self) -> int:
         """The first session event it did not hand to the transport."""
+
+    def hold_lease(self, now_s: float) -> PeerSlot | Refused | None:
+        """Its session held for its peer (`serve.edge.peers`), or why not; None: no peer."""
 
     def end(self, outcome: str, code: int | None, reason: str,
             error: ClientError | None = None, flush: bool = True) -> None: ...
@@ -158,15 +163,28 @@ class Resumer:
             self.checkpoints.ended(session, keep=outcome in ("moved", "migrated"))
 
     # ---- a dropped client -----------------------------------------------------------------
-    def lease(self, session: RealtimeSession, resume_from_seq: int) -> bool:
-        """The session's client dropped: hold it for the grace if it can be resumed (False:
-        it cannot, and nothing changed; the caller removes it)."""
+    def lease(self, session: RealtimeSession, resume_from_seq: int,
+              hold_for_peer: Callable[[float], PeerSlot | PeerRefused | None] | None = None
+              ) -> bool:
+        """The session's client dropped: hold it for the grace if it can be resumed and its
+        peer may hold one more (`hold_for_peer`, the connection's `hold_lease`; False: it
+        cannot, and nothing changed; the caller removes it). A held session stops
+        generating: its reply under way is cancelled (its events up to there kept for the
+        resume), so a dropped client keeps no engine busy for the grace."""
         if self.serving.draining or not self.resumption.resumable(session):
+            return False
+        now_s = self.serving.now_s()
+        held = None if hold_for_peer is None else hold_for_peer(now_s)
+        if isinstance(held, PeerRefused):
+            log.info("session %s: client dropped; not held for a resume: %s", session.id,
+                     held.message)
+            self.serving.metrics.lease_refused()
             return False
         session.connection = None
         session.channel.detach(resume_from_seq,
                                lambda outcome: self._end_leased(session, outcome))
-        self.resumption.lease(session, self.serving.now_s())
+        self.resumption.lease(session, now_s, held)
+        session.stop_generating()
         log.info("session %s: client dropped; held %g s for a resume", session.id,
                  self.resumption.grace_s)
         return True
