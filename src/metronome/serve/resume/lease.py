@@ -9,12 +9,13 @@ and their events kept (`resume.event_log`), but its reply under way is cancelled
 to (a dropped client keeps no engine busy for the grace), no new frame is made (no input
 comes), and admission still counts it. The lease is its peer's (`serve.edge.peers`): a
 peer's dropped clients hold at most `--max-leases-per-peer` sessions, each counted against
-its connections, and a session past that ends at once. Within the grace the client reconnects to the same URL with
-`resume=<session id>` (and `last_event_id=<the last event it received>`, optional) and the
-token (header `Metronome-Resume-Token`, or, from a browser, the subprotocol
-`metronome-resume-token.<token>`). It gets `metronome.session.resumed` (the session, with a
-new token: each token resumes once), then every event it missed, in order, then the live
-ones; the conversation, the KV, the frame numbering go on as if nothing happened. A resume
+its connections, and a session past that ends at once. Within the grace the client
+reconnects to the same URL with `resume=<session id>` (and `last_event_id=<the last event
+it received>`, optional) and the token (header `Metronome-Resume-Token`, or, from a
+browser, the subprotocol `metronome-resume-token.<token>`). It gets
+`metronome.session.resumed` (the session, with a new token: each token resumes once), then
+every event it missed, in order, then the live ones; the conversation, the KV, the frame
+numbering go on (a reply cut at the drop stays cut: the client asks again). A resume
 while the old socket still looks open (a half-open TCP connection) takes the session over:
 the old connection is closed 4001. After the grace the lease expires: the session ends and
 every block goes back.
