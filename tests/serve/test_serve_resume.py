@@ -4,7 +4,8 @@ keeps no engine busy), token-exact as far as it got against an uninterrupted ses
 the same inputs, whether the socket ended with a FIN or a reset, and the session goes on;
 the events produced before the client was noticed gone are delivered in order on resume;
 a lease that expires gives every block back; tokens resume once, only their own session,
-only with the session's key; and a resume while the old socket still looks open takes the session over (4001)."""
+only with the session's key; and a resume while the old socket still looks open takes the
+session over (4001)."""
 
 from __future__ import annotations
 
