@@ -160,6 +160,7 @@ class Stream:
         self.frames_submitted = 0  # frames whose input reached the stream (their numbering)
         self.frames_answered = 0
         self.ended_reason = ""  # the engine ended the session (context full)
+        self.held_reason = ""  # its client is away (`Beat.hold`): nothing fed, frames cancelled
         self.bound: ResidencyPolicy | None = None  # set when the engine bound it under pressure
         self.resident_tokens: int | None = None  # live KV after the last step (a reading)
 

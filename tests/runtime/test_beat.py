@@ -97,6 +97,41 @@ def test_a_frame_cancelled_while_it_is_prepared_is_answered_once_it_arrives():
         (0, FrameStatus.CANCELLED, "client_cancelled")]
 
 
+def test_a_held_session_answers_every_frame_cancelled_feeds_nothing_and_loses_no_input():
+    engine, driver, results, [stream] = start(REPLY, chunk_tokens=2)
+    beat = driver.beat
+    frames = [Frame("s", 0.0) for _ in range(2)]  # frame 0 in flight, frame 1 waiting
+    for frame in frames:
+        beat.submit(frame, 0.0, token_ids=[5, 6, 7, 8])
+    waiting_reply = Frame("s", 0.0, respond=True, kind="response")
+    beat.submit(waiting_reply, 0.0, token_ids=[77, 78])  # withdrawn at the hold
+    driver.run_until(0.015)  # one step: frame 0's first chunk
+    prepared = Frame("s", 0.02, input_tokens=2)
+    beat.accept(stream, prepared)  # its input still being prepared
+    beat.hold(stream, 0.02, "away")
+    assert [(r.index, r.status, r.reason) for r in results] == [
+        (2, FrameStatus.CANCELLED, "away"), (0, FrameStatus.CANCELLED, "away"),
+        (1, FrameStatus.CANCELLED, "away")]
+    fed = len(engine.fed("s"))
+    driver.run_until(2.0)  # nothing more is fed while held, whatever the clock
+    assert len(engine.fed("s")) == fed < 8
+    beat.submit(prepared, 2.0, token_ids=[9, 10])  # arrives while held: answered at once
+    assert (results[-1].index, results[-1].status) == (3, FrameStatus.CANCELLED)
+    assert stream.queued_input_tokens == 10 - fed  # kept, in the stream
+
+    reply = Frame("s", 2.0, respond=True, kind="response")
+    beat.submit(reply, 2.0, token_ids=[99])  # a reply asked for while held: withdrawn
+    assert (results[-1].index, results[-1].status) == (4, FrameStatus.CANCELLED)
+    assert stream.queued_input_tokens == 10 - fed
+
+    beat.release(stream, 2.0)
+    beat.submit(Frame("s", 2.0), 2.0, token_ids=[11])
+    driver.run_until(10.0)
+    assert (results[-1].index, results[-1].status) == (5, FrameStatus.OK)
+    assert engine.fed("s").tolist() == [5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11]  # the user's
+    # input all went in; the withdrawn replies' prompts never did
+
+
 def test_a_late_frames_input_stays_and_its_late_tokens_are_its_own():
     # a 55 ms deadline against 10 ms steps of 8 tokens: 32 tokens of input take 40 ms, then
     # 4 tokens of output take 30 ms more

@@ -11,7 +11,8 @@ frames) and three decisions, all on the loop's clock:
   answered frame's unprocessed input stays in the stream and still goes to the engine (its
   generation cancelled), so the conversation's context stays whole. The one frame whose
   input goes is one its owner withdraws before it went in flight (`cancel`: a reply the
-  user spoke over); that input never reached the engine.
+  user spoke over); that input never reached the engine. A held session (`hold`: its
+  client is away) has every frame answered `cancelled` and nothing fed until `release`.
 * **The feed.** The engine plans a step from what it was fed (round-robin, a chunk per
   session) and knows nothing of deadlines, so the beat decides how much of each stream's
   input it may read (`FeedPolicy`): a session on pace has its frame's input fed whole; one
@@ -47,6 +48,7 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.ports import EnginePort, Listeners, Timer
 from metronome.stream import Frame, FrameStatus, Stream
 
+REPLY_KIND = "response"  # a frame that asks for a reply; its input is the reply's prompt
 ONE_FRAME_TOKENS = 16  # a 1 s audio frame is 12-25 tokens; 16 keeps it on the paged path
 LIVE_PERIODS = 2.0  # a session whose last frame arrived this many periods ago may send more
 
@@ -197,7 +199,11 @@ class Beat:
         if not accepted:
             stream.frames.append(frame)
         self.timer.call_at(frame.deadline_at_s, lambda t: self._on_deadline(frame, t))
+        if stream.held_reason and frame.kind == REPLY_KIND:  # (held: none in flight)
+            self.cancel(frame, now_s, stream.held_reason)  # a reply asked for while held
         self._advance(stream)
+        if stream.held_reason:
+            self._answer_held(stream, now_s)
         self._feed_all(now_s)
         if frame.reason and frame.status is None:  # withdrawn while it was being prepared
             self.cancel(frame, now_s, frame.reason)
@@ -225,6 +231,32 @@ class Beat:
         else:
             frame.reason = reason  # answered as soon as it is submitted
         return True
+
+    def hold(self, stream: Stream, now_s: float, reason: str) -> None:
+        """Its client is away (a lease): every frame it owes is answered `cancelled` now, as
+        at a deadline (their unprocessed input stays in the stream: the user's words are
+        kept), but a reply that has not begun (a `REPLY_KIND` frame waiting: its input is the
+        reply's prompt) is withdrawn, as a reply the user spoke over; frames submitted while
+        held likewise. None of its input is fed until `release`: a dropped client keeps no
+        engine busy (what the engine holds already, one piece at most, is processed)."""
+        assert self.streams.get(stream.id) is stream, stream
+        stream.held_reason = reason
+        for frame in self._waiting(stream):
+            if frame.kind == REPLY_KIND:  # a reply not begun: withdrawn, as one spoken over
+                self.cancel(frame, now_s, reason)
+        self._answer_held(stream, now_s)
+
+    def release(self, stream: Stream, now_s: float) -> None:
+        """Its client is back: its input is fed again (the held frames' input first)."""
+        stream.held_reason = ""
+        self._feed_all(now_s)
+
+    def _answer_held(self, stream: Stream, now_s: float) -> None:
+        self._advance(stream)
+        while stream.in_flight is not None:
+            self._answer(stream, stream.in_flight, FrameStatus.CANCELLED, now_s,
+                         stream.held_reason)
+            self._advance(stream)
 
     @staticmethod
     def _waiting(stream: Stream) -> list[Frame]:
@@ -277,7 +309,8 @@ class Beat:
 
     def _feed_all(self, now_s: float) -> None:
         """Feed each session what the feed policy lets the engine hold now."""
-        streams = [s for s in self.streams.values() if not s.ended_reason]
+        streams = [s for s in self.streams.values()
+                   if not (s.ended_reason or s.held_reason)]
         ahead = {s.id: self._ahead(s) for s in streams}
         contended = any(s.in_flight is not None and not ahead[s.id] for s in streams)
         live = {s.id: self._live(s, now_s) for s in streams}

@@ -91,6 +91,8 @@ from metronome.serve.text import ChatText
 from metronome.serve.turn_detection import TurnDetection
 from metronome.stream import Frame, FrameStatus, Stream
 
+HELD_REASON = "client dropped: held for a resume"  # frames its lease answered `cancelled`
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_BYTES_PER_TOKEN = 16  # instructions longer than this many bytes per pinned token allowed
@@ -238,14 +240,19 @@ class RealtimeSession:
         self.serving.beat.close(self.stream, self.serving.now_s())
 
     def stop_generating(self) -> None:
-        """Its client dropped and it is held for a resume: the reply under way (the client's
-        response, spoken or not, or a duplex frame's) is cancelled where it got to, its
-        events kept for the resume; its input stays in the conversation."""
-        if self._client_response is not None:
-            self._cancel_client_response(CLIENT_CANCELLED)
-        in_flight = self.stream.in_flight
-        if in_flight is not None and in_flight.expects_output:
-            self.serving.beat.cancel(in_flight, self.serving.now_s(), CLIENT_CANCELLED)
+        """Its client dropped and it is held for a resume: every frame it owes (the reply
+        under way, spoken or not, and its queued input's frames) is answered `cancelled`
+        where it got to, its events kept for the resume, and its input waits in the stream,
+        unfed, until `resume_generating` (`Beat.hold`): a dropped client keeps no engine or
+        voice busy for the grace, and loses no input."""
+        speech = self.speech
+        if speech is not None and speech.finishing:
+            speech.cancel(CLIENT_CANCELLED)
+        self.serving.beat.hold(self.stream, self.serving.now_s(), HELD_REASON)
+
+    def resume_generating(self) -> None:
+        """Its client is back: its input is fed again."""
+        self.serving.beat.release(self.stream, self.serving.now_s())
 
     def _on_rebound(self, rebound: Rebound) -> None:
         """The engine changed this session's bound (KV pressure, the position limit, a re-pin):

@@ -257,6 +257,8 @@ class Resumer:
             previous.end("handed_over", TAKEN_OVER_CLOSE_CODE, "session resumed on another "
                          "connection", flush=False)
             session.channel.detach(resume_from, lambda outcome: None)
+        if resumption.leased_for_s(session, serving.now_s()) is not None:
+            session.resume_generating()
         resumption.end_lease(session, "resumed")
         metrics.resume_attempt("resumed", away_s)
         return session, away_s
