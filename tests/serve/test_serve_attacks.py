@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 import pytest
-from served import SHARED_CPU_ENV, metric_samples, served
+from served import SHARED_CPU_ENV, free_port, metric_samples, served
 from streamer import SpeechStreamer, recv
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
@@ -87,6 +87,7 @@ class World:
     pid: int
     streamer: SpeechStreamer
     rss: RssSampler
+    health_port: int = 0  # the health listener's
 
     @property
     def ws_url(self) -> str:
@@ -96,8 +97,18 @@ class World:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.health_port}"
+
     def health(self) -> dict:
         return httpx.get(self.url + "/healthz", headers=BEARER).json()
+
+    def door_count(self, reason: str) -> float:
+        """What the door refused or evicted for `reason` so far (/metrics)."""
+        return next(sample.value for sample in metric_samples(
+            self, "metronome_door_refusals_total", headers=BEARER)
+            if sample.labels["reason"] == reason)
 
     def server_sockets(self) -> list:
         """The server's established TCP connections."""
@@ -119,7 +130,8 @@ def world():
     # The streamer's 1 s deadline was set on the reference host, where its frames took
     # 0.3-0.46 of it through every attack; a Zen 1-class host takes 0.35-0.53 of it calm and
     # up to 1.0 under the attacks, so the deadline scales with the host (`tests.host_speed`).
-    config = CONFIG.model_copy(update={"deadline_fraction": deadline_fraction(1.0)})
+    config = CONFIG.model_copy(update={"deadline_fraction": deadline_fraction(1.0),
+                                       "health_port": free_port()})
     print(f"streamer deadline on this host: {config.deadline_fraction:.2f} s")
     with served(config, SHARED_CPU_ENV) as url:
         pid = server_pid(int(url.rsplit(":", 1)[1]))
@@ -127,7 +139,7 @@ def world():
                                   additional_headers=BEARER)
         streamer.start()
         rss = RssSampler(pid).start()
-        yield World(url, pid, streamer, rss)
+        yield World(url, pid, streamer, rss, config.health_port)
         streamer_kept_its_beat_and_memory_stayed_bounded(streamer, rss)
 
 
@@ -379,6 +391,7 @@ SLOWLORIS_SOCKETS = 800
 
 
 def test_slowloris_sockets_are_dropped_and_connections_capped(world):
+    evicted_before = world.door_count("evicted_half_open")
     selector = selectors.DefaultSelector()
     opened_at: dict[socket.socket, float] = {}
     for k in range(SLOWLORIS_SOCKETS):  # from 20 peers, each within its own limits
@@ -414,13 +427,17 @@ def test_slowloris_sockets_are_dropped_and_connections_capped(world):
     held = len(opened_at) - len(closed_after_s)
     for sock in opened_at:
         sock.close()
+    evicted = world.door_count("evicted_half_open") - evicted_before
     assert held == 0, f"{held} of {SLOWLORIS_SOCKETS} sockets still open"
     assert max(closed_after_s.values()) < REQUEST_TIMEOUT_S + 1.0
     assert most_held <= MAX_CONNECTIONS
-    assert refused >= SLOWLORIS_SOCKETS - MAX_CONNECTIONS
+    # past the cap each newcomer took the place of the quietest half-open one (or was
+    # refused, its peer at its own limits)
+    assert refused + evicted >= SLOWLORIS_SOCKETS - MAX_CONNECTIONS
     assert httpx.get(world.url + "/healthz").status_code == 200  # and it serves again
-    print(f"slowloris: {refused} refused 503, the rest dropped within "
-          f"{max(closed_after_s.values()):.2f} s; server held at most {most_held}")
+    print(f"slowloris: {refused} refused 503, {evicted:.0f} evicted at the cap, the rest "
+          f"dropped within {max(closed_after_s.values()):.2f} s; server held at most "
+          f"{most_held}")
 
 
 # ---- 8. the key ---------------------------------------------------------------------------------
@@ -648,6 +665,146 @@ def test_a_reconnecting_slowloris_holds_only_its_peers_share(world):
     assert healthz and set(healthz) == {200}
     assert attacker.answers.get("HTTP/1.1 503", 0) + attacker.answers.get(
         "HTTP/1.1 429", 0) > 0
+
+
+# 9d. a crowd at the door: half-open upgrades from 5 peers, each inside its limits ----------------
+CROWD_PEERS = [f"127.0.0.{60 + k}" for k in range(5)]
+CROWD_SOCKETS_PER_PEER = 120  # 600 in all, past the 200 cap; each peer under its 128
+CROWD_CONNECTS_PER_S = 64  # its burst at once, then as fast as its rate lets it
+
+
+def _timed_get(url: str) -> tuple[int, float]:
+    """(status, seconds) of a GET; status 0: no answer within 5 s."""
+    started = time.monotonic()
+    try:
+        status = httpx.get(url, timeout=5.0).status_code
+    except httpx.HTTPError:
+        status = 0
+    return status, time.monotonic() - started
+
+
+def test_a_crowd_of_peers_at_the_cap_leaves_the_door_open_to_clients_and_probes(world):
+    attackers = [ReconnectingSlowloris(world.port, peer, CROWD_SOCKETS_PER_PEER,
+                                       CROWD_CONNECTS_PER_S) for peer in CROWD_PEERS]
+    threads = [threading.Thread(target=a.run, args=(ATTACK_S,)) for a in attackers]
+    evicted_before = world.door_count("evicted_half_open")
+    with AttackWindow(world, f"{len(CROWD_PEERS)} peers x {CROWD_SOCKETS_PER_PEER} half-open "
+                      "upgrades, reopened at once (each peer inside its limits)") as window:
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)  # the crowd is at the cap
+        most_held, sessions, tries = 0, 0, 0
+        healthz, probes = [], []
+        while any(thread.is_alive() for thread in threads):
+            crowd = [c for c in world.server_sockets() if c.raddr.ip in CROWD_PEERS]
+            most_held = max(most_held, len(crowd))
+            healthz.append(_timed_get(world.url + "/healthz"))
+            probes.append(_timed_get(world.health_url + "/healthz"))
+            tries += 1
+            try:
+                with session(world) as ws:  # a real client gets in and is served
+                    ws.send(json.dumps({"type": "session.update", "session": {}}))
+                    assert recv(ws)["type"] == "session.updated"
+                    sessions += 1
+            except (InvalidStatus, OSError) as refused:
+                window.notes.append(f"a client was refused: {refused}")
+            time.sleep(0.2)
+        for thread in threads:
+            thread.join()
+        evicted = world.door_count("evicted_half_open") - evicted_before
+        answers: dict[str, int] = {}
+        for attacker in attackers:
+            for answer, count in attacker.answers.items():
+                answers[answer] = answers.get(answer, 0) + count
+        window.attempts = sum(a.connects for a in attackers)
+        slowest_probe_s = max(seconds for _, seconds in probes)
+        window.notes.append(
+            f"the crowd held at most {most_held} sockets (cap {MAX_CONNECTIONS}), {evicted:.0f} "
+            f"evicted; real clients {sessions}/{tries} in and served; /healthz on the client "
+            f"port {sum(s == 200 for s, _ in healthz)}/{len(healthz)} 200, on the health "
+            f"listener {sum(s == 200 for s, _ in probes)}/{len(probes)} 200 (slowest "
+            f"{slowest_probe_s * 1e3:.0f} ms); server answers {answers}")
+    assert evicted > 0 and most_held >= 0.75 * MAX_CONNECTIONS  # the crowd reached the cap
+    assert sessions == tries >= 10
+    assert all(status == 200 for status, _ in healthz)
+    assert all(status == 200 for status, _ in probes) and slowest_probe_s < 1.0
+
+
+# 9e. a resume flood from 40 peers: refused before any work --------------------------------------
+RESUME_PEERS = [f"127.0.1.{k}" for k in range(1, 41)]
+RESUMES_PER_S = 1000  # 25/s per peer, inside each peer's 32 connections/s
+
+
+class ConnectFlood:
+    """`per_s` connections a second, round-robin over `sources`, each sending `request` and
+    reading the status line of the answer (or "dropped"), for `duration_s`."""
+
+    def __init__(self, port: int, sources: list[str], request: bytes, per_s: float) -> None:
+        self.port, self.sources, self.request, self.per_s = port, sources, request, per_s
+        self.connects = 0
+        self.answers: dict[str, int] = {}
+        self.selector = selectors.DefaultSelector()
+
+    def run(self, duration_s: float) -> None:
+        started = time.monotonic()
+        while (elapsed_s := time.monotonic() - started) < duration_s:
+            while self.connects < elapsed_s * self.per_s:
+                self._open(self.sources[self.connects % len(self.sources)])
+            for key, _ in self.selector.select(timeout=0.002):
+                self._on_readable(key.fileobj)
+        deadline = time.monotonic() + 2.0
+        while self.selector.get_map() and time.monotonic() < deadline:
+            for key, _ in self.selector.select(timeout=0.05):
+                self._on_readable(key.fileobj)
+        for key in list(self.selector.get_map().values()):
+            self._close(key.fileobj, "unanswered")
+
+    def _open(self, source: str) -> None:
+        self.connects += 1
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), **_attacker(source))
+            sock.sendall(self.request)
+        except OSError:
+            self.answers["connect failed"] = self.answers.get("connect failed", 0) + 1
+            return
+        sock.setblocking(False)
+        self.selector.register(sock, selectors.EVENT_READ)
+
+    def _on_readable(self, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        self._close(sock, data.split(b"\r\n", 1)[0].decode(errors="replace")[9:12]
+                    if data else "dropped")
+
+    def _close(self, sock: socket.socket, answer: str) -> None:
+        self.answers[answer] = self.answers.get(answer, 0) + 1
+        self.selector.unregister(sock)
+        sock.close()
+
+
+def test_a_resume_flood_is_refused_before_any_work_and_neighbours_stay_on_time(world):
+    request = (f"GET /v1/realtime?metronome_events=true&resume=sess_nope HTTP/1.1\r\n"
+               "Host: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+               f"Authorization: Bearer {KEY}\r\nMetronome-Resume-Token: {'x' * 43}\r\n"
+               "\r\n").encode()
+    flood = ConnectFlood(world.port, RESUME_PEERS, request, RESUMES_PER_S)
+    refused_before = world.door_count("resume_rate")
+    with AttackWindow(world, f"resume flood: {RESUMES_PER_S:,}/s wrong resumes from "
+                      f"{len(RESUME_PEERS)} peers") as window:
+        flood.run(ATTACK_S)
+        window.attempts = flood.connects
+        refused = world.door_count("resume_rate") - refused_before
+        window.notes.append(f"answers {flood.answers}; {refused:.0f} refused 429 at their "
+                            "headers (no token hashed)")
+    assert flood.connects >= 0.9 * RESUMES_PER_S * ATTACK_S
+    assert refused >= 0.9 * flood.answers.get("429", 0) > 0
+    assert flood.answers.get("404", 0) <= CONFIG.resume_burst + CONFIG.resumes_per_s * (
+        ATTACK_S + 2)  # what reached the token check: at most the server's resume rate
 
 
 # 9c. headers past the cap in one send -----------------------------------------------------------
