@@ -75,7 +75,7 @@ from metronome.serve.edge.peers import PeerLimits, PeerSlot, PeerTable, Refusal,
 from metronome.serve.edge.rate_limit import TokenBucket
 
 ABORT_EXTENSION = "metronome.transport.abort"
-PEER_EXTENSION = "metronome.transport.peer"  # {"peer": key, "hold_lease": (now_s) -> slot}
+PEER_EXTENSION = "metronome.transport.peer"  # {"hold_lease": (now_s) -> slot | refusal}
 MAX_WRITE_BACKLOG_BYTES = 1 << 20  # unsent output a pong may not add to
 PARSE_SLICE_BYTES = 16 << 10  # ~13 ms of parsing for the worst frames (2-byte messages)
 LINGER_S = 1.0  # a refused request's socket stays this long at most for its answer to be read
@@ -481,8 +481,11 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._slice_scheduled = False
         self.peer_slot: PeerSlot | None = None  # the HTTP protocol's, handed over
         self.seat: Seat | None = None  # the same
+        self._gone_peer: tuple[PeerTable, str] | None = None  # its peer, once closed
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer_slot is not None:  # its session may be leased after this: for the peer
+            self._gone_peer = (self.peer_slot.table, self.peer_slot.peer)
         for held in (self.peer_slot, self.seat):
             if held is not None:
                 held.release()
@@ -534,11 +537,15 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         scope = getattr(self, "scope", None)  # set only for a handshake that is accepted
         if scope is not None:
             scope["extensions"][ABORT_EXTENSION] = {"abort": self.transport.abort}
-            slot = self.peer_slot
-            if slot is not None:  # its sessions' leases are held for the same peer
-                scope["extensions"][PEER_EXTENSION] = {
-                    "peer": slot.peer,
-                    "hold_lease": functools.partial(slot.table.hold_lease, slot.peer)}
+            # (the peer's slot is handed over once this handshake has run: read when called)
+            scope["extensions"][PEER_EXTENSION] = {"hold_lease": self._hold_lease}
+
+    def _hold_lease(self, now_s: float) -> PeerSlot | Refused | None:
+        """A session of this connection held for a resume, counted for its peer (None: no
+        peer counted, a Unix socket or an uncounted proxy)."""
+        slot = self.peer_slot
+        peer = (slot.table, slot.peer) if slot is not None else self._gone_peer
+        return None if peer is None else peer[0].hold_lease(peer[1], now_s)
 
     # ---- frames the app never sees ----------------------------------------------------------
     def handle_ping(self) -> None:
