@@ -695,6 +695,7 @@ def test_a_crowd_of_peers_at_the_cap_leaves_the_door_open_to_clients_and_probes(
         time.sleep(1.0)  # the crowd is at the cap
         most_held, sessions, tries = 0, 0, 0
         healthz, probes = [], []
+        clients_refused: dict = {}
         while any(thread.is_alive() for thread in threads):
             crowd = [c for c in world.server_sockets() if c.raddr.ip in CROWD_PEERS]
             most_held = max(most_held, len(crowd))
@@ -707,7 +708,9 @@ def test_a_crowd_of_peers_at_the_cap_leaves_the_door_open_to_clients_and_probes(
                     assert recv(ws)["type"] == "session.updated"
                     sessions += 1
             except (InvalidStatus, OSError) as refused:
-                window.notes.append(f"a client was refused: {refused}")
+                status = getattr(getattr(refused, "response", None), "status_code", None)
+                clients_refused[status or type(refused).__name__] = clients_refused.get(
+                    status or type(refused).__name__, 0) + 1
             time.sleep(0.2)
         for thread in threads:
             thread.join()
@@ -720,7 +723,8 @@ def test_a_crowd_of_peers_at_the_cap_leaves_the_door_open_to_clients_and_probes(
         slowest_probe_s = max(seconds for _, seconds in probes)
         window.notes.append(
             f"the crowd held at most {most_held} sockets (cap {MAX_CONNECTIONS}), {evicted:.0f} "
-            f"evicted; real clients {sessions}/{tries} in and served; /healthz on the client "
+            f"evicted; real clients {sessions}/{tries} in and served (refused: "
+            f"{clients_refused or 'none'}); /healthz on the client "
             f"port {sum(s == 200 for s, _ in healthz)}/{len(healthz)} 200, on the health "
             f"listener {sum(s == 200 for s, _ in probes)}/{len(probes)} 200 (slowest "
             f"{slowest_probe_s * 1e3:.0f} ms); server answers {answers}")
