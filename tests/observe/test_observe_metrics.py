@@ -49,6 +49,7 @@ def test_every_metric_is_exposed_and_parses():
         "metronome_session_resume_seconds", "metronome_session_away_seconds",
         "metronome_session_checkpoints", "metronome_session_checkpoint_bytes",
         "metronome_session_checkpoint_seconds", "metronome_session_migrations",
+        "metronome_session_leases_refused",
     }  # counters are families without `_total`; their samples carry it
     assert value(metrics, "metronome_frames_total", status="context_full") == 0.0
     for outcome in ("stored", "generating", "refused", "unbounded"):  # declared at 0
@@ -118,3 +119,24 @@ def test_default_is_a_private_registry_never_the_global_one():
     assert value(first, "metronome_sessions_active") == 5
     assert value(second, "metronome_sessions_active") == 0
     assert REGISTRY.get_sample_value("metronome_sessions_active") is None
+
+
+def test_the_door_is_exported_at_scrape_time():
+    from metronome.serve.edge.guard import Door, TransportLimits
+    from metronome.serve.edge.peers import PeerLimits
+
+    door = Door(TransportLimits(request_timeout_s=1.0, max_header_bytes=2048,
+                                max_connections=8, pings_per_s=10, ping_burst=8,
+                                peers=PeerLimits(max_open=8, per_s=10.0, burst=10)))
+    metrics = Metrics(CollectorRegistry())
+    metrics.watch_door(door)
+    assert value(metrics, "metronome_door_connections", listener="client") == 0
+    assert value(metrics, "metronome_door_refusals_total", reason="evicted_half_open") == 0
+    door.seat(health=False)
+    door.seat(health=True)
+    door.refusals["resume_rate"] += 3
+    assert value(metrics, "metronome_door_connections", listener="client") == 1
+    assert value(metrics, "metronome_door_connections", listener="health") == 1
+    assert value(metrics, "metronome_door_refusals_total", reason="resume_rate") == 3
+    assert value(metrics, "metronome_door_half_open_connections") == 0
+

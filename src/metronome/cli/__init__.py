@@ -159,7 +159,9 @@ def plan(
 @app.command()
 def monitoring(
     out: str = typer.Option("deploy", help="folder for prometheus/ and grafana/"),
-    target: str = typer.Option("127.0.0.1:8000", help="the server to scrape (host:port)"),
+    target: str = typer.Option("127.0.0.1:8001", help="the server to scrape (host:port): "
+                               "its health listener, which a crowded client port never "
+                               "delays"),
 ) -> None:
     """Write the Prometheus alert rules, a Prometheus config and the Grafana dashboard."""
     from metronome.observe.monitoring import write_monitoring

@@ -1,6 +1,7 @@
 """The monitoring files `metronome monitoring` writes (and the repository ships under
 deploy/): the Prometheus rule file, a Prometheus config that scrapes one server and loads
-it, and the Grafana dashboard. All generated from `observe.alerts` and `observe.dashboard`."""
+it (by default at the health listener, 127.0.0.1:8001: `metronome serve`'s port + 1), and
+the Grafana dashboard. All generated from `observe.alerts` and `observe.dashboard`."""
 
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ def prometheus_yml(target: str, timings: Timings = DEFAULT_TIMINGS, scrape_inter
         f"      - targets: [{json.dumps(target)}]", ""])
 
 
-def monitoring_files(target: str = "127.0.0.1:8000",
+def monitoring_files(target: str = "127.0.0.1:8001",
                      timings: Timings = DEFAULT_TIMINGS) -> dict[str, str]:
     """Relative path -> text of every file."""
     return {RULES_FILE: rules_yaml(timings), PROMETHEUS_FILE: prometheus_yml(target, timings),
             DASHBOARD_FILE: dashboard_json()}
 
 
-def write_monitoring(out_dir: str | Path, target: str = "127.0.0.1:8000") -> list[Path]:
+def write_monitoring(out_dir: str | Path, target: str = "127.0.0.1:8001") -> list[Path]:
     written = []
     for relative, text in monitoring_files(target).items():
         path = Path(out_dir) / relative
