@@ -148,9 +148,10 @@ def test_leased_sessions_are_held_and_leave_a_neighbour_on_time(world):
     with AttackWindow(world, f"{LEASED} sessions, each with ~630 tokens of text queued and a "
                       "reply asked for, dropped together and held for the grace") as window:
         opened = [_open(world, peers[k % 2]) for k in range(LEASED)]
-        for ws, _, _ in opened:
+        for ws, _, _ in opened:  # 32 clients, each a text and a reply in turn
             ws.send(item)
             ws.send(json.dumps({"type": "response.create"}))
+            time.sleep(0.02)
         for ws, session_id, token in opened:
             _drop(ws)
             held.append((session_id, token))
