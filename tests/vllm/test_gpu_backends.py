@@ -261,8 +261,9 @@ def test_flex_metadata_with_prefix_s_is_our_rule_and_skips_the_gap():
 def test_vllm_triton_kernel_with_prefix_s_and_compaction_is_exact(tmp_path):
     """The GPU check's dry run: vLLM's own kernel on CPU, R-SWA at prefix S over the full
     table, and over the compacted table with NaN gap blocks, and eager flex_attention with
-    our paged block mask, all against fp32 dense; its timing proxy (interpreter time grows
-    with the tiles visited) shows the full table's cost grow with L and the compacted not."""
+    our paged block mask, all against fp32 dense; the compacted call's bound on what it
+    iterates is the same at both L, and its timing proxy (interpreter time grows with the
+    tiles visited) shows the full table costing more, and more with L."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
                            "--kernels", str(tmp_path / "kernels"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -272,8 +273,19 @@ def test_vllm_triton_kernel_with_prefix_s_and_compaction_is_exact(tmp_path):
     assert len(modes) == 12 and result["ok"]  # 4 cases x (rswa, compact, flex)
     assert "| chunk64 | compact | nan |" in (tmp_path / "gpu_check.md").read_text()
     short, long = result["timing"]  # L = 4 (S + W) and 16 (S + W)
-    assert long["rswa_ms"] > 1.5 * short["rswa_ms"]
-    assert long["compact_ms"] < 1.3 * short["compact_ms"]
+    # What the compacted call iterates is bounded whatever L (exact), and the interpreter's
+    # time, a noisy proxy of the tiles visited, agrees where its margin is wide: at 16 (S + W)
+    # the full table costs 3-5x the compacted one (measured 3.1-5.2x), and it grows with L
+    # (1.5-2.3x). A tighter timing bound failed CI twice (a 1.49x growth; a compacted long
+    # cell at 1.78x its short one, the fastest of 5), so none is asserted.
+    from metronome.vllm.compaction import max_compacted_len
+    from metronome.vllm.gpu_check import DRY_SHAPES as sh
+
+    bounds = {max_compacted_len(row["tokens"], 1, sh.sink_tokens, sh.window_tokens,
+                                sh.block_size) for row in (short, long)}
+    assert len(bounds) == 1 and bounds.pop() < short["tokens"] < long["tokens"]
+    assert long["compact_ms"] < long["rswa_ms"] / 2
+    assert long["rswa_ms"] > short["rswa_ms"]
 
 
 def test_our_flex_block_mask_lists_only_sink_and_window_pages():
