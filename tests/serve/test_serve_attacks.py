@@ -583,7 +583,60 @@ RECONNECTING_SOCKETS = 800
 MAX_CONNECTS_PER_S = 400  # what the issue's attacker managed (10,976 in 30 s)
 
 
-class ReconnectingSlowloris:
+class LoopbackConnections:
+    """Connections to the server on `port`, each from a loopback source, sending its data
+    and closed at the first answer; `answers` counts each answer's label (`label`, or
+    "dropped": closed unanswered, "connect failed")."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.connects = 0
+        self.answers: dict[str, int] = {}
+        self.selector = selectors.DefaultSelector()
+
+    @staticmethod
+    def label(data: bytes) -> str:
+        """What an answer is counted as."""
+        return data[:12].decode(errors="replace")  # "HTTP/1.1 503"
+
+    def _open(self, source: str, data: bytes) -> None:
+        self.connects += 1
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), **_attacker(source))
+            sock.sendall(data)
+        except OSError:
+            self._count("connect failed")
+            return
+        sock.setblocking(False)
+        self.selector.register(sock, selectors.EVENT_READ)
+
+    def _read_answers(self, timeout_s: float) -> None:
+        for key, _ in self.selector.select(timeout=timeout_s):
+            sock = key.fileobj
+            try:
+                data = sock.recv(4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            self._close(sock, self.label(data) if data else "dropped")
+
+    def _count(self, answer: str) -> None:
+        self.answers[answer] = self.answers.get(answer, 0) + 1
+
+    def _close(self, sock: socket.socket, answer: str | None = None) -> None:
+        """Closed, its answer counted (None: not counted)."""
+        if answer is not None:
+            self._count(answer)
+        self.selector.unregister(sock)
+        sock.close()
+
+    def _close_all(self, answer: str | None = None) -> None:
+        for key in list(self.selector.get_map().values()):
+            self._close(key.fileobj, answer)
+
+
+class ReconnectingSlowloris(LoopbackConnections):
     """Up to `num_sockets` partial upgrades from `source`, each reopened as soon as the
     server refuses or drops it, at most `max_per_s` connects a second, for `duration_s`."""
 
@@ -591,50 +644,17 @@ class ReconnectingSlowloris:
                b"Connection: Upgrade\r\n")  # never finished
 
     def __init__(self, port: int, source: str, num_sockets: int, max_per_s: float) -> None:
-        self.port, self.source = port, source
-        self.num_sockets, self.max_per_s = num_sockets, max_per_s
-        self.connects = 0
-        self.answers: dict[str, int] = {}  # first bytes of what the server said, or "drop"
-        self.selector = selectors.DefaultSelector()
+        super().__init__(port)
+        self.source, self.num_sockets, self.max_per_s = source, num_sockets, max_per_s
 
     def run(self, duration_s: float) -> None:
         started = time.monotonic()
         while (elapsed_s := time.monotonic() - started) < duration_s:
             while (len(self.selector.get_map()) < self.num_sockets
                    and self.connects < elapsed_s * self.max_per_s):
-                self._open()
-            for key, _ in self.selector.select(timeout=0.005):
-                self._on_readable(key.fileobj)
-        for key in list(self.selector.get_map().values()):
-            self._close(key.fileobj)
-
-    def _open(self) -> None:
-        self.connects += 1
-        try:
-            sock = socket.create_connection(("127.0.0.1", self.port), **_attacker(self.source))
-            sock.sendall(self.PARTIAL)
-        except OSError:
-            self._count("connect failed")
-            return
-        sock.setblocking(False)
-        self.selector.register(sock, selectors.EVENT_READ)
-
-    def _on_readable(self, sock: socket.socket) -> None:
-        try:
-            data = sock.recv(4096)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        self._count(data[:12].decode(errors="replace") if data else "dropped")
-        self._close(sock)
-
-    def _count(self, answer: str) -> None:
-        self.answers[answer] = self.answers.get(answer, 0) + 1
-
-    def _close(self, sock: socket.socket) -> None:
-        self.selector.unregister(sock)
-        sock.close()
+                self._open(self.source, self.PARTIAL)
+            self._read_answers(0.005)
+        self._close_all()
 
 
 def test_a_reconnecting_slowloris_holds_only_its_peers_share(world):
@@ -739,55 +759,28 @@ RESUME_PEERS = [f"127.0.1.{k}" for k in range(1, 41)]
 RESUMES_PER_S = 1000  # 25/s per peer, inside each peer's 32 connections/s
 
 
-class ConnectFlood:
+class ConnectFlood(LoopbackConnections):
     """`per_s` connections a second, round-robin over `sources`, each sending `request` and
-    reading the status line of the answer (or "dropped"), for `duration_s`."""
+    counted by its answer's status code (or "dropped"), for `duration_s`."""
 
     def __init__(self, port: int, sources: list[str], request: bytes, per_s: float) -> None:
-        self.port, self.sources, self.request, self.per_s = port, sources, request, per_s
-        self.connects = 0
-        self.answers: dict[str, int] = {}
-        self.selector = selectors.DefaultSelector()
+        super().__init__(port)
+        self.sources, self.request, self.per_s = sources, request, per_s
+
+    @staticmethod
+    def label(data: bytes) -> str:
+        return data.split(b"\r\n", 1)[0].decode(errors="replace")[9:12]  # "429"
 
     def run(self, duration_s: float) -> None:
         started = time.monotonic()
         while (elapsed_s := time.monotonic() - started) < duration_s:
             while self.connects < elapsed_s * self.per_s:
-                self._open(self.sources[self.connects % len(self.sources)])
-            for key, _ in self.selector.select(timeout=0.002):
-                self._on_readable(key.fileobj)
+                self._open(self.sources[self.connects % len(self.sources)], self.request)
+            self._read_answers(0.002)
         deadline = time.monotonic() + 2.0
         while self.selector.get_map() and time.monotonic() < deadline:
-            for key, _ in self.selector.select(timeout=0.05):
-                self._on_readable(key.fileobj)
-        for key in list(self.selector.get_map().values()):
-            self._close(key.fileobj, "unanswered")
-
-    def _open(self, source: str) -> None:
-        self.connects += 1
-        try:
-            sock = socket.create_connection(("127.0.0.1", self.port), **_attacker(source))
-            sock.sendall(self.request)
-        except OSError:
-            self.answers["connect failed"] = self.answers.get("connect failed", 0) + 1
-            return
-        sock.setblocking(False)
-        self.selector.register(sock, selectors.EVENT_READ)
-
-    def _on_readable(self, sock: socket.socket) -> None:
-        try:
-            data = sock.recv(4096)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        self._close(sock, data.split(b"\r\n", 1)[0].decode(errors="replace")[9:12]
-                    if data else "dropped")
-
-    def _close(self, sock: socket.socket, answer: str) -> None:
-        self.answers[answer] = self.answers.get(answer, 0) + 1
-        self.selector.unregister(sock)
-        sock.close()
+            self._read_answers(0.05)
+        self._close_all("unanswered")
 
 
 def test_a_resume_flood_is_refused_before_any_work_and_neighbours_stay_on_time(world):
