@@ -15,8 +15,7 @@ from metronome.audio.frontend import AudioFormat
 from metronome.engine.engine import EngineConfig, check_policy_limits, check_pool_fits
 from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
-from metronome.serve.edge.guard import TransportLimits
-from metronome.serve.edge.peers import PeerLimits
+from metronome.serve.edge.limits import PeerLimits, TransportLimits
 from metronome.serve.protocol.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from metronome.serve.truncation import BoundLimits
 from metronome.workload_defaults import (

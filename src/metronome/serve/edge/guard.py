@@ -71,7 +71,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from metronome.serve import protocol as p
-from metronome.serve.edge.peers import PeerLimits, PeerSlot, PeerTable, Refusal, Refused
+from metronome.serve.edge.limits import TransportLimits
+from metronome.serve.edge.peers import PeerSlot, PeerTable, Refusal, Refused
 from metronome.serve.edge.rate_limit import TokenBucket
 
 ABORT_EXTENSION = "metronome.transport.abort"
@@ -83,21 +84,6 @@ REFUSAL_WAIT_S = 0.5  # a connection refused at its connect waits this long at m
 MAX_REFUSALS_WAITING = 256  # refused connections waiting for their request, at most, at once
 HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # what the health listener serves
 RESUME_QUERY = b"resume"  # `serve.resume.lease.RESUME_QUERY`, as the URL's bytes
-
-
-@dataclass(frozen=True)
-class TransportLimits:
-    request_timeout_s: float
-    max_header_bytes: int
-    max_connections: int
-    pings_per_s: float  # WebSocket pings, pongs and continuation frames, per connection
-    ping_burst: int
-    peers: PeerLimits
-    near_cap_fraction: float = 0.75  # of max_connections open: new ones get a short deadline
-    near_cap_handshake_s: float = 1.0  # that deadline, for the first request's headers
-    resumes_per_s: float = 20.0  # resume attempts per second, the whole server
-    resume_burst: int = 40
-    health_max_connections: int = 16  # the health listener's own budget
 
 
 HEADER_LINE_OVERHEAD_BYTES = 4  # ": " and CRLF of each header line, which the parser drops

@@ -35,22 +35,11 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
+from metronome.serve.edge.limits import PeerLimits
 from metronome.serve.edge.rate_limit import TokenBucket
 
 IPV6_PREFIX_BITS = 64
 PRUNE_INTERVAL_S = 1.0  # idle peers are forgotten at most this often (a scan of the table)
-
-
-@dataclass(frozen=True)
-class PeerLimits:
-    max_open: int  # connections one peer may hold open
-    per_s: float  # new connections per second, per peer
-    burst: int  # new connections a peer may open at once above the rate
-    trusted_proxies: frozenset[str] = frozenset()  # addresses whose forwarded-for is read
-    forwarded_for_header: bytes = b"x-forwarded-for"
-    max_leases: int = 16  # sessions a peer's dropped clients may have held for a resume
-    resumes_per_s: float = 1.0  # resume attempts per second, per peer
-    resume_burst: int = 8  # resume attempts a peer may make at once above that rate
 
 
 class Refusal(enum.Enum):
