@@ -27,8 +27,6 @@ so no bounded cost can be promised for keeping or moving it.
 
 from __future__ import annotations
 
-import json
-import struct
 import threading
 from dataclasses import asdict, dataclass
 
@@ -36,15 +34,18 @@ import torch
 
 from metronome.engine.sampling import SamplingParams
 from metronome.engine.session import Session, SessionSpec
+from metronome.envelope import Envelope
 from metronome.kv.residency import ResidencyPolicy
 
-MAGIC = b"METRONOME-SNAPSHOT"
-VERSION = 1
 _ALIGN_BYTES = 64  # every tensor starts aligned, so it is viewed from the payload, not copied
 
 
 class SnapshotError(ValueError):
     """A session that cannot be snapshotted, or a snapshot this engine cannot restore."""
+
+
+ENVELOPE = Envelope(b"METRONOME-SNAPSHOT", 1, "Metronome session snapshot", SnapshotError,
+                    reader="engine")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class SessionSnapshot:
         return self.k.nbytes + self.v.nbytes
 
     def to_bytes(self) -> bytearray:
-        """MAGIC, VERSION and header length, a JSON header, then the tensors' raw bytes.
+        """The envelope (`metronome.envelope`): a JSON header, then the tensors' raw bytes.
 
         Not `torch.save`: its pickle runs code on load unless every reader remembers
         `weights_only`, and these bytes come back from a store another process wrote. The
@@ -99,7 +100,7 @@ class SessionSnapshot:
             layout[name] = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
                             "offset": offset}
             offset += tensor.nbytes
-        header = json.dumps({
+        out, start = ENVELOPE.seal({
             "geometry": asdict(self.geometry),
             "spec": _spec_to_json(self.spec),
             "stop_token_ids": list(self.stop_token_ids),
@@ -114,31 +115,19 @@ class SessionSnapshot:
             "hold_from": self.hold_from,
             "tensors": layout,
             "payload_bytes": offset,
-        }).encode()
-        lead = len(MAGIC) + 8
-        header += b" " * (_aligned(lead + len(header)) - lead - len(header))  # payload aligned
-        out = bytearray(lead + len(header) + offset)
-        out[:lead] = MAGIC + struct.pack("<II", VERSION, len(header))
-        out[lead : lead + len(header)] = header
-        payload = torch.frombuffer(out, dtype=torch.uint8)[lead + len(header):]
+        }, offset, align_bytes=_ALIGN_BYTES)  # every tensor starts aligned in the buffer
+        payload = torch.frombuffer(out, dtype=torch.uint8)[start:]
         for name, tensor in tensors.items():
-            start = layout[name]["offset"]
+            at = layout[name]["offset"]
             raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-            payload[start : start + tensor.nbytes].copy_(raw)
+            payload[at : at + tensor.nbytes].copy_(raw)
         return out
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray) -> SessionSnapshot:
         """The inverse of `to_bytes` (its tensors view `data` when it is a bytearray);
         `SnapshotError` for bytes that are not a snapshot."""
-        lead = len(MAGIC) + 8
-        if len(data) < lead or not data.startswith(MAGIC):
-            raise SnapshotError("not a Metronome session snapshot")
-        version, header_len = struct.unpack_from("<II", data, len(MAGIC))
-        if version != VERSION:
-            raise SnapshotError(f"snapshot version {version}, this engine reads {VERSION}")
-        header = json.loads(bytes(data[lead : lead + header_len]))
-        start = lead + header_len
+        header, start = ENVELOPE.open(data)
         if len(data) - start != header["payload_bytes"]:
             raise SnapshotError(f"snapshot payload is {len(data) - start} bytes, its header "
                                 f"says {header['payload_bytes']}")

@@ -29,22 +29,22 @@ owner's later writes are refused (a replica that was only slow, not dead, stops 
 
 from __future__ import annotations
 
-import json
 import secrets
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from metronome.envelope import Envelope
 from metronome.serve.resume.lease import Credentials, verify
-
-MAGIC = b"METRONOME-CHECKPOINT"
-VERSION = 1
 
 
 class CheckpointError(ValueError):
     """Bytes that are not a checkpoint this server reads."""
+
+
+ENVELOPE = Envelope(b"METRONOME-CHECKPOINT", 1, "Metronome session checkpoint",
+                    CheckpointError)
 
 
 @dataclass(frozen=True)
@@ -53,21 +53,18 @@ class Checkpoint:
     engine: bytes | bytearray  # `SessionSnapshot.to_bytes()`
     client_seq: int  # client events the session had applied when it was taken
 
-    def to_bytes(self) -> bytes:
-        header = json.dumps({"state": self.state, "client_seq": self.client_seq}).encode()
-        return b"".join((MAGIC, struct.pack("<II", VERSION, len(header)), header,
-                         self.engine))  # a bytearray joins without a copy of its own
+    def to_bytes(self) -> bytearray:
+        """The envelope (`metronome.envelope`): the session's state as the JSON header, the
+        engine's snapshot as the payload (copied once, into the buffer)."""
+        out, start = ENVELOPE.seal({"state": self.state, "client_seq": self.client_seq},
+                                   len(self.engine))
+        out[start:] = self.engine
+        return out
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Checkpoint:
-        lead = len(MAGIC) + 8
-        if len(data) < lead or not data.startswith(MAGIC):
-            raise CheckpointError("not a Metronome session checkpoint")
-        version, header_len = struct.unpack_from("<II", data, len(MAGIC))
-        if version != VERSION:
-            raise CheckpointError(f"checkpoint version {version}, this server reads {VERSION}")
-        header = json.loads(data[lead : lead + header_len])
-        return cls(header["state"], bytearray(data[lead + header_len:]), header["client_seq"])
+    def from_bytes(cls, data: bytes | bytearray) -> Checkpoint:
+        header, start = ENVELOPE.open(data)
+        return cls(header["state"], bytearray(data[start:]), header["client_seq"])
 
 
 @dataclass(frozen=True)
