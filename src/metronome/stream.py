@@ -30,8 +30,14 @@ when a step's output reaches it.
 **A frame** is created when its submitter accepts it (the server: before its audio is
 encoded), takes its place in the stream once its input arrives (`index`, `start_offset`,
 `end_offset`), carries its deadline and its budget of new tokens, and becomes its result
-when the beat answers it: listeners and the session's owner receive the same object. A
-frame is answered exactly once.
+when the beat answers it: listeners and the stream's owner receive the same object. A
+frame is answered exactly once. Its `tag` is its submitter's (the server: the reply the
+frame answers), typed by the submitter (`Frame[Reply]`).
+
+**Its owner** (`StreamOwner`: the server's Realtime session) hears of the stream from the
+beat, after the listeners: each frame's result, each step's tokens of the frame in flight,
+a bound the engine changed. The beat guards every call once: an owner that raises is
+logged and told `on_failure`, and the beat goes on for every other session.
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ import itertools
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -52,6 +58,8 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionProfile
 
 RECENT_FRAMES = 40  # statuses a stream keeps of its last frames: 40 s at 1 s frames
+Tag = TypeVar("Tag")
+FrameKind = Literal["audio", "text", "response"]  # what a frame's input is (a reply's prefix)
 
 
 class FrameStatus(enum.StrEnum):
@@ -68,14 +76,14 @@ class FrameStatus(enum.StrEnum):
 
 
 @dataclass(eq=False)  # each frame is itself: compared by identity
-class Frame:
+class Frame(Generic[Tag]):
     """One period's input and the one result it always gets."""
 
     session_id: str
     arrival_s: float  # when the frame was complete at the server (its last byte arrived)
     respond: bool = True  # ask for output (duplex: every frame; turn: the turn's end)
-    kind: str = "text"  # what its input is: "audio" | "text" | "response" (a reply's prefix)
-    tag: object = None  # the submitter's own (the server: the response it opened)
+    kind: FrameKind = "text"
+    tag: Tag | None = None  # the submitter's own (the server: the reply it answers)
     audio_end_ms: float | None = None  # audio: the input stream's position at its last byte
     # its input's positions: at acceptance the submitter's count (audio: an estimate, before
     # it is encoded), once submitted the real count (the stream holds that many)
@@ -96,6 +104,12 @@ class Frame:
     submitted_s: float | None = None  # when its input reached the stream (after preparing)
     start_s: float | None = None  # when the engine first worked on its input
     finish_s: float = math.nan  # when its result was ready
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """Its input's offsets in the stream, (start, end): only once it is submitted."""
+        assert self.start_offset is not None and self.end_offset is not None, self
+        return self.start_offset, self.end_offset
 
     @property
     def expects_output(self) -> bool:
@@ -128,22 +142,34 @@ class Frame:
         return self.status is FrameStatus.OK and self.deadline_met and has_output
 
 
+class StreamOwner(Protocol):
+    """Who a stream's news goes to, after the listeners (see the module docstring)."""
+
+    def on_result(self, frame: Frame[Any]) -> None:
+        """A frame answered (any status)."""
+
+    def on_tokens(self, frame: Frame[Any], token_ids: list[int]) -> None:
+        """A step's new tokens of the frame in flight, as they come."""
+
+    def on_rebound(self, rebound: Rebound) -> None:
+        """The engine changed the session's bound (KV pressure, the position limit, a
+        re-pin)."""
+
+    def on_failure(self) -> None:
+        """One of the calls above raised (the beat logged it): the session cannot go on."""
+
+
 class Stream:
     """One session (see the module docstring): its input, its frames, its outputs."""
 
     def __init__(self, session_id: str, profile: SessionProfile = SessionProfile(),
                  opened_at_s: float = 0.0, spec: SessionSpec | None = None,
-                 on_result: Callable[[Frame], None] | None = None,
-                 on_rebound: Callable[[Rebound], None] | None = None,
-                 on_tokens: Callable[[Frame, list[int]], None] | None = None) -> None:
+                 owner: StreamOwner | None = None) -> None:
         self.id = session_id  # the one id of the session in the process
         self.profile = profile  # the session as a periodic real-time task
         self.spec = profile.spec if spec is None else spec  # what the engine serves it with
         self.opened_at_s = opened_at_s
-        # Its owner (the server's Realtime session) hears of its results after the listeners
-        self.on_result = on_result
-        self.on_rebound = on_rebound
-        self.on_tokens = on_tokens  # each step's new tokens of the frame in flight, as they come
+        self.owner = owner  # hears of its results after the listeners (None: nobody)
         # ---- input: chunks of unconsumed input, oldest first; _chunks[0] starts at _head
         self._lock = threading.Lock()
         self._chunks: deque[torch.Tensor] = deque()  # (n,) int64 ids or (n, hidden) floats
@@ -152,9 +178,9 @@ class Stream:
         self.fed_tokens = 0  # how far the beat has let the engine read
         self.consumed_tokens = 0  # how far steps have processed (as reported to the loop)
         # ---- frames ---------------------------------------------------------------------------
-        self.frames: deque[Frame] = deque()  # unanswered, in the order accepted
-        self.in_flight: Frame | None = None  # frames[0], once its input went to the engine
-        self.last_answered: Frame | None = None  # the last one in flight that was answered
+        self.frames: deque[Frame[Any]] = deque()  # unanswered, in the order accepted
+        self.in_flight: Frame[Any] | None = None  # frames[0], once its input went to the engine
+        self.last_answered: Frame[Any] | None = None  # the last in flight that was answered
         # statuses of the last frames answered, any way (the status page's strip)
         self.recent_statuses: deque[FrameStatus] = deque(maxlen=RECENT_FRAMES)
         self.frames_submitted = 0  # frames whose input reached the stream (their numbering)
@@ -186,7 +212,8 @@ class Stream:
         """Up to `max_tokens` of input from offset `start` (at least `consumed_tokens`), of one
         kind (token ids or embeddings: a run stops where the kind changes). Any thread."""
         with self._lock:
-            offset, parts, n = self._head, [], 0
+            offset, n = self._head, 0
+            parts: list[torch.Tensor] = []
             for chunk in self._chunks:
                 size = int(chunk.shape[0])
                 if offset + size <= start:
@@ -228,9 +255,9 @@ class Stream:
         self.consumed_tokens += num_tokens
         assert self.consumed_tokens <= self.fed_tokens, self
 
-    def drop(self, frame: Frame) -> None:
+    def drop(self, frame: Frame[Any]) -> None:
         """A waiting frame leaves with its input (never fed); those after it move up."""
-        start, end = frame.start_offset, frame.end_offset
+        start, end = frame.span
         assert start >= self.fed_tokens, (frame, self)
         with self._lock:
             offset = self._head
@@ -244,9 +271,10 @@ class Stream:
                 raise AssertionError(f"{frame} is not in {self!r}")
             self.received_tokens -= end - start
         for later in self.frames:
-            if later.start_offset is not None and later.start_offset > start:
-                later.start_offset -= end - start
-                later.end_offset -= end - start
+            if later.end_offset is not None and later.span[0] > start:
+                later_start, later_end = later.span
+                later.start_offset = later_start - (end - start)
+                later.end_offset = later_end - (end - start)
 
     # ---- derived counts ---------------------------------------------------------------------
     @property
@@ -281,13 +309,13 @@ class Stream:
         """How far the engine may read: through the frame in flight (its input and every
         earlier frame's), or with none in flight, everything received (answered frames'
         leftovers: a waiting frame goes in flight as soon as none is)."""
-        return self.received_tokens if self.in_flight is None else self.in_flight.end_offset
+        return self.received_tokens if self.in_flight is None else self.in_flight.span[1]
 
     @property
     def backlog_tokens(self) -> int:
         """Unprocessed input of frames already answered (queued ahead of the frame in
         flight, or of the next one)."""
-        ahead_of = self.received_tokens if self.in_flight is None else self.in_flight.start_offset
+        ahead_of = self.received_tokens if self.in_flight is None else self.in_flight.span[0]
         return max(0, ahead_of - self.consumed_tokens)
 
     def fits(self, num_tokens: int) -> bool:

@@ -14,6 +14,7 @@ from metronome.sim.cost_model import StepCostModel
 from metronome.sim.recorder import RunRecorder
 from metronome.sim.virtual import VirtualDriver
 from metronome.stream import Frame, Stream
+from tests.owner import RecordingOwner
 from tests.steps import by_session
 
 BLOCK = 4
@@ -60,16 +61,17 @@ def wall_run(model, pressure_policy, sessions=8, duration_s=40.0):
         on_rebound=rebounds.append)))
     profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
                              policy=ResidencyPolicy.unbounded())
-    told: list[str] = []
+    owner = RecordingOwner()
     sids = [f"s{n}" for n in range(sessions)]
     for sid in sids:
-        driver.beat.add(Stream(sid, profile, on_rebound=lambda r: told.append(r.session_id)))
+        driver.beat.add(Stream(sid, profile, owner=owner))
     vocab = model.config.vocab_size
     for i in range(int(duration_s)):
         for n, sid in enumerate(sids):
             driver.clock.call_at(i + 1.0, lambda t, sid=sid, n=n, i=i: driver.beat.submit(
                 Frame(sid, t), t, [(n * 31 + i * 7 + k) % (vocab - 1) + 1 for k in range(12)]))
     driver.run_until(duration_s + 1)
+    told = [r.session_id for r in owner.rebounds]  # what each stream's owner was told
     return recorder.results, rebounds, told, sids
 
 

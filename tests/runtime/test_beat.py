@@ -15,6 +15,7 @@ from metronome.sim.cost_model import StepCostModel
 from metronome.sim.virtual import VirtualDriver
 from metronome.stream import Frame, FrameStatus, Stream
 from tests.fake_engine import TOKEN_BASE, FakeEngine
+from tests.owner import RecordingOwner
 
 COST = StepCostModel(fixed_s=0.01, per_token_s=0.0, per_context_token_s=0.0)  # 10 ms a step
 BOUNDED = SessionProfile(max_output_tokens_per_frame=2, max_queued_input_tokens=8)
@@ -25,8 +26,9 @@ REPLY = SessionProfile(mode=SessionMode.TURN, max_output_tokens_per_frame=64,
 def start(profile: SessionProfile, chunk_tokens: int = 64, sessions: tuple[str, ...] = ("s",)):
     engine = FakeEngine(chunk_tokens)
     driver = VirtualDriver(engine, COST, Listeners.of())
-    results: list[Frame] = []
-    streams = [Stream(sid, profile, on_result=results.append) for sid in sessions]
+    owner = RecordingOwner()
+    results: list[Frame] = owner.results
+    streams = [Stream(sid, profile, owner=owner) for sid in sessions]
     for stream in streams:
         driver.beat.add(stream)
     return engine, driver, results, streams

@@ -44,7 +44,11 @@ def build_batch(
         num_paged += 1
     assert all(w.chunk_tokens > paged_max_chunk_tokens for w in work[num_paged:]), \
         "work must be in paged_first order"
-    positions, window_starts, sink_positions, slot_ids, logits_rows = [], [], [], [], []
+    positions: list[int] = []
+    window_starts: list[int] = []
+    sink_positions: list[int] = []
+    slot_ids: list[int] = []
+    logits_rows: list[int] = []
     any_rolling_sinks = False
     row = 0
     for w in work:
@@ -200,9 +204,9 @@ def _window_starts(pos: torch.Tensor, window_tokens: int | None, step_tokens: in
 
 def _embeddings(work: list[Session], embed, dtype: torch.dtype) -> torch.Tensor:
     """Embed token-id chunks in one lookup; splice in chunks that arrive as embeddings."""
-    if all(w.chunk.dtype == torch.int64 for w in work):
-        return embed(torch.cat([w.chunk for w in work]))
-    parts = [
-        embed(w.chunk) if w.chunk.dtype == torch.int64 else w.chunk.to(dtype) for w in work
-    ]
+    chunks = [w.chunk for w in work if w.chunk is not None]
+    assert len(chunks) == len(work), "every session in a step has its chunk"
+    if all(chunk.dtype == torch.int64 for chunk in chunks):
+        return embed(torch.cat(chunks))
+    parts = [embed(chunk) if chunk.dtype == torch.int64 else chunk.to(dtype) for chunk in chunks]
     return torch.cat(parts)

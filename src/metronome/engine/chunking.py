@@ -36,8 +36,10 @@ def chunk_limit(ready: list[Session], sessions: Iterable[Session], free_blocks: 
         return max_chunk_tokens  # too many sessions to share the budget in larger chunks
     if any(s.unread_tokens <= max_chunk_tokens for s in ready):
         return max_chunk_tokens  # someone decodes or streams a frame: keep the step short
-    reserved = sum(max(0, s.spec.policy.max_blocks(block_size, max_chunk_tokens)
-                          - len(s.table.logical_to_block_id))
-                   for s in sessions if s.spec.policy.bounded)
+    reserved = 0  # what bounded sessions may still take, up to their peak
+    for s in sessions:
+        peak_blocks = s.spec.policy.max_blocks(block_size, max_chunk_tokens)
+        if peak_blocks is not None:  # bounded
+            reserved += max(0, peak_blocks - len(s.table.logical_to_block_id))
     needed = sum(s.table.blocks_needed(boosted) for s in ready)
     return boosted if needed <= free_blocks - reserved else max_chunk_tokens

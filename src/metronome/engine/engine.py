@@ -24,7 +24,7 @@ from metronome.engine.chunking import chunk_limit
 from metronome.engine.sampling import greedy_ids, sample
 from metronome.engine.session import Session, SessionInput, SessionSpec
 from metronome.engine.snapshot import SessionSnapshot, restore, take
-from metronome.engine.types import PoolStats, Rebound, StepOutput, WorkStatus
+from metronome.engine.types import EngineFeature, PoolStats, Rebound, StepOutput, WorkStatus
 from metronome.kv.block_pool import BlockPool
 from metronome.kv.cache import KVCache, num_blocks_for
 from metronome.kv.residency import Positions, ResidencyPolicy
@@ -100,7 +100,7 @@ class EngineConfig:
 def check_policy_limits(policy: ResidencyPolicy, config: EngineConfig) -> None:
     """The engine's limits on what a session's bound may ask for (the one place they are
     checked: the engine per session, the server once for its configured policy)."""
-    if policy.bounded and policy.window_tokens > config.max_window_tokens:
+    if policy.window_tokens is not None and policy.window_tokens > config.max_window_tokens:
         raise ValueError(f"window {policy.window_tokens} exceeds the engine's limit "
                          f"{config.max_window_tokens}")
     if policy.sink_tokens > config.max_sink_tokens:
@@ -129,6 +129,7 @@ def check_pool_fits(policy: ResidencyPolicy, config: EngineConfig, num_blocks: i
         return
     block = config.block_size
     steady = policy.max_blocks(block)
+    assert steady is not None  # bounded, as per_session is
     raise ValueError(
         f"a KV pool of {num_blocks} blocks of {block} tokens ({num_blocks * block} tokens) "
         f"cannot hold one {policy} session: it needs {per_session} blocks ({steady} for its "
@@ -185,6 +186,22 @@ def check_token_ids(token_ids: list[int] | torch.Tensor, vocab_size: int) -> tor
     return ids
 
 
+def unsupported(engine_name: str, feature: EngineFeature) -> SessionError:
+    """The error of an engine asked for a feature it does not declare (`features`)."""
+    return SessionError(f"the {engine_name} engine does not serve {feature.value}")
+
+
+def check_feed(session_id: str, ended_reason: str, num_tokens: int,
+               max_new_tokens: int) -> None:
+    """`feed`'s arguments, the same for every engine: a session that has ended (`ended_reason`
+    non-empty) takes no more input, and the counts are not negative (`SessionError`)."""
+    if ended_reason:
+        raise SessionError(f"session {session_id} has ended ({ended_reason})")
+    if max_new_tokens < 0 or num_tokens < 0:
+        raise SessionError(f"num_tokens and max_new_tokens must be >= 0, got "
+                           f"{num_tokens} and {max_new_tokens}")
+
+
 def submit_all(engine, stream: SessionInput, token_ids: list[int] | torch.Tensor | None,
                embeddings: torch.Tensor | None, max_new_tokens: int) -> None:
     """An engine used directly (no beat): validate input, append it to the session's stream
@@ -234,11 +251,8 @@ class Engine:
         """The next `num_tokens` of the session's stream are the engine's to process, then up
         to `max_new_tokens` new tokens (the stream validated and holds the input)."""
         session = self._get(session_id)
-        if session.ended:
-            raise SessionError(f"session {session_id} has ended (context full)")
-        if max_new_tokens < 0 or num_tokens < 0:
-            raise SessionError(f"num_tokens and max_new_tokens must be >= 0, got "
-                               f"{num_tokens} and {max_new_tokens}")
+        check_feed(session_id, "context full" if session.ended else "", num_tokens,
+                   max_new_tokens)
         assert session.fed_tokens + num_tokens <= session.stream.received_tokens, session.stream
         session.feed(num_tokens, max_new_tokens)
 
@@ -318,6 +332,7 @@ class Engine:
         """`repin`'s work, if the window has left the positions both prefixes span and the
         pool has the new prefix's blocks."""
         ids, table, block = session.pinning, session.table, self.config.block_size
+        assert ids is not None, "repin set what to pin"
         policy = session.spec.policy
         num_blocks = -(-len(ids) // block)
         if table.first_held_block < max(table.num_sink_blocks, num_blocks):
@@ -401,7 +416,7 @@ class Engine:
         limit = chunk_limit(ready, self.sessions.values(), self.pool.num_free_blocks,
                             config.max_chunk_tokens, config.max_prefill_chunk_tokens, budget,
                             config.block_size)
-        work = []
+        work: list[Session] = []
         for session in ready:
             if budget <= 0:
                 break
@@ -527,6 +542,8 @@ class Engine:
 
     # ---- introspection -------------------------------------------------------------------
     accepts_embeddings = True  # input embeddings (an audio front end's) as well as token ids
+    features = frozenset(EngineFeature)  # every optional feature: per-session bounds, re-pinning,
+    # rewinding a reply, snapshots
 
     def shutdown(self) -> None:
         """Release what outlives the object (nothing here: the pool is plain tensors)."""

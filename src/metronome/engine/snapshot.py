@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -94,7 +95,8 @@ class SessionSnapshot:
         tensors = {"k": self.k, "v": self.v, "generator_state": self.generator_state}
         for i, chunk in enumerate(self.pending):
             tensors[f"pending.{i}"] = chunk
-        layout, offset = {}, 0
+        layout: dict[str, dict[str, Any]] = {}
+        offset = 0
         for name, tensor in tensors.items():
             offset = _aligned(offset)
             layout[name] = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),

@@ -1,9 +1,11 @@
-"""What the engine reports: one step's output, and the pool's occupancy."""
+"""What the engine reports: one step's output, the pool's occupancy, and the optional features
+it serves."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -14,6 +16,17 @@ class WorkStatus(enum.StrEnum):
     OK = "ok"  # the session's work for this step was done
     STALLED_KV = "stalled_kv"  # it needed KV blocks and the pool had none; retried next step
     CONTEXT_FULL = "context_full"  # it reached max_session_tokens; the session has ended
+
+
+class EngineFeature(enum.StrEnum):
+    """What an engine may serve beyond feeding and stepping sessions, declared on the port
+    (`EnginePort.features`) so callers ask it instead of probing for methods. Each is a
+    command of the beat (`runtime.beat`): an engine without one refuses it."""
+
+    SESSION_POLICY = "session_policy"  # set_policy: a session's own bound, changed mid-session
+    REPIN = "repin"  # repin: new instructions rewritten into the pinned prefix
+    REWIND = "rewind"  # rewind_reply: a reply's unheard tokens taken out of the KV
+    SNAPSHOT = "snapshot"  # snapshot_session / restore_session: a session moved between engines
 
 
 @dataclass(frozen=True)
@@ -29,7 +42,7 @@ class Rebound:
     policy: ResidencyPolicy
     freed_blocks: int  # blocks back in the pool at once
     resident_tokens: int  # its live KV afterwards
-    reason: str = "kv_pressure"
+    reason: Literal["kv_pressure", "position_limit", "pinned"] = "kv_pressure"
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class SaturationForecaster:
         self._history: deque[tuple[float, dict[str, int]]] = deque()
 
     def observe(
-        self, now_s: float, num_free_blocks: int, session_tokens: Mapping[int, int]
+        self, now_s: float, num_free_blocks: int, session_tokens: Mapping[str, int]
     ) -> Forecast:
         """Record the pool's free blocks and each open session's resident tokens; re-forecast."""
         while self._history and self._history[0][0] < now_s - self.window_s:
@@ -85,7 +85,7 @@ class SaturationForecaster:
         return self.forecast
 
     def _growth_rates_tokens_per_s(
-        self, now_s: float, session_tokens: Mapping[int, int]
+        self, now_s: float, session_tokens: Mapping[str, int]
     ) -> dict[str, float]:
         """Growth rate of each session that gained at least one block's worth in the window."""
         first_seen: dict[str, tuple[float, int]] = {}

@@ -31,28 +31,47 @@ Input is validated once, where it enters (`submit`: `EnginePort.check_input`); b
 server encodes audio on a thread) accepts each frame first (`accept`): the stream counts it
 from then on, and the session's bound on queued input is checked once per frame (at
 acceptance by the submitter, `Stream.fits`, or here at submission). Engine commands go
-through `run_on_engine` (the driver's: queued for the engine thread, or run at once); no
-clock and no engine thread here.
+through `run_on_engine` (the driver's: queued for the engine thread, or run at once) and
+questions through `ask_engine` (their `Answer` comes back here); no clock and no engine
+thread here.
+
+The engine's optional features are beat commands too (`set_policy`, `repin`,
+`rewind_reply`, `snapshot`, `restore`), so each runs in order with the session's input;
+`serves(feature)` says whether the engine has one (it declares them: `EnginePort.features`).
+What the beat tells a stream's owner (`StreamOwner`: results, tokens, rebounds) it tells
+guarded, in one place (`_tell_owner`): one owner that fails never stops the beat.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from metronome.engine.engine import EngineConfig, SessionError
-from metronome.engine.types import Rebound, StepOutput, WorkStatus
+from metronome.engine.engine import EngineConfig, SessionError, unsupported
+from metronome.engine.snapshot import SessionSnapshot
+from metronome.engine.types import EngineFeature, Rebound, StepOutput, WorkStatus
 from metronome.kv.residency import ResidencyPolicy
-from metronome.runtime.ports import EnginePort, Listeners, Timer
-from metronome.stream import Frame, FrameStatus, Stream
+from metronome.runtime.ports import Answer, AskEngine, EnginePort, Listeners, RunOnEngine, Timer
+from metronome.stream import Frame, FrameStatus, Stream, StreamOwner
+
+log = logging.getLogger(__name__)
 
 REPLY_KIND = "response"  # a frame that asks for a reply; its input is the reply's prompt
 ONE_FRAME_TOKENS = 16  # a 1 s audio frame is 12-25 tokens; 16 keeps it on the paged path
 LIVE_PERIODS = 2.0  # a session whose last frame arrived this many periods ago may send more
 
-RunOnEngine = Callable[[Callable[[], object]], None]
+
+@dataclass(frozen=True)
+class Snapshotted:
+    """A session's snapshot (`Beat.snapshot`) and the engine-thread time it took (the next
+    step waited as long)."""
+
+    snapshot: SessionSnapshot
+    engine_s: float
 
 
 @dataclass(frozen=True)
@@ -106,10 +125,12 @@ class FeedPolicy:
 
 
 class Beat:
-    def __init__(self, engine: EnginePort, run_on_engine: RunOnEngine, timer: Timer,
-                 listeners: Listeners, feed_policy: FeedPolicy | None = None) -> None:
+    def __init__(self, engine: EnginePort, run_on_engine: RunOnEngine, ask_engine: AskEngine,
+                 timer: Timer, listeners: Listeners,
+                 feed_policy: FeedPolicy | None = None) -> None:
         self.engine = engine
         self.run_on_engine = run_on_engine
+        self.ask_engine = ask_engine
         self.timer = timer
         self.listeners = listeners
         self.feed_policy = feed_policy or FeedPolicy.for_engine(engine.config)
@@ -184,12 +205,12 @@ class Beat:
                 data = self.engine.check_input(token_ids, embeddings)
             except SessionError as err:  # one session's bad input is answered, never raised
                 refusal = str(err)
-        if not refusal and (data is None or len(data) == 0):
-            refusal = "empty frame"
-        if not refusal and not accepted and not stream.fits(int(data.shape[0])):
+        if data is None or len(data) == 0:
+            refusal = refusal or "empty frame"
+        elif not refusal and not accepted and not stream.fits(int(data.shape[0])):
             # refused before it is accepted: nothing accepted is ever dropped
             refusal = _queue_full(stream, int(data.shape[0]))
-        if refusal:
+        if refusal or data is None:
             if accepted:
                 stream.frames.remove(frame)
             self._answer_unstarted(stream, frame, FrameStatus.REJECTED, now_s, refusal)
@@ -263,7 +284,7 @@ class Beat:
         """Frames whose input is in the stream and that are not in flight, in stream order."""
         return sorted((f for f in stream.frames
                        if f.end_offset is not None and f is not stream.in_flight),
-                      key=lambda f: f.start_offset)
+                      key=lambda f: f.span[0])
 
     def _advance(self, stream: Stream) -> None:
         """Put the next waiting frame in flight if none is."""
@@ -337,12 +358,50 @@ class Beat:
         stream.fed_tokens = end
         self.run_on_engine(lambda: self.engine.feed(stream.id, end - start, budget))
 
+    # ---- the engine's optional features (EnginePort.features) -----------------------------
+    def serves(self, feature: EngineFeature) -> bool:
+        return feature in self.engine.features
+
+    def _require(self, feature: EngineFeature) -> None:
+        if not self.serves(feature):  # callers ask `serves` first: this is a bug
+            raise unsupported(type(self.engine).__name__, feature)
+
     def set_policy(self, stream: Stream, policy: ResidencyPolicy) -> None:
         """The session is served under `policy` from now on (its spec's, checked against the
         engine's limits by its owner): in the engine's order, before any input fed later."""
+        self._require(EngineFeature.SESSION_POLICY)
         stream.spec = replace(stream.spec, policy=policy)
         stream.bound = None
         self.run_on_engine(lambda: self.engine.set_policy(stream.id, policy))
+
+    def repin(self, stream: Stream, token_ids: list[int]) -> Answer[bool]:
+        """`token_ids` become the session's pinned prefix once the window has left the old one
+        (`EnginePort.repin`; a `pinned` rebound says when): True if done at once."""
+        self._require(EngineFeature.REPIN)
+        return self.ask_engine(lambda: self.engine.repin(stream.id, token_ids))
+
+    def rewind_reply(self, stream: Stream, keep_tokens: int) -> Answer[int]:
+        """All but `keep_tokens` of the session's latest reply leave its KV (an exception if
+        the session read input since: its rewind horizon passed); the tokens forgotten."""
+        self._require(EngineFeature.REWIND)
+        return self.ask_engine(lambda: self.engine.rewind_reply(stream.id, keep_tokens))
+
+    def snapshot(self, stream: Stream) -> Answer[Snapshotted]:
+        """The session's whole engine state, as of every command queued before this one."""
+        self._require(EngineFeature.SNAPSHOT)
+
+        def take() -> Snapshotted:
+            start = time.perf_counter()
+            snapshot = self.engine.snapshot_session(stream.id)  # a copy: serialized elsewhere
+            return Snapshotted(snapshot, time.perf_counter() - start)
+
+        return self.ask_engine(take)
+
+    def restore(self, snapshot: SessionSnapshot, stream: Stream) -> Answer[bool]:
+        """Open `snapshot` in the engine as `stream` (False: its pool cannot hold it); the
+        beat serves it once its owner `adopt`s it."""
+        self._require(EngineFeature.SNAPSHOT)
+        return self.ask_engine(lambda: self.engine.restore_session(snapshot, stream))
 
     # ---- engine steps ------------------------------------------------------------------
     def on_step(self, out: StepOutput) -> None:
@@ -366,8 +425,7 @@ class Beat:
             return
         stream.bound = rebound.policy
         self.listeners.on_rebound(rebound)
-        if stream.on_rebound is not None:
-            stream.on_rebound(rebound)
+        self._tell_owner(stream, lambda owner: owner.on_rebound(rebound))
 
     def _apply(self, stream: Stream, status: WorkStatus, out: StepOutput) -> None:
         flight = stream.in_flight
@@ -381,7 +439,7 @@ class Beat:
         else:
             self._attribute(stream, out)
             flight = stream.in_flight
-            if (flight is not None and stream.consumed_tokens >= flight.end_offset
+            if (flight is not None and stream.consumed_tokens >= flight.span[1]
                     and stream.id not in out.generating):
                 self._answer(stream, flight, FrameStatus.OK, out.finished_s)
         self._advance(stream)
@@ -393,12 +451,12 @@ class Beat:
         stream.consumed(consumed)
         flight, new_ids = stream.in_flight, out.new_token_ids.get(stream.id, [])
         if (flight is not None and consumed and flight.start_s is None
-                and stream.consumed_tokens > flight.start_offset):
+                and stream.consumed_tokens > flight.span[0]):
             flight.start_s = out.started_s
-        if flight is not None and stream.consumed_tokens >= flight.end_offset:
+        if flight is not None and stream.consumed_tokens >= flight.span[1]:
             flight.token_ids += new_ids
-            if new_ids and stream.on_tokens is not None:
-                stream.on_tokens(flight, new_ids)
+            if new_ids:
+                self._tell_owner(stream, lambda owner: owner.on_tokens(flight, new_ids))
         elif stream.last_answered is not None and new_ids:
             stream.last_answered.late_token_ids += new_ids
             self.listeners.on_late_tokens(len(new_ids))
@@ -437,8 +495,20 @@ class Beat:
         assert stream.frames_answered <= stream.frames_submitted, stream
         stream.recent_statuses.append(status)
         self.listeners.on_result(frame)
-        if stream.on_result is not None:
-            stream.on_result(frame)
+        self._tell_owner(stream, lambda owner: owner.on_result(frame))
+
+    @staticmethod
+    def _tell_owner(stream: Stream, call: Callable[[StreamOwner], None]) -> None:
+        """The one place the beat calls a stream's owner: a failure there is that session's
+        (logged, the owner told), never the beat's or another session's."""
+        owner = stream.owner
+        if owner is None:
+            return
+        try:
+            call(owner)
+        except Exception:
+            log.exception("session %s failed on what the beat told it", stream.id)
+            owner.on_failure()
 
 
 def _count(token_ids: list[int] | torch.Tensor | None, embeddings: torch.Tensor | None) -> int:

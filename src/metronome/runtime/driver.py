@@ -2,7 +2,7 @@
 outputs (times, pool, resident KV) and applies the one idle rule. The wall and the virtual
 driver differ only in time: where a step runs (an engine thread, or inline) and how long it
 takes (the wall clock, or a cost model); each gives the beat its way to run an engine
-command (`run_on_engine`).
+command (`run_on_engine`) and to ask the engine a question (`ask_engine`).
 
 The idle rule: after a step in which no session processed any input (every session with
 work was stalled on KV), nothing can change until the engine gets a command (a close frees
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from metronome.engine.types import StepOutput
-from metronome.runtime.beat import Beat, RunOnEngine
-from metronome.runtime.ports import EnginePort, Listeners, Timer
+from metronome.runtime.beat import Beat
+from metronome.runtime.ports import AskEngine, EnginePort, Listeners, RunOnEngine, Timer
 
 
 @dataclass
@@ -43,11 +43,11 @@ class OverheadMeter:
 
 
 class Driver:
-    def __init__(self, engine: EnginePort, run_on_engine: RunOnEngine, timer: Timer,
-                 listeners: Listeners) -> None:
+    def __init__(self, engine: EnginePort, run_on_engine: RunOnEngine, ask_engine: AskEngine,
+                 timer: Timer, listeners: Listeners) -> None:
         self.engine = engine
         self.listeners = listeners
-        self.beat = Beat(engine, run_on_engine, timer, listeners)
+        self.beat = Beat(engine, run_on_engine, ask_engine, timer, listeners)
         self.overhead = OverheadMeter()
         self._idle = False  # see the idle rule above
 

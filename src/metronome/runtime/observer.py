@@ -32,7 +32,7 @@ class RuntimeObserver:
         self.forecaster = forecaster
         self.forecast_interval_s = forecast_interval_s
         self._next_forecast_s = -math.inf
-        self.last_pool = None
+        self.last_pool: PoolStats | None = None
         self.eta_s = math.inf
 
     @classmethod
@@ -51,13 +51,16 @@ class RuntimeObserver:
             detector, deadlines = StallDetector(), DeadlineMonitor(
                 self_paced_tokens=self_paced_tokens)
         else:
-            timed = {"window_frames": 1 << 16, "min_frames": 1, "window_s": health_window_s}
-            detector = StallDetector(**timed)
-            deadlines = DeadlineMonitor(**timed, self_paced_tokens=self_paced_tokens)
+            detector = StallDetector(window_frames=1 << 16, min_frames=1,
+                                     window_s=health_window_s)
+            deadlines = DeadlineMonitor(window_frames=1 << 16, min_frames=1,
+                                        window_s=health_window_s,
+                                        self_paced_tokens=self_paced_tokens)
         return cls(Metrics(registry), detector, forecaster, deadlines=deadlines)
 
     def on_result(self, result: Frame) -> None:
         num_tokens = len(result.token_ids)
+        assert result.status is not None, "listeners hear answered frames only"
         status = result.status.value
         self.metrics.observe_frame(status, result.latency_s, num_tokens, result.good)
         self.detector.observe(status, num_tokens, result.expects_output, result.deadline_met,
@@ -79,6 +82,7 @@ class RuntimeObserver:
 
     def on_step(self, out: StepOutput) -> None:
         self.metrics.observe_step(out.step_s, len(out.status))
+        assert out.pool is not None, "the driver reads the pool after every step"
         self.observe_pool(out.finished_s, out.pool, out.resident_tokens)
 
     def observe_pool(self, now_s: float, pool: PoolStats, resident_tokens: dict[str, int],

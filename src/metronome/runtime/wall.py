@@ -25,7 +25,7 @@ from metronome.runtime.ports import EnginePort, Listeners
 
 log = logging.getLogger(__name__)
 
-Command = Callable[[], None]
+Command = Callable[[], object]
 T = TypeVar("T")
 
 
@@ -50,7 +50,7 @@ class WallDriver(Driver):
         self.loop = asyncio.get_running_loop()
         self.timer = LoopTimer(self.loop, self.loop.time())
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        super().__init__(engine, self.call_on_engine, self.timer, listeners)
+        super().__init__(engine, self.call_on_engine, self.run_on_engine, self.timer, listeners)
         self.error: str | None = None  # set if a step ever failed: health reports it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metronome-engine", daemon=True)
@@ -77,9 +77,17 @@ class WallDriver(Driver):
                 value = fn()
             except Exception as err:  # the caller's to handle, on the loop
                 failure = err
-                settle(lambda: future.done() or future.set_exception(failure))
+
+                def fail() -> None:
+                    if not future.done():
+                        future.set_exception(failure)
+                settle(fail)
                 return
-            settle(lambda: future.done() or future.set_result(value))
+
+            def succeed() -> None:
+                if not future.done():
+                    future.set_result(value)
+            settle(succeed)
 
         self.call_on_engine(run)
         return future

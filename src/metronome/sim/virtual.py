@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
 
 from metronome.engine.types import StepOutput
 from metronome.runtime.driver import Driver
@@ -38,12 +39,46 @@ class EventHeap:
         callback(at_s)
 
 
+T = TypeVar("T")
+
+
+class Answered(Generic[T]):
+    """An engine question's answer, known at once (this driver runs the engine inline): an
+    `Answer` whose callbacks run when they are added."""
+
+    def __init__(self, question: Callable[[], T]) -> None:
+        self._value: T | None = None
+        self._error: Exception | None = None
+        try:
+            self._value = question()
+        except Exception as err:  # the asker's, as a future would hold it
+            self._error = err
+
+    def add_done_callback(self, fn: Callable[[Any], object], /) -> None:
+        fn(self)
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> T:
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]  # set when no error was
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self.result()
+        yield  # a generator that never suspends
+
+
 class VirtualDriver(Driver):
     def __init__(self, engine: EnginePort, cost_model: StepCostModel,
                  listeners: Listeners) -> None:
         self.cost_model = cost_model
         self.clock = EventHeap()
-        super().__init__(engine, self._run_now, self.clock, listeners)
+        super().__init__(engine, self._run_now, self._ask_now, self.clock, listeners)
         self._busy = False  # a step has started and its end is on the clock
 
     @property
@@ -54,6 +89,11 @@ class VirtualDriver(Driver):
         """An engine command, applied at once (this driver owns the only thread)."""
         self.on_command()
         command()
+
+    def _ask_now(self, question: Callable[[], T]) -> Answered[T]:
+        """An engine question, answered at once."""
+        self.on_command()
+        return Answered(question)
 
     def run_until(self, until_s: float) -> None:
         """Advance virtual time to `until_s`, stepping the engine whenever it may."""

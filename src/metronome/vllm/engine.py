@@ -53,9 +53,17 @@ from pathlib import Path
 
 import torch
 
-from metronome.engine.engine import EngineConfig, SessionError, check_token_ids, submit_all
+from metronome.engine.engine import (
+    EngineConfig,
+    SessionError,
+    check_feed,
+    check_token_ids,
+    submit_all,
+    unsupported,
+)
 from metronome.engine.session import SessionSpec
-from metronome.engine.types import PoolStats, StepOutput, WorkStatus
+from metronome.engine.snapshot import SessionSnapshot
+from metronome.engine.types import EngineFeature, PoolStats, StepOutput, WorkStatus
 from metronome.kv.residency import PolicyKind, ResidencyPolicy
 from metronome.stream import Stream
 from metronome.vllm.config import HF_OVERRIDE_KEY, parse_bound
@@ -191,6 +199,10 @@ class VllmEngine:
     """`EnginePort` over an in-process vLLM `LLMEngine` (see the module docstring)."""
 
     accepts_embeddings = False  # token ids only
+    # None of the optional features: the plugin serves one bound for every session, and a
+    # streaming request's KV only grows (rewinding or re-pinning it would mean aborting it and
+    # prefilling the whole context again; its state is vLLM's, not ours to snapshot)
+    features: frozenset[EngineFeature] = frozenset()
 
     def __init__(self, config: VllmEngineConfig, llm_engine, vocab_size: int) -> None:
         self.vllm_config, self.llm, self.vocab_size = config, llm_engine, vocab_size
@@ -304,11 +316,7 @@ class VllmEngine:
 
     def feed(self, session_id: str, num_tokens: int, max_new_tokens: int = 0) -> None:
         session = self._get(session_id)
-        if session.end_reason:
-            raise SessionError(f"session {session_id} has ended ({session.end_reason})")
-        if max_new_tokens < 0 or num_tokens < 0:
-            raise SessionError(f"num_tokens and max_new_tokens must be >= 0, got "
-                               f"{num_tokens} and {max_new_tokens}")
+        check_feed(session_id, session.end_reason, num_tokens, max_new_tokens)
         session.queued.append((num_tokens, max_new_tokens))
         if session.running is None:
             self._dispatch(session)
@@ -335,6 +343,22 @@ class VllmEngine:
             raise SessionError(f"unknown session {session_id}")
         if session.started:
             self.llm.engine_core.abort_requests([session.request_id])  # blocks back at once
+
+    # ---- the optional features: none (`features` is empty) ------------------------------------
+    def set_policy(self, session_id: str, policy: ResidencyPolicy) -> int:
+        raise unsupported("vLLM", EngineFeature.SESSION_POLICY)
+
+    def repin(self, session_id: str, token_ids: list[int] | torch.Tensor) -> bool:
+        raise unsupported("vLLM", EngineFeature.REPIN)
+
+    def rewind_reply(self, session_id: str, keep_tokens: int) -> int:
+        raise unsupported("vLLM", EngineFeature.REWIND)
+
+    def snapshot_session(self, session_id: str) -> SessionSnapshot:
+        raise unsupported("vLLM", EngineFeature.SNAPSHOT)
+
+    def restore_session(self, snapshot: SessionSnapshot, stream: Stream) -> bool:
+        raise unsupported("vLLM", EngineFeature.SNAPSHOT)
 
     # ---- stepping --------------------------------------------------------------------------
     @property
