@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from metronome.observe.metrics import Metrics
+from metronome.runtime.beat import Snapshotted
 from metronome.serve.resume.checkpoint import MemoryCheckpointStore
 from metronome.serve.resume.lease import Credentials, Grant
 from metronome.serve.resume.takeover import Checkpointer, CheckpointState
@@ -46,12 +47,12 @@ class FakeEngine:
 def _checkpointer(store: MemoryCheckpointStore, engine: FakeEngine) -> Checkpointer:
     loop = asyncio.get_running_loop()
 
-    def run_on_engine(call):
+    def snapshot(stream):  # `Beat.snapshot`: the engine's, answered at once
         future = loop.create_future()
-        future.set_result(call())
+        future.set_result(Snapshotted(engine.snapshot_session("sess_1"), 0.0))
         return future
 
-    return Checkpointer(store, "a", INTERVAL_S, engine, run_on_engine, Metrics(),
+    return Checkpointer(store, "a", INTERVAL_S, SimpleNamespace(snapshot=snapshot), Metrics(),
                         on_moved=lambda sid: None, now_s=loop.time)
 
 

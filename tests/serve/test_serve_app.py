@@ -23,8 +23,8 @@ from metronome.model.weights import load_tokenizer
 from metronome.serve import connection
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import with_extensions
+from metronome.serve.realtime.session import RealtimeSession
 from metronome.serve.server import ServerThread
-from metronome.serve.session import RealtimeSession
 from tests.served import TEXT_DUPLEX, metric, recv, recv_until
 
 pytestmark = pytest.mark.model
@@ -357,14 +357,14 @@ def test_a_client_that_does_not_read_is_closed_alone(model):
 
 def test_a_failing_session_is_closed_1011_and_the_others_live_on(model, monkeypatch):
     doomed: set[str] = set()
-    text_of = RealtimeSession._text_of
+    text_of = RealtimeSession.text_of
 
     def failing(session, token_ids, flush):
         if session.id in doomed:
             raise RuntimeError("injected failure")
         return text_of(session, token_ids, flush)
 
-    monkeypatch.setattr(RealtimeSession, "_text_of", failing)
+    monkeypatch.setattr(RealtimeSession, "text_of", failing)
     with ServerThread(ServerConfig(**SMALL), *model) as server:
         with connect(server.ws_url) as bad, connect(server.ws_url) as good:
             doomed.add(recv(bad)["session"]["id"])

@@ -13,13 +13,14 @@ import pytest
 
 from metronome.engine.engine import Engine
 from metronome.serve import protocol as p
-from metronome.serve import session as session_module
-from metronome.serve.audio_input import AudioFramer
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError
 from metronome.serve.protocol import server as se
+from metronome.serve.realtime import input_buffer as session_module
+from metronome.serve.realtime.audio_input import AudioFramer
+from metronome.serve.realtime.session import RealtimeSession
 from metronome.serve.serving import Serving
-from metronome.serve.session import RealtimeSession
+from tests.serve.session_client import RecordingClient
 from tests.served import TEXT_DUPLEX
 
 SLOW_ENCODE_S = 0.3
@@ -43,8 +44,7 @@ def test_a_slow_audio_encoder_does_not_delay_the_loop(tiny_model, monkeypatch):
                             "tiny")
         try:
             events: list[p.ServerEvent] = []
-            streamer = RealtimeSession(state, lambda event, _text, _seq: events.append(event),
-                                      lambda: None, lambda err: None, extensions=True)
+            streamer = RealtimeSession(state, RecordingClient(events), extensions=True)
             loop = asyncio.get_running_loop()
             fired = loop.create_future()
             due_s = loop.time() + 0.1
@@ -91,7 +91,7 @@ def test_an_append_that_cannot_fit_is_refused_before_it_is_decoded(tiny_model, m
         state = Serving(config, Engine(tiny_model, config.engine_config()), None, None,
                             "tiny")
         try:
-            session = RealtimeSession(state, lambda *_: None, lambda: None, lambda err: None)
+            session = RealtimeSession(state, RecordingClient())
             too_long = b"\x10\x00" * 16000 * 5  # 5 s: over the 4 s bound
             with pytest.raises(ClientError) as refused:
                 session.handle(p.InputAudioBufferAppend(type="input_audio_buffer.append",

@@ -18,7 +18,7 @@ from websockets.sync.client import connect
 from metronome.serve import protocol as p
 from metronome.serve.protocol import with_extensions
 from metronome.serve.protocol.schema import SessionIn
-from metronome.serve.session import UNSUPPORTED_EVENT_TYPES
+from metronome.serve.realtime.session import UNSUPPORTED_EVENT_TYPES
 from tests.served import recv, recv_until
 
 # ---- the schema, without a server ----------------------------------------------------------

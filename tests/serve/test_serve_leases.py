@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from metronome.engine.engine import Engine
 from metronome.serve import protocol as p
 from metronome.serve.config import ServerConfig
-from metronome.serve.resume.event_log import EventLog as EventStream
+from metronome.serve.realtime.emitter import EventLog as EventStream
+from metronome.serve.realtime.session import RealtimeSession
 from metronome.serve.resume.resumer import ResumeRefused
 from metronome.serve.serving import Serving
-from metronome.serve.session import RealtimeSession
+from tests.serve.session_client import RecordingClient
 from tests.served import TEXT_DUPLEX
 
 GRACE_S = 0.05
@@ -57,11 +58,11 @@ async def _play(tiny_model, ops: list[tuple[str, int]]) -> None:
             target = live[which % len(live)] if live else None
             if op == "open":
                 owner = Owner()
-                session = RealtimeSession(state, lambda *_: None, lambda: None,
-                                          lambda err: None, True)
+                session = RealtimeSession(state, RecordingClient(), True)
                 owner.session = session
                 state.add(session, owner)
-                sessions.append((session, state.resume.resumption.grant(session, "")))
+                sessions.append((session, state.resume.resumption.grant(
+                    state.resume.state(session), "")))
             elif target is None:
                 continue
             elif op == "audio" and target[0].channel.attached:
@@ -74,9 +75,10 @@ async def _play(tiny_model, ops: list[tuple[str, int]]) -> None:
                     state.resume.take_for_resume(session.id, token, Owner(session))
                 except ResumeRefused:
                     continue  # expired meanwhile: refused, nothing changed
-                session.channel.attach(lambda *_: None, lambda: None, None)
+                session.channel.attach(RecordingClient(), None)
                 index = next(i for i, (s, _) in enumerate(sessions) if s is session)
-                sessions[index] = (session, state.resume.resumption.grant(session, ""))
+                sessions[index] = (session, state.resume.resumption.grant(
+                    state.resume.state(session), ""))
             elif op == "wait":
                 await asyncio.sleep(GRACE_S * 2)  # leases expire; frames get answered
             elif op == "end":
@@ -84,7 +86,7 @@ async def _play(tiny_model, ops: list[tuple[str, int]]) -> None:
         for session in list(state.sessions.values()):
             state.remove(session, "completed")
         assert not state.sessions  # (a session's connection is on it: gone with it)
-        assert all(session.grant is None for session, _ in sessions)  # no grant left
+        assert all(state.resume.grant_of(session) is None for session, _ in sessions)  # no grant
         assert state.resume.resumption.num_leased == 0
         for _ in range(200):  # the engine thread gives the blocks back, then the probe says
             if state.pool.used_blocks == 0 and not state.engine.sessions:

@@ -19,8 +19,8 @@ from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
 from metronome.serve.protocol import with_extensions
+from metronome.serve.realtime.intake import Intake
 from metronome.serve.server import ServerThread
-from metronome.serve.session import RealtimeSession
 from tests.host_speed import host_slowness, printable
 from tests.served import TEXT_SERVER, metric, recv, recv_until
 
@@ -113,7 +113,7 @@ WORST_TEXT_MESSAGES = {  # kind -> (message, how many to send, on how many conne
 
 def test_the_worst_text_messages_cost_the_loop_under_a_millisecond_each(smollm2, monkeypatch):
     """Each message's handling on the loop (`Connection._on_message`) and each frame it made
-    (`RealtimeSession._on_input_ready`, which submits it) is timed in the loop thread's CPU
+    (`Intake._prepared`, which submits it) is timed in the loop thread's CPU
     time (a busy machine's preemption and the engine thread's GIL are not the loop's work)."""
     costs_s: dict[str, list[float]] = {}
     kind = [""]
@@ -128,8 +128,7 @@ def test_the_worst_text_messages_cost_the_loop_under_a_millisecond_each(smollm2,
         return wrapper
 
     monkeypatch.setattr(Connection, "_on_message", timed(Connection._on_message))
-    monkeypatch.setattr(RealtimeSession, "_on_input_ready",
-                        timed(RealtimeSession._on_input_ready))
+    monkeypatch.setattr(Intake, "_prepared", timed(Intake._prepared))
     config = ServerConfig(**TEXT_SERVER, pool_tokens=16384, admission="off", mode="turn")
     # A served process holds its own objects only; this one holds every earlier test's, and a
     # collection that walks them landed in a timed call (CI, after ~300 tests: p90 over 1 ms

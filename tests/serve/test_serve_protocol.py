@@ -10,10 +10,10 @@ from pydantic import ValidationError
 
 from metronome.audio.frontend import AudioFormat, AudioFrontEnd
 from metronome.serve import protocol as p
-from metronome.serve.audio_input import AudioFramer
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import ClientError, ErrorCode
-from metronome.serve.text import DeltaDecoder
+from metronome.serve.realtime.audio_input import AudioFramer
+from metronome.serve.realtime.chat import DeltaDecoder
 from tests.served import TEXT_DUPLEX
 
 

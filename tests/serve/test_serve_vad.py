@@ -27,10 +27,11 @@ from metronome.serve import protocol as p
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import server as se
 from metronome.serve.protocol import with_extensions
+from metronome.serve.realtime.session import RealtimeSession
 from metronome.serve.server import ServerThread
 from metronome.serve.serving import Serving
-from metronome.serve.session import RealtimeSession
 from tests import served
+from tests.serve.session_client import RecordingClient
 from tests.served import TEXT_DUPLEX
 
 pytestmark = pytest.mark.wall_clock
@@ -229,8 +230,7 @@ def run_session(tiny_model, scenario) -> object:
                             "tiny")
         try:
             events: list[p.ServerEvent] = []
-            session = RealtimeSession(state, lambda event, _text, _seq: events.append(event),
-                                      lambda: None, lambda err: None, extensions=True)
+            session = RealtimeSession(state, RecordingClient(events), extensions=True)
             try:
                 return await scenario(session, events)
             finally:

@@ -1,4 +1,4 @@
-"""A session's bound through the standard API (`session.truncation`, `serve.truncation`): the
+"""A session's bound through the standard API (`session.truncation`, `serve.realtime.bound`): the
 choices map to bounds within the server's ceilings (hypothesis), `session.updated` shows the
 one in force and the engine serves it; instructions given first are pinned; and
 `conversation.item.truncate` cuts the latest reply, in the item and in the KV."""
@@ -17,11 +17,11 @@ from metronome.engine.engine import Engine, EngineConfig
 from metronome.engine.session import SessionSpec
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.weights import load_tokenizer
-from metronome.serve import truncation
 from metronome.serve.config import ServerConfig
 from metronome.serve.protocol import EXTENSIONS_QUERY, ClientError
 from metronome.serve.protocol.schema import RetentionRatio, TokenLimits
-from metronome.serve.rewind import Reply
+from metronome.serve.realtime import bound as truncation
+from metronome.serve.realtime.reply import Reply
 from metronome.serve.server import ServerThread
 from metronome.stream import Stream
 from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
@@ -106,15 +106,15 @@ def test_what_each_choice_maps_to():
 def test_the_heard_part_of_a_spoken_reply():
     tokenizer = load_tokenizer()
     ids = tokenizer.encode("The capital of France is Paris. It is big.").ids
-    reply = Reply("item", ids, [("The capital of France is Paris.", 2000.0),
-                                ("It is big.", 1000.0)])
+    reply = Reply(None, "resp", "item", None, None, ids,
+                  [("The capital of France is Paris.", 2000.0), ("It is big.", 1000.0)])
     decode = tokenizer.decode
     assert reply.kept_tokens(3000, decode) == len(ids)
     assert decode(ids[:reply.kept_tokens(2000, decode)]) == "The capital of France is Paris."
     # 60 % of the first sentence's 2 s: its first 18 of 31 characters, back to a whole word
     assert decode(ids[:reply.kept_tokens(1200, decode)]) == "The capital of"
     assert reply.kept_tokens(0, decode) == 0
-    assert Reply("item", ids).kept_tokens(0, decode) == 0  # a text reply: no audio
+    assert Reply(None, "resp", "item", None, None, ids).kept_tokens(0, decode) == 0  # no audio
 
 
 @pytest.fixture(scope="module")

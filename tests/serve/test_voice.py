@@ -21,9 +21,9 @@ from metronome.audio.voice import Sentences, Voice
 from metronome.audio.whisper import StreamingTranscript, Whisper, normalise_word
 from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
-from metronome.serve.hearing import Heard, Hearing
+from metronome.serve.realtime.chat import ChatText, HeardMessage
 from metronome.serve.server import ServerThread
-from metronome.serve.text import ChatText
+from metronome.serve.voice.hearing import Hearing
 from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
 from tests.served import recv
 
@@ -113,13 +113,12 @@ def test_a_turn_heard_in_pieces_is_the_tokens_of_the_whole_user_message():
     a text item with the same words would be."""
     chat = ChatText(load_tokenizer())
     passes = ["What is", "What is the", "What is the capital", "What is the capital of France?"]
-    hearing = Hearing(ScriptedWhisper(passes), chat, 16000)
+    hearing, message = Hearing(ScriptedWhisper(passes), 16000), HeardMessage()
     pcm = (np.zeros(16000, np.int16)).tobytes()
     ids, heard_words = [], []
     for index in range(4):
-        heard = Heard()
-        hearing.speech_from_ms = 0.0
-        ids += hearing.hear(pcm, index == 3, (index + 1) * 1000.0, 0.0, heard, time.monotonic())
+        heard = hearing.hear(pcm, index == 3, (index + 1) * 1000.0, 0.0, time.monotonic())
+        ids += chat.ids(message.piece(heard.words, index == 3))
         heard_words += heard.words
     assert " ".join(heard_words) == "What is the capital of France?"
     assert ids == chat.item_ids("user", "What is the capital of France?")
@@ -129,14 +128,14 @@ def test_a_busy_encoder_sheds_partial_passes_but_never_the_last():
     """A frame that waited for the encoder thread (others' passes ahead of it) keeps its audio
     and skips its speculative pass; the turn's last pass runs whatever the wait."""
     whisper = ScriptedWhisper(["what is the capital of France?"])
-    hearing = Hearing(whisper, ChatText(load_tokenizer()), 16000)
+    hearing = Hearing(whisper, 16000)
     pcm = np.zeros(16000, np.int16).tobytes()
     long_ago = time.monotonic() - 1.0
-    shed = Heard()
-    assert hearing.hear(pcm, False, 1000.0, 0.0, shed, long_ago) == []
+    shed = hearing.hear(pcm, False, 1000.0, 0.0, long_ago)
+    assert shed.words == []
     assert whisper.heard_s == [] and not shed.passed  # shed (the stage metric skips it)
-    heard = Heard()
-    assert hearing.hear(pcm, True, 2000.0, 0.0, heard, long_ago)
+    heard = hearing.hear(pcm, True, 2000.0, 0.0, long_ago)
+    assert heard.words
     assert whisper.heard_s == [2.0] and heard.words[-1] == "France?" and heard.passed
 
 
@@ -212,26 +211,37 @@ class CountingVoice:
 
 
 def _speech_run(script) -> list:
-    """Run `script(speech)` on a loop where the voice thread is a call_soon."""
-    from metronome.serve.responses import Response
-    from metronome.serve.speaking import Speech
+    """Run `script(speech)` on a loop where the speak stage is a call_soon: a reply's voice
+    (`Speaking`) and the events its reply renders of what was said; `closed` gets the
+    reply's cancel reason once its voice is done."""
+    from types import SimpleNamespace
+
+    from metronome.serve.realtime.reply import Reply
+    from metronome.serve.voice.speaking import Speaking
 
     events, closed = [], []
+
+    class ToldReply(Reply):
+        def on_voice_done(self) -> None:  # (its frame is not answered here: no close)
+            closed.append(self.cancel_reason)
 
     async def main():
         loop = asyncio.get_running_loop()
 
-        def speak(work):
+        def run_model(work):
             future = loop.create_future()
-            loop.call_soon(lambda: future.set_result(work()))
+            loop.call_soon(lambda: future.set_result(work(CountingVoice())))
             return future
 
-        speech = Speech(Response("resp_1", "item_1", None), CountingVoice(), 24000, speak,
-                        events.append)
-        await script(speech, lambda: closed.append(speech.cancel_reason))
+        stage = SimpleNamespace(run_model=run_model, observe=lambda seconds: None)
+        reply = ToldReply(SimpleNamespace(emit=events.append), "resp_1", "item_1", None)
+        reply.voice = voice = Speaking(stage, 24000, reply)
+        speech = SimpleNamespace(push=voice.push, cancel=reply.stop_voice,
+                                 finish=lambda on_done: voice.finish())
+        await script(speech, None)
         for _ in range(5):
             await asyncio.sleep(0)
-        return speech
+        return reply
 
     speech = asyncio.run(main())
     return events, closed, speech

@@ -31,7 +31,7 @@ class SessionStoreActor:
     def __init__(self, expire_after_s: float, max_bytes: int) -> None:
         self.shelf = CheckpointShelf(expire_after_s, max_bytes)
 
-    def put(self, session_id: str, owner: str, checkpoint: bytes, client_seq: int,
+    def put(self, session_id: str, owner: str, checkpoint: bytes | bytearray, client_seq: int,
             grant: Credentials) -> bool:
         return self.shelf.put(session_id, owner, checkpoint, client_seq, grant)
 

@@ -53,6 +53,7 @@ SESSION_MIGRATIONS_TOTAL = "metronome_session_migrations_total"
 SESSION_CHECKPOINT_BYTES = "metronome_session_checkpoint_bytes"
 SESSION_CHECKPOINT_SECONDS = "metronome_session_checkpoint_seconds"
 SESSION_AWAY_SECONDS = "metronome_session_away_seconds"
+VOICE_STAGE_SECONDS = "metronome_voice_stage_seconds"
 
 # Statuses whose series exist from the start (at 0), so rate() works before the first event.
 # Other status values are accepted and get their own series.
@@ -65,6 +66,7 @@ LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 AWAY_BUCKETS_S = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+STAGE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0)
 RESUME_OUTCOMES = ("resumed", "restored", "refused_token", "refused_draining", "refused_off",
                    "refused_pool")
 # stored; generating (skipped: a frame's tokens still coming); refused (another server has
@@ -88,6 +90,11 @@ class Metrics:
         self._declare_frame_metrics()
         self._declare_state_metrics()
         self._declare_resume_metrics()
+        self._voice_stage = Histogram(
+            VOICE_STAGE_SECONDS, "Time of each stage of a voice frame: encoder (one Whisper "
+            "pass that ran: shed and skipped ones are not counted), lm (a response frame, "
+            "first input step to its answer), voice (Piper, one sentence).", ["stage"],
+            buckets=STAGE_BUCKETS_S, registry=self.registry)
 
     def _declare_frame_metrics(self) -> None:
         reg = self.registry
@@ -185,6 +192,11 @@ class Metrics:
             SESSION_CHECKPOINT_SECONDS, "Engine-thread time to snapshot one checkpoint (it "
             "delays the next step by as much; serializing runs on a worker thread).",
             buckets=LATENCY_BUCKETS_S, registry=reg)
+
+    def observe_voice_stage(self, stage: str, seconds: float) -> None:
+        """One piece of a voice stage's work: `encoder` (a Whisper pass), `lm` (a reply's
+        frame), `voice` (a sentence)."""
+        self._voice_stage.labels(stage).observe(seconds)
 
     def session_migrated(self) -> None:
         """A draining server handed a session to the others (closed 4002 after its

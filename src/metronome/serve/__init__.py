@@ -8,9 +8,9 @@ Bearer <key>`, or from a browser the subprotocol `openai-insecure-api-key.<key>`
 
 Protocol: OpenAI's Realtime API (GA). Every client event type and session field parses
 (`serve.protocol`, `serve.protocol.schema`); what the server cannot do is refused by name
-(`serve.session`), what it accepts and does not act on shows as in effect in
+(`serve.realtime.session`), what it accepts and does not act on shows as in effect in
 `session.updated`. Server events are OpenAI's, in OpenAI's order (`serve.protocol.server`,
-`serve.responses`). Extensions, for a client that opts in with `?metronome_events=true`:
+`serve.realtime.rendering`). Extensions, for a client that opts in with `?metronome_events=true`:
 `session.metronome` (mode: `duplex` | `turn`, frame timing) and `metronome.frame` (every
 frame's status and server timing), `metronome.session.bounded`.
 

@@ -17,7 +17,7 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.serve.edge.limits import PeerLimits, TransportLimits
 from metronome.serve.protocol.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
-from metronome.serve.truncation import BoundLimits
+from metronome.serve.realtime.bound import BoundLimits
 from metronome.workload_defaults import (
     BLOCK_SIZE_TOKENS,
     DEADLINE_FRACTION,
@@ -51,7 +51,7 @@ class ServerConfig(BaseModel):
     policy: str = Field(POLICY_SPEC, description="every session's KV bound: "
                         "unbounded | window:W | sinks_window:S:W, optionally @rolling")
     pool_tokens: int = Field(POOL_TOKENS, ge=16, description="KV pool size in tokens")
-    # A session may choose its own bound (session.truncation: serve.truncation) within these.
+    # A session may choose its own bound (session.truncation: serve.realtime.bound) within these.
     max_window_tokens: int = Field(2048, ge=1, description="the largest window a session may "
                                    "choose (session.truncation's post_instructions)")
     max_pinned_tokens: int = Field(512, ge=1, description="the largest pinned prefix: a "
@@ -236,8 +236,8 @@ class ServerConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
         policy, engine = ResidencyPolicy.parse(self.policy), self.engine_config()
-        if policy.bounded and (policy.window_tokens > self.max_window_tokens
-                               or policy.sink_tokens > self.max_pinned_tokens):
+        if policy.window_tokens is not None and (policy.window_tokens > self.max_window_tokens
+                                                 or policy.sink_tokens > self.max_pinned_tokens):
             raise ValueError(f"the default bound {policy} passes the ceilings a session may "
                              f"choose within (--max-window-tokens {self.max_window_tokens}, "
                              f"--max-pinned-tokens {self.max_pinned_tokens})")
@@ -328,11 +328,12 @@ class ServerConfig(BaseModel):
                             max_window_tokens=self.max_window_tokens,
                             max_sink_tokens=self.max_pinned_tokens)
 
-    def bound_limits(self) -> BoundLimits:
-        """What a session's `session.truncation` and instructions are held to."""
+    def bound_limits(self, per_session: bool) -> BoundLimits:
+        """What a session's `session.truncation` and instructions are held to; `per_session`:
+        the engine serves each session its own bound (`EngineFeature.SESSION_POLICY`)."""
         return BoundLimits(ResidencyPolicy.parse(self.policy), self.block_size,
                            self.max_window_tokens, self.max_pinned_tokens,
-                           self.allow_unbounded_sessions, per_session=self.engine == "native")
+                           self.allow_unbounded_sessions, per_session=per_session)
 
     @property
     def ws_max_message_bytes(self) -> int:

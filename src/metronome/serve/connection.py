@@ -30,7 +30,9 @@ import contextlib
 import enum
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
@@ -48,8 +50,8 @@ from metronome.serve.edge.rate_limit import RateLimit, Verdict
 from metronome.serve.outbox import Outbox
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.protocol.errors import Refused
+from metronome.serve.realtime.session import RealtimeSession
 from metronome.serve.serving import Serving
-from metronome.serve.session import RealtimeSession
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +191,8 @@ class Connection:
             idle_at = math.inf if config.idle_timeout_s is None else (
                 loop.time() + config.idle_timeout_s)
             receive = asyncio.ensure_future(self.ws.receive())
-            await asyncio.wait({receive, self._ending}, timeout=min(
+            waiting: set[asyncio.Future[Any]] = {receive, self._ending}
+            await asyncio.wait(waiting, timeout=min(
                 idle_at, expires_at) - loop.time(), return_when=asyncio.FIRST_COMPLETED)
             if self._ending.done() or not receive.done():
                 # ended (a message that came at the same time is not read), or timed out
@@ -206,7 +209,7 @@ class Connection:
             return self._ending.result()
         return _timeout_ending(loop.time() >= expires_at, config)
 
-    def _on_message(self, session: RealtimeSession, message: dict, limit: RateLimit,
+    def _on_message(self, session: RealtimeSession, message: Mapping[str, Any], limit: RateLimit,
                     now_s: float) -> None:
         max_bytes = self.config.max_message_bytes
         text = message.get("text")

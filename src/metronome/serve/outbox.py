@@ -3,7 +3,7 @@ events and in bytes. An event that does not fit is not queued: `put` says so, an
 connection treats a full outbox as a client that does not read. An event counts until the
 writer has handed it to the transport (`sent`), so a writer stuck on a full socket keeps
 its event in the count. A session's events carry their number in the session's stream
-(`serve.resume.event_log`): the outbox remembers the last one handed to the transport
+(`serve.realtime.emitter`): the outbox remembers the last one handed to the transport
 (`delivered_seq`), where a resumed session's replay starts when its client does not say."""
 
 from __future__ import annotations

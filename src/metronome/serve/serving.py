@@ -3,11 +3,12 @@
 Owns the runtime (the wall driver: the engine thread and the beat, which holds every
 session's `Stream`), admission (the AIMD controller and the memory ceiling), observability
 (metrics on an injected registry, the stall detector, the forecast, the loop's lag probe),
-the worker threads that prepare input (the encoder: audio encoding and text tokenizing) and
-detect turns (VAD, its Silero network loaded there on first use), the registry of admitted
-sessions (`serve.session.RealtimeSession`, by id; the connection that owns one is on it,
-None while it is leased) and resuming (`resume.resumer`). Every method runs on the event
-loop thread; `probe` hands a reading to the engine thread, which sends it back to the loop.
+the voice stages (`serve.voice.pipeline`: the worker threads that hear and prepare input,
+detect turns and speak), the registry of admitted sessions
+(`serve.realtime.session.RealtimeSession`, by id) and resuming (`resume.resumer`: each
+session's connection, None while it is leased, and what resuming keeps of it). Every method
+runs on the event loop thread; `probe` hands a reading to the engine thread, which sends it
+back to the loop.
 """
 
 from __future__ import annotations
@@ -17,23 +18,17 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
-import numpy as np
 import torch
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
 from metronome.admission.controller import AdmissionController, CapSample, Decision
 from metronome.admission.limits import make_limit
 from metronome.audio.frontend import AudioFrontEnd
-from metronome.audio.silero import SileroVad
-from metronome.audio.voice import Voice
-from metronome.audio.whisper import WHISPER_RATE_HZ, Whisper
-from metronome.engine.types import PoolStats, StepOutput
+from metronome.engine.types import EngineFeature, PoolStats, StepOutput
 from metronome.kv.residency import ResidencyPolicy
+from metronome.observe.metrics import Metrics
 from metronome.runtime.beat import Beat
-from metronome.runtime.cores import single_threaded
 from metronome.runtime.observer import RuntimeObserver
 from metronome.runtime.ports import EnginePort, Listeners
 from metronome.runtime.wall import WallDriver
@@ -41,19 +36,19 @@ from metronome.serve.config import ServerConfig
 from metronome.serve.edge.loop_lag import LoopLagProbe
 from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
 from metronome.serve.protocol.errors import Refused
+from metronome.serve.realtime.bound import BoundLimits
+from metronome.serve.realtime.chat import ChatText
+from metronome.serve.realtime.session import RealtimeSession
 from metronome.serve.resume.checkpoint import CheckpointStore
 from metronome.serve.resume.lease import RESUME_QUERY
-from metronome.serve.resume.resumer import Client, Resumer
-from metronome.serve.session import RealtimeSession
-from metronome.serve.settings import OUTPUT_RATE_HZ
+from metronome.serve.resume.resumer import Resumer
+from metronome.serve.resume.state import Client
 from metronome.serve.status import StatusBoard
-from metronome.serve.text import ChatText
+from metronome.serve.voice.pipeline import VoiceStages
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 GOING_AWAY_CLOSE_CODE = 1001  # the drain timeout passed
 TRY_AGAIN_LATER_CLOSE_CODE = 1013  # refused by admission (a client past the upgrade)
-STAGE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0)
 
 
 class Serving:
@@ -65,50 +60,30 @@ class Serving:
         self.engine = engine
         self.model_name = model_name
         self.chat = ChatText(tokenizer) if tokenizer is not None else None
-        self.bound_limits = config.bound_limits()  # what a session's bound may be
+        # what a session's bound may be: its own where the engine serves one per session
+        self.bound_limits: BoundLimits = config.bound_limits(
+            per_session=EngineFeature.SESSION_POLICY in engine.features)
         # Health covers one control interval, and frames slow by their own session's input
         # (more than one step's chunk of it) are no sign of load: the controller's rules.
         self_paced_tokens = engine.config.max_chunk_tokens
         self.observer = RuntimeObserver.create(
             engine.pool_stats().block_size, registry,
             health_window_s=config.admission_interval_s, self_paced_tokens=self_paced_tokens)
-        self.metrics = self.observer.metrics
+        self.metrics: Metrics = self.observer.metrics
         self.sessions: dict[str, RealtimeSession] = {}  # admitted, by id
         self.draining = False  # set once (`drain`): no new session from then on
         self._frontends: dict[int, AudioFrontEnd] = {}  # by sample rate
-        # One thread prepares every session's input, audio (log-mel + projection) and text
-        # (tokenizing): off the loop, so one session's input never delays another's deadline
-        # timers, and in submission order, so each session's stateful encoder sees its audio
-        # in sequence.
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-audio",
-                                           initializer=single_threaded)
-        # Server VAD has a thread of its own: detecting a turn never delays a frame's
-        # encoding, and each session's VAD stream sees its audio in sequence. The network
-        # runs in ONNX Runtime on that one thread: the engine's torch threads are untouched.
-        self._vad = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-vad",
-                                       initializer=single_threaded)
-        self._silero: SileroVad | None = None  # the VAD thread's only
-        # The voice speaks every session's replies on a thread of its own (Piper: ONNX
-        # Runtime, 2 threads that yield), so speaking never delays hearing or a frame's input.
-        self._voice_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-voice",
-                                                initializer=single_threaded)
-        # An executor starts its thread on its first submit, on the caller's thread: the loop
-        # paid 1-4 ms of CPU for it on a session's first text or audio. Start them now.
-        for executor in (self._encoder, self._vad, self._voice_thread):
-            executor.submit(lambda: None).result()
-        # Hearing (Whisper, on the encoder thread) and speaking (Piper, on the voice thread)
-        # need a tokenizer: the words enter the KV as text, the reply is spoken from text.
-        self.whisper: Whisper | None = None
-        if config.audio_input == "transcribe" and self.chat is not None:
-            self.whisper = self._encoder.submit(_load_whisper, config.whisper_threads).result()
-        self.voice: Voice | None = None
-        if config.output_audio and self.chat is not None:
-            self.voice = self._voice_thread.submit(_load_voice).result()
-        self.stage_seconds = Histogram(
-            "metronome_voice_stage_seconds", "Time of each stage of a voice frame: encoder (one "
-            "Whisper pass that ran: shed and skipped ones are not counted), lm (a response "
-            "frame, first input step to its answer), voice (Piper, one sentence).", ["stage"],
-            buckets=STAGE_BUCKETS_S, registry=registry)
+        # The voice stages, each a thread of its own (`serve.voice.pipeline`): hearing (and
+        # every frame's input: audio encoded, text tokenized) off the loop, so one session's
+        # input never delays another's deadline timers; turn detection apart, so detecting
+        # a turn never delays a frame's input; speaking apart, so it never delays hearing.
+        # Hearing and speaking need a tokenizer: the words enter the KV as text, the reply
+        # is spoken from text.
+        self.stages = VoiceStages.start(
+            asyncio.get_running_loop(), self.metrics,
+            hears=config.audio_input == "transcribe" and self.chat is not None,
+            speaks=config.output_audio and self.chat is not None,
+            whisper_threads=config.whisper_threads)
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         limit = make_limit(config.admission, config.admission_cap)
         self.controller = AdmissionController(
@@ -140,6 +115,11 @@ class Serving:
     def beat(self) -> Beat:
         return self.driver.beat
 
+    @property
+    def hooks(self) -> Resumer:
+        """What the server hears of each session (`RealtimeSession`'s `SessionHooks`)."""
+        return self.resume
+
     def now_s(self) -> float:
         return self.driver.now_s()
 
@@ -159,10 +139,9 @@ class Serving:
                           f"the server is at capacity ({decision.reason}); retry in "
                           f"{retry_after_s} s", ErrorType.SERVER,
                           {"Retry-After": str(retry_after_s)})
-        session = RealtimeSession(self, connection.sink, connection.fail, connection.refuse,
-                                  extensions=connection.extensions)
+        session = RealtimeSession(self, connection, extensions=connection.extensions)
         self.add(session, connection)  # before any await: admission counts it
-        return session, lambda: self.start(session)
+        return session, lambda: self.start(session, connection)
 
     def admit(self) -> Decision:
         decision = Decision(False, "draining", self.config.admission_interval_s) if (
@@ -176,12 +155,12 @@ class Serving:
     def add(self, session: RealtimeSession, connection: Client) -> None:
         """An admitted session, `connection`'s (admission counts it from now on)."""
         self.sessions[session.id] = session
-        session.connection = connection
+        self.resume.admitted(session, connection)
 
-    def start(self, session: RealtimeSession) -> None:
+    def start(self, session: RealtimeSession, connection: Client) -> None:
         """A new session's connection is accepted: its resume token (for a client that
         reads it), `session.created`, then resumable on another server."""
-        self.resume.grant(session, session.connection)
+        self.resume.grant(session, connection)
         session.start()
         self.resume.opened(session)
 
@@ -189,8 +168,8 @@ class Serving:
                 dropped: bool) -> None:
         """`connection` ended: its session ends too, unless it was resumed on another
         connection already or, its client dropped, it is leased for a resume."""
-        if session.connection is not connection:
-            return  # resumed on another connection, which has it now
+        if self.resume.connection_of(session) is not connection:
+            return  # resumed on another connection, which has it now (or it ended)
         if dropped and session.channel.attached and self.resume.lease(
                 session, connection.resume_from(), connection.hold_lease):
             return  # held for its client to resume
@@ -199,7 +178,6 @@ class Serving:
     def remove(self, session: RealtimeSession, outcome: str) -> None:
         """End the session: its stream closes at once (its blocks go back) and it is
         forgotten (a session that moved to another server stays in the checkpoint store)."""
-        session.connection = None
         self.resume.ended(session, outcome)
         if self.sessions.pop(session.id, None) is None:
             return
@@ -226,13 +204,14 @@ class Serving:
                             "drain timeout has passed: reconnect to continue elsewhere",
                             error_type=ErrorType.SERVER)
         for session in list(self.sessions.values()):
-            if session.connection is not None:
-                session.connection.end("drained", GOING_AWAY_CLOSE_CODE,
-                                       "server draining: drain timeout", error)
+            connection = self.resume.connection_of(session)
+            if connection is not None:
+                connection.end("drained", GOING_AWAY_CLOSE_CODE,
+                               "server draining: drain timeout", error)
             else:
                 self.remove(session, "drained")
 
-    # ---- worker threads ---------------------------------------------------------------------
+    # ---- input ---------------------------------------------------------------------------------
     @property
     def accepts_audio(self) -> bool:
         """The engine takes the audio front end's embeddings (vLLM's streaming input: not)."""
@@ -240,49 +219,16 @@ class Serving:
 
     def frontend(self, sample_rate_hz: int) -> AudioFrontEnd:
         if sample_rate_hz not in self._frontends:
-            fmt = self.config.audio_format(sample_rate_hz)
+            fmt, model = self.config.audio_format(sample_rate_hz), self.engine.model
             self._frontends[sample_rate_hz] = AudioFrontEnd.for_model(
-                self.engine.model.embed_tokens, fmt) if self.accepts_audio else (
+                model.embed_tokens, fmt) if self.accepts_audio and model is not None else (
                 AudioFrontEnd(fmt, hidden_size=1, embed_rms=1.0))  # framing only: never encodes
         return self._frontends[sample_rate_hz]
-
-    def on_engine(self, work: Callable[[], T]) -> asyncio.Future[T]:
-        """Run `work` on the engine thread between steps, after the commands queued so far;
-        its result as a future on the loop."""
-        return self.driver.run_on_engine(work)
-
-    def encode(self, work: Callable[[], T]) -> asyncio.Future[T]:
-        """Run `work` (encoding audio, tokenizing text) on the encoder thread; its future
-        resolves on the loop, futures in the order of the calls."""
-        return self.driver.loop.run_in_executor(self._encoder, work)
-
-    def speak(self, work: Callable[[], T]) -> asyncio.Future[T]:
-        """Run `work` (speaking a sentence) on the voice thread; futures resolve on the loop
-        in the order of the calls."""
-        return self.driver.loop.run_in_executor(self._voice_thread, work)
-
-    @property
-    def hears(self) -> bool:
-        return self.whisper is not None
-
-    @property
-    def speaks(self) -> bool:
-        return self.voice is not None
-
-    def detect(self, work: Callable[[SileroVad], T]) -> asyncio.Future[T]:
-        """Run VAD `work` on the VAD thread with the shared Silero network; futures resolve
-        on the loop in the order of the calls."""
-        return self.driver.loop.run_in_executor(self._vad, lambda: work(self._silero_vad()))
-
-    def _silero_vad(self) -> SileroVad:
-        """On the VAD thread: the network, loaded by its first user (~0.1 s, off the loop)."""
-        if self._silero is None:
-            self._silero = SileroVad()
-        return self._silero
 
     # ---- readings -------------------------------------------------------------------------
     def on_step(self, out: StepOutput) -> None:
         """A runtime listener: the pool after each step."""
+        assert out.pool is not None, "the driver reads the pool after every step"
         self.pool = out.pool
 
     def _on_admission_update(self, sample: CapSample) -> None:
@@ -333,7 +279,8 @@ class Serving:
 
     @property
     def num_leased(self) -> int:
-        return sum(session.connection is None for session in self.sessions.values())
+        return sum(self.resume.connection_of(session) is None
+                   for session in self.sessions.values())
 
     def session_list(self) -> dict:
         now_s = self.now_s()
@@ -344,22 +291,7 @@ class Serving:
     def close(self) -> None:
         self.loop_lag.stop()
         self.driver.close()
-        self._encoder.shutdown(wait=False, cancel_futures=True)
-        self._vad.shutdown(wait=False, cancel_futures=True)
-        self._voice_thread.shutdown(wait=False, cancel_futures=True)
-
-
-def _load_whisper(cpu_threads: int) -> Whisper:
-    """On the encoder thread: the model, and one pass to set up its kernels (~0.5 s)."""
-    whisper = Whisper(cpu_threads)
-    whisper.words(np.zeros(WHISPER_RATE_HZ, np.float32))
-    return whisper
-
-
-def _load_voice() -> Voice:
-    voice = Voice()
-    voice.speak("Ready.", OUTPUT_RATE_HZ)  # ONNX Runtime's first run sets up its kernels
-    return voice
+        self.stages.close()
 
 
 def _memory_ceiling(config: ServerConfig, engine: EnginePort) -> int | None:

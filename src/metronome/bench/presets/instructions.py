@@ -5,7 +5,7 @@ first input, as `session.update` sends it), then `turns_factor` x W tokens of co
 verse and the assistant says it back; or `dialogue`, the play's lines as they are, speakers'
 names and all), then asks its name. The reply follows the instructions if it says that name
 (greedy, the bundled model); `exact_style` counts replies in the answer style they fix ("My
-name is NAME"). Arms, each a bound as `serve.truncation` makes it: `pinned` (the
+name is NAME"). Arms, each a bound as `serve.realtime.bound` makes it: `pinned` (the
 instructions are the sinks, scored at rolling positions: as served), `pinned_absolute` (the
 same at absolute positions), `sinks` (4 attention sinks, window W: the server's bound without
 pinning), `window` (window W only); and two controls: `fresh` (the question right after the
@@ -31,7 +31,7 @@ from metronome.kv.residency import Positions, ResidencyPolicy
 from metronome.model.weights import load_tokenizer
 from metronome.results.context import RunContext
 from metronome.results.report import Plot, Report, Table, derived
-from metronome.serve import truncation
+from metronome.serve.realtime import bound
 from metronome.stream import Stream
 
 NAME = "instructions"
@@ -102,14 +102,13 @@ def conversation(tokenizer, lines: list[str], start: int, tokens: int, filler: s
 
 
 def policy_of(arm: str, cfg: Config, pinned_tokens: int) -> ResidencyPolicy:
-    """Each arm's bound, as `serve.truncation` makes it where the server's is S + W."""
-    limits = truncation.BoundLimits(ResidencyPolicy.sinks_window(cfg.sink_tokens,
-                                                                 cfg.window_tokens),
-                                    16, cfg.window_tokens, 512)
-    pinned = truncation.pinned(truncation.SessionBound(), pinned_tokens, limits).policy(limits)
+    """Each arm's bound, as `serve.realtime.bound` makes it where the server's is S + W."""
+    limits = bound.BoundLimits(ResidencyPolicy.sinks_window(cfg.sink_tokens, cfg.window_tokens),
+                               16, cfg.window_tokens, 512)
+    pinned = bound.pinned(bound.SessionBound(), pinned_tokens, limits).policy(limits)
     return {"pinned": pinned,
             "pinned_absolute": replace(pinned, positions=Positions.ABSOLUTE),
-            "sinks": truncation.SessionBound().policy(limits),
+            "sinks": bound.SessionBound().policy(limits),
             "window": ResidencyPolicy.window(cfg.window_tokens)}.get(
                 arm, ResidencyPolicy.unbounded())
 

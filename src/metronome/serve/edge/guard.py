@@ -228,7 +228,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusal: bytes | None = None  # the answer to a refused request, once parsed
         self._lingering = False  # refused and answered: the rest is dropped
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        # (uvicorn's own override narrows it the same way: its protocols serve TCP transports)
         self._on_health_listener = _local_port(transport) in self.door.health_ports
         refusal = self._connection_refusal(transport)
         if refusal is not None:
@@ -438,6 +439,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         super().handle_websocket_upgrade()
         websocket = self.transport.get_protocol()  # holds this connection from now on
+        assert isinstance(websocket, GuardedWebSocketProtocol), websocket
         websocket.peer_slot, self._peer_slot = self._peer_slot, None
         websocket.seat, self._seat = self._seat, None
 

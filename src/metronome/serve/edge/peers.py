@@ -218,4 +218,5 @@ def unmapped(address: str) -> str:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return address
-    return str(ip.ipv4_mapped or ip)
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)

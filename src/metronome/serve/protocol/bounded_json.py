@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 
 DEFAULT_MAX_VALUES = 512  # a full conversation.item.create (64 text parts) holds ~200
 DEFAULT_MAX_DEPTH = 8  # the deepest event, session.update's audio.input.format, is 5 deep
@@ -103,7 +104,7 @@ def _check_string(text: str, path: tuple, is_key: bool = False) -> None:
                           param_of(path) or None)
 
 
-def param_of(path: tuple) -> str:
+def param_of(path: Sequence[object]) -> str:
     """A value's path as an error's `param` (`item.content.0.text`), each key shortened so
     that a client's megabyte of key is not echoed; keys that reach it are valid Unicode."""
     return ".".join(str(part)[:_SHOWN_KEY_CHARS] for part in path)

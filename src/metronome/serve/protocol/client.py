@@ -14,7 +14,7 @@ in (`?metronome_events=true` on the URL).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, get_args
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import Field, JsonValue, StrictInt, TypeAdapter, ValidationError
@@ -171,13 +171,14 @@ class ResponseCancel(_Event):
     response_id: ClientId | None = None  # absent: the response in progress
 
 
-_CLIENT_EVENTS = (SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommit,
-                  InputAudioBufferClear, OutputAudioBufferClear, ConversationItemCreate,
-                  ConversationItemRetrieve, ConversationItemDelete, ConversationItemTruncate,
-                  ResponseCreate, ResponseCancel)
-ClientEvent = Annotated[Union[_CLIENT_EVENTS], Field(discriminator="type")]  # noqa: UP007
+ClientEvent = Annotated[
+    SessionUpdate | InputAudioBufferAppend | InputAudioBufferCommit | InputAudioBufferClear
+    | OutputAudioBufferClear | ConversationItemCreate | ConversationItemRetrieve
+    | ConversationItemDelete | ConversationItemTruncate | ResponseCreate | ResponseCancel,
+    Field(discriminator="type")]
+_CLIENT_EVENTS: tuple[type[_Event], ...] = get_args(get_args(ClientEvent)[0])
 _CLIENT_EVENT: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)
-CLIENT_EVENT_TYPES = frozenset(m.model_fields["type"].annotation.__args__[0]
+CLIENT_EVENT_TYPES = frozenset(get_args(m.model_fields["type"].annotation)[0]
                                for m in _CLIENT_EVENTS)
 
 

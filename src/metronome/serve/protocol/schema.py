@@ -9,7 +9,7 @@ What each field does here (the README's protocol table says the same):
   Piper voice speaks the reply, where the server has it; else `["text"]`),
   `audio.input.transcription` (Whisper tiny.en, where the server hears),
   `audio.input.format` (PCM16 at a served rate), `truncation` (the session's KV bound within
-  the server's ceilings: `serve.truncation`), `audio.input.turn_detection` (`server_vad`;
+  the server's ceilings: `serve.realtime.bound`), `audio.input.turn_detection` (`server_vad`;
   `semantic_vad` is served as `server_vad` with its `create_response` and
   `interrupt_response`: no turn-end model is served), the `metronome` extension (mode);
 - accepted, not honored (the effective value in `session.updated` says so, and the server logs
@@ -203,7 +203,8 @@ class SessionIn(Strict):
     def not_honored(self, speaks: bool = False, hears: bool = False) -> list[str]:
         """The fields this update set that the server accepts but does not act on; `speaks`:
         the server has a voice (audio output is served), `hears`: it transcribes audio."""
-        fields = [name for name in ("tools", "tool_choice", "parallel_tool_calls", "tracing",
+        fields: list[str] = [name for name in ("tools", "tool_choice", "parallel_tool_calls",
+                                               "tracing",
                                     "prompt", "include", "reasoning",
                                     "max_output_tokens") if name in self.model_fields_set]
         if self.output_modalities and "audio" in self.output_modalities and not speaks:
@@ -287,7 +288,7 @@ class SessionOut(BaseModel):
     max_output_tokens: int  # the server's per-response budget
     tools: list = []
     tool_choice: Literal["none"] = "none"
-    # the session's KV bound (serve.truncation): "auto" (the server's), "disabled", or a
+    # the session's KV bound (serve.realtime.bound): "auto" (the server's), "disabled", or a
     # retention_ratio with the post_instructions limit in force
     truncation: Literal["auto", "disabled"] | RetentionRatio = "auto"
     tracing: None = None

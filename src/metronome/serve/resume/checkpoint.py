@@ -71,7 +71,7 @@ class Checkpoint:
 class Claim:
     """What a claiming server continues from: the checkpoint and the events after it."""
 
-    checkpoint: bytes
+    checkpoint: bytes | bytearray
     events: list[str]  # client events applied after the checkpoint, in order
     owner_before: str  # the server that held the session
 
@@ -80,7 +80,7 @@ class CheckpointStore(Protocol):
     """Async: a server awaits none of `put`/`append`/`forget` on its loop (it schedules
     them); `claim` is awaited by the resume that needs it."""
 
-    async def put(self, session_id: str, owner: str, checkpoint: bytes, client_seq: int,
+    async def put(self, session_id: str, owner: str, checkpoint: bytes | bytearray, client_seq: int,
                   grant: Credentials) -> bool: ...
 
     async def append(self, session_id: str, owner: str, seq: int, event: str) -> bool: ...
@@ -99,7 +99,7 @@ class CheckpointStore(Protocol):
 class _Entry:
     owner: str
     grant: Credentials
-    checkpoint: bytes
+    checkpoint: bytes | bytearray
     client_seq: int
     events: list[tuple[int, str]] = field(default_factory=list)  # (seq, event) after it
     touched_s: float = 0.0
@@ -121,7 +121,7 @@ class CheckpointShelf:
         self._entries: dict[str, _Entry] = {}
         self.num_bytes = 0
 
-    def put(self, session_id: str, owner: str, checkpoint: bytes, client_seq: int,
+    def put(self, session_id: str, owner: str, checkpoint: bytes | bytearray, client_seq: int,
             grant: Credentials) -> bool:
         self._expire()
         entry = self._entries.get(session_id)

@@ -5,7 +5,7 @@ token in `session.created` (`session.metronome.resume`: `token`, `grace_s`) when
 has a grace (`--resume-grace-s`, 0: off). If its socket then drops without a close frame
 (a network loss: close 1006, a reset, a failed send), the session is not ended: it is
 *leased* for the grace. Its KV stays resident, the frames it already submitted are answered
-and their events kept (`resume.event_log`), but its reply under way is cancelled where it got
+and their events kept (`realtime.emitter`), but its reply under way is cancelled where it got
 to (a dropped client keeps no engine busy for the grace), no new frame is made (no input
 comes), and admission still counts it. The lease is its peer's (`serve.edge.peers`): a
 peer's dropped clients hold at most `--max-leases-per-peer` sessions, each counted against
@@ -23,7 +23,8 @@ every block goes back.
 A token is 256 random bits, kept only as its SHA-256, compared in constant time (an unknown
 session is compared against a dummy), and bound to its session and to the API key the
 session was opened with. A session's grant (its credentials and its lease) is kept on the
-session (`RealtimeSession.grant`); `Resumption` issues and checks them and runs the leases.
+session's resume state (`resume.state.ResumeState.grant`); `Resumption` issues and checks
+them and runs the leases.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ class Releasable(Protocol):
 
 
 class Resumable(Protocol):
-    """A session, as resumption sees it (`serve.session.RealtimeSession`)."""
+    """A session, as resumption sees it (`resume.state.ResumeState`)."""
 
-    id: str
+    @property
+    def id(self) -> str: ...
+
     grant: Grant | None  # None: it was never given a token
 
 

@@ -2,10 +2,13 @@
 resumes a session on a new connection (here, or taken over from another server's
 checkpoint), and moves sessions off a draining server.
 
-Owns the server's `Resumption` (`resume.lease`) and, with a checkpoint store, its
-`Checkpointer` (`resume.takeover`); a session's own resume state is on the session. The
-connection knows none of this: it asks `attach` for the session a `?resume=` connection
-continues, and `lease` whether a dropped session is held; everything here runs on the loop.
+Owns the server's `Resumption` (`resume.lease`), with a checkpoint store its
+`Checkpointer` (`resume.takeover`), and one `ResumeState` per admitted session (`states`,
+by id: its connection, grant, checkpointing, replay, client events applied); the session
+knows none of it, and tells it what it applies and settles through `SessionHooks`, which
+the resumer implements. The connection knows none of this either: it asks `attach` for the
+session a `?resume=` connection continues, and `lease` whether a dropped session is held;
+everything here runs on the loop.
 
     new session    grant (a token for a client that opted in) -> opened (first checkpoint)
     dropped        lease: held for the grace, its events kept; expired: removed
@@ -18,32 +21,36 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from metronome.engine.types import EngineFeature
 from metronome.kv.residency import ResidencyPolicy
 from metronome.observe.metrics import Metrics
-from metronome.runtime.ports import EnginePort
 from metronome.runtime.wall import WallDriver
+from metronome.serve import protocol as p
 from metronome.serve.edge.peers import PeerSlot
 from metronome.serve.edge.peers import Refused as PeerRefused
-from metronome.serve.protocol import ClientError, ErrorCode, ErrorType
+from metronome.serve.protocol import ErrorCode, ErrorType
 from metronome.serve.protocol import server as se
 from metronome.serve.protocol.errors import Refused
 from metronome.serve.protocol.schema import ResumeOut
+from metronome.serve.realtime.session import Host, RealtimeSession
+from metronome.serve.realtime.settings import SessionSettings
 from metronome.serve.resume.checkpoint import CheckpointStore
-from metronome.serve.resume.event_log import Sink
 from metronome.serve.resume.lease import (
     LAST_EVENT_QUERY,
     MIGRATED_CLOSE_CODE,
     MIGRATED_REASON,
     TAKEN_OVER_CLOSE_CODE,
     TOKEN_HEADER,
+    Grant,
+    Resumable,
     Resumption,
     offered_token,
 )
+from metronome.serve.resume.state import Client, ResumeState
 from metronome.serve.resume.takeover import Checkpointer, LoggedEvents, Restored, held_events
-from metronome.serve.session import Host, RealtimeSession
-from metronome.serve.settings import SessionSettings
 from metronome.stream import Stream
 
 log = logging.getLogger(__name__)
@@ -61,50 +68,37 @@ class ResumeRefused(Refused):
                          message, error_type)
 
 
-class Client(Protocol):
-    """A session's connection, as resuming uses it (`serve.connection.Connection`)."""
-
-    api_key: str  # the key it was authorized with ("" for a server without one)
-    attached_seq: int  # the first session event it was to deliver
-    sink: Sink  # the session's events, numbered
-    subprotocols: list[str]
-    extensions: bool  # it takes `metronome.*` events
-
-    def query(self, name: str) -> str | None: ...
-
-    def header(self, name: str) -> str | None: ...
-
-    def fail(self) -> None: ...
-
-    def refuse(self, error: ClientError) -> None: ...
-
-    def send(self, event: se.ServerEvent) -> None:
-        """A connection's own event (not in the session's numbered stream)."""
-
-    def send_numbered(self, text: str, seq: int) -> None: ...
-
-    def resume_from(self) -> int:
-        """The first session event it did not hand to the transport."""
-
-    def hold_lease(self, now_s: float) -> PeerSlot | Refused | None:
-        """Its session held for its peer (`serve.edge.peers`), or why not; None: no peer."""
-
-    def end(self, outcome: str, code: int | None, reason: str,
-            error: ClientError | None = None, flush: bool = True) -> None: ...
-
-
 class Server(Host, Protocol):
     """What resuming uses of its server (`serve.serving.Serving`) beside a session's needs."""
 
-    sessions: dict[str, RealtimeSession]
-    draining: bool
-    metrics: Metrics
-    engine: EnginePort  # snapshots and restores, when it has them (the native engine)
-    driver: WallDriver  # the loop, `run_on_engine`
+    @property
+    def sessions(self) -> dict[str, RealtimeSession]: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def driver(self) -> WallDriver:
+        """The loop."""
 
     def add(self, session: RealtimeSession, connection: Client) -> None: ...
 
     def remove(self, session: RealtimeSession, outcome: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Lease:
+    """A leased session's keeper (`emitter.Keeper`): an event owed to its client that cannot
+    be kept, or a failure, ends it."""
+
+    resumer: Resumer
+    session: RealtimeSession
+
+    def lost(self, outcome: str) -> None:
+        self.resumer.end_leased(self.session, outcome)
 
 
 class Resumer:
@@ -112,55 +106,98 @@ class Resumer:
                  server_name: str) -> None:
         self.serving = serving
         config, driver = serving.config, serving.driver
+        self.states: dict[str, ResumeState] = {}  # every admitted session's, by id
         self.resumption = Resumption(config.resume_grace_s, driver.loop, serving.metrics,
-                                     self._end_leased)
+                                     self._expired)
         # Checkpoints to a store beyond this server (a cluster's), so another server resumes
         # a session this one held; they need resume tokens and the engine's snapshots.
-        engine = serving.engine
+        beat = serving.beat
         self.checkpoints = Checkpointer(
-            store, server_name, config.checkpoint_interval_s, engine, driver.run_on_engine,
-            serving.metrics, self.moved, serving.now_s) if (
+            store, server_name, config.checkpoint_interval_s, beat, serving.metrics,
+            self.moved, serving.now_s) if (
             store is not None and config.checkpoint_interval_s > 0
-            and self.resumption.enabled and hasattr(engine, "snapshot_session")) else None
+            and self.resumption.enabled and beat.serves(EngineFeature.SNAPSHOT)) else None
+
+    # ---- the sessions' states ----------------------------------------------------------------
+    def admitted(self, session: RealtimeSession, connection: Client) -> ResumeState:
+        """An admitted session, served on `connection`: its state from now on."""
+        assert session.id not in self.states, session.id
+        state = self.states[session.id] = ResumeState(session, connection)
+        return state
+
+    def state(self, session: RealtimeSession) -> ResumeState:
+        return self.states[session.id]
+
+    def connection_of(self, session: RealtimeSession) -> Client | None:
+        """Its connection; None while it is leased (or once it ended)."""
+        state = self.states.get(session.id)
+        return None if state is None else state.connection
+
+    def grant_of(self, session: RealtimeSession) -> Grant | None:
+        """Its resume grant (None: never given a token, or it ended)."""
+        state = self.states.get(session.id)
+        return None if state is None else state.grant
+
+    # ---- what a session tells (`SessionHooks`) ----------------------------------------------
+    def received(self, session: RealtimeSession, text: str) -> bool:
+        """A live client message: queued behind a take-over's replay while one is pending
+        (the client sent it after all of them)."""
+        replay = self.states[session.id].replay
+        if replay is not None and replay.pending:
+            replay.offer(text)
+            return True
+        return False
+
+    def applied(self, session: RealtimeSession, event: p.ClientEvent,
+                text: str | None) -> None:
+        """The session applied a client event: counted, and a live one (`text`) logged for a
+        take-over (a replayed one was logged where it was first applied)."""
+        state = self.states[session.id]
+        state.applied(event)
+        if text is not None and self.checkpoints is not None:
+            self.checkpoints.applied(state, text, session.stream.frames_answered)
+
+    def settled(self, session: RealtimeSession) -> None:
+        """A frame result of `session` was handled: a replay's events may be due, a
+        checkpoint may be taken (or, draining, the session moved)."""
+        state = self.states.get(session.id)
+        if state is None:
+            return  # ended: its last results come as it closes
+        if (replay := state.replay) is not None:  # taken over: events due?
+            replay.due(lambda: session.stream.frames_answered, lambda: session.quiescent)
+            if not replay.pending:
+                state.replay = None
+        if self.checkpoints is not None and self.serving.draining:
+            self.migrate(session)
+        elif self.checkpoints is not None:
+            self.checkpoints.maybe(state, frames_answered=session.stream.frames_answered)
 
     # ---- a session's life ------------------------------------------------------------------
     def grant(self, session: RealtimeSession, client: Client) -> None:
         """A new resume token for a client that can read it (it opted in to the extensions)."""
         if self.resumption.enabled and session.extensions:
-            session.resume = ResumeOut(token=self.resumption.grant(session, client.api_key),
+            state = self.states[session.id]
+            session.resume = ResumeOut(token=self.resumption.grant(state, client.api_key),
                                        grace_s=self.resumption.grace_s)
             if self.checkpoints is not None:
-                self.checkpoints.regranted(session)
+                self.checkpoints.regranted(state)
 
     def opened(self, session: RealtimeSession) -> None:
         """A new session has started: resumable elsewhere from here on."""
         if self.checkpoints is not None and session.resume is not None:
-            self.checkpoints.opened(session)
-
-    def settled(self, session: RealtimeSession) -> None:
-        """A frame result of `session` was handled: a replay's events may be due, a
-        checkpoint may be taken (or, draining, the session moved)."""
-        if (replay := session.replay) is not None:  # taken over: events due?
-            replay.due(lambda: session.stream.frames_answered, lambda: session.quiescent)
-            if not replay.pending:
-                session.replay = None
-        if self.checkpoints is not None and self.serving.draining:
-            self.migrate(session)
-        elif self.checkpoints is not None:
-            self.checkpoints.maybe(session, frames_answered=session.stream.frames_answered)
-
-    def applied(self, session: RealtimeSession, event_text: str) -> None:
-        """The session applied a client event (`event_text`): logged for a take-over."""
-        if self.checkpoints is not None:
-            self.checkpoints.applied(session, event_text, session.stream.frames_answered)
+            self.checkpoints.opened(self.states[session.id])
 
     def ended(self, session: RealtimeSession, outcome: str) -> None:
-        """The session ended here: its lease and token go; its checkpoint stays in the store
-        if it moved on (claimed by another server, or migrated by a drain)."""
-        session.replay = None
-        self.resumption.forget(session, outcome)
+        """The session ended here: its state goes, its lease and token with it; its
+        checkpoint stays in the store if it moved on (claimed by another server, or migrated
+        by a drain)."""
+        state = self.states.pop(session.id, None)
+        if state is None:
+            return
+        state.replay = state.connection = None
+        self.resumption.forget(state, outcome)
         if self.checkpoints is not None:
-            self.checkpoints.ended(session, keep=outcome in ("moved", "migrated"))
+            self.checkpoints.ended(state, keep=outcome in ("moved", "migrated"))
 
     # ---- a dropped client -----------------------------------------------------------------
     def lease(self, session: RealtimeSession, resume_from_seq: int,
@@ -171,7 +208,8 @@ class Resumer:
         cannot, and nothing changed; the caller removes it). A held session stops
         generating: its reply under way is cancelled (its events up to there kept for the
         resume), so a dropped client keeps no engine busy for the grace."""
-        if self.serving.draining or not self.resumption.resumable(session):
+        state = self.states[session.id]
+        if self.serving.draining or not self.resumption.resumable(state):
             return False
         now_s = self.serving.now_s()
         held = None if hold_for_peer is None else hold_for_peer(now_s)
@@ -180,17 +218,23 @@ class Resumer:
                      held.message)
             self.serving.metrics.lease_refused()
             return False
-        session.connection = None
-        session.channel.detach(resume_from_seq,
-                               lambda outcome: self._end_leased(session, outcome))
-        self.resumption.lease(session, now_s, held)
+        state.connection = None
+        session.channel.detach(resume_from_seq, _Lease(self, session))
+        self.resumption.lease(state, now_s, held)
         session.stop_generating()
         log.info("session %s: client dropped; held %g s for a resume", session.id,
                  self.resumption.grace_s)
         return True
 
-    def _end_leased(self, session: RealtimeSession, outcome: str) -> None:
-        if self.serving.sessions.get(session.id) is session and session.connection is None:
+    def _expired(self, state: Resumable, outcome: str) -> None:
+        """A lease ran out (`Resumption`)."""
+        session = self.serving.sessions.get(state.id)
+        if session is not None:
+            self.end_leased(session, outcome)
+
+    def end_leased(self, session: RealtimeSession, outcome: str) -> None:
+        if self.serving.sessions.get(session.id) is session and (
+                self.connection_of(session) is None):
             log.info("session %s: lease ended (%s)", session.id, outcome)
             self.serving.remove(session, outcome)
 
@@ -205,21 +249,19 @@ class Resumer:
         serving, checkpoints = self.serving, self.checkpoints
         if checkpoints is not None and self.resumption.enabled and not serving.draining:
             here = serving.sessions.get(session_id)
-            if here is not None and await checkpoints.claimed_away(here):
+            if here is not None and await checkpoints.claimed_away(self.states[here.id]):
                 self.moved(session_id)  # resumed on another server since: not here
             if session_id not in serving.sessions:
                 return await self._take_over(session_id, token, client, arrived_s)
         session, away_s = self.take_for_resume(session_id, token, client)
 
         def resumed() -> None:
-            missed = session.channel.attach(client.sink, client.fail,
-                                            client.query(LAST_EVENT_QUERY))
-            session.on_error = client.refuse
+            missed = session.channel.attach(client, client.query(LAST_EVENT_QUERY))
             client.attached_seq = missed.first_seq
             self.grant(session, client)
-            owed = [] if session.replay is None else session.replay.owed
-            held, last_id = held_events(session.client_seq, session.last_client_event_id,
-                                        owed)
+            state = self.states[session.id]
+            owed = [] if state.replay is None else state.replay.owed
+            held, last_id = held_events(state.client_seq, state.last_client_event_id, owed)
             client.send(se.MetronomeSessionResumed(
                 session=session.describe(), resumed=se.ResumedOut(
                     away_s=round(away_s, 3), replayed_events=len(missed.texts),
@@ -247,19 +289,21 @@ class Resumer:
             raise ResumeRefused(503, ErrorCode.SERVER_DRAINING, "this server is draining: "
                                 "it resumes no session", error_type=ErrorType.SERVER)
         session = serving.sessions.get(session_id)
-        if not resumption.verify(session, token, client.api_key):
+        state = None if session is None else self.states[session_id]
+        if not resumption.verify(state, token, client.api_key):
             metrics.resume_attempt("refused_token")
             raise _no_session(session_id)
-        away_s = resumption.leased_for_s(session, serving.now_s()) or 0.0
-        previous, session.connection = session.connection, client
+        assert session is not None and state is not None
+        away_s = resumption.leased_for_s(state, serving.now_s()) or 0.0
+        previous, state.connection = state.connection, client
         if previous is not None:  # its old connection still looked open: it hands it over
             resume_from = previous.resume_from()
             previous.end("handed_over", TAKEN_OVER_CLOSE_CODE, "session resumed on another "
                          "connection", flush=False)
-            session.channel.detach(resume_from, lambda outcome: None)
-        if resumption.leased_for_s(session, serving.now_s()) is not None:
+            session.channel.detach(resume_from, None)
+        if resumption.leased_for_s(state, serving.now_s()) is not None:
             session.resume_generating()
-        resumption.end_lease(session, "resumed")
+        resumption.end_lease(state, "resumed")
         metrics.resume_attempt("resumed", away_s)
         return session, away_s
 
@@ -270,17 +314,21 @@ class Resumer:
         `metronome.session.resumed` (`from_checkpoint`), then the events the replay makes
         (they supersede what it had after the checkpoint), then the live ones."""
         serving = self.serving
+        checkpoints = self.checkpoints
+        assert checkpoints is not None
         restored = await self._claim(session_id, token, client.api_key)
         saved = restored.saved
-        session = RealtimeSession(serving, client.sink, client.fail, client.refuse,
-                                  saved["extensions"], saved=saved, stream=restored.stream)
+        session = RealtimeSession(serving, client, saved["extensions"], saved=saved,
+                                  stream=restored.stream)
         serving.add(session, client)
-        self.checkpoints.adopted(session, restored)
+        state = self.states[session.id]
+        state.load(saved)
+        checkpoints.adopted(state, restored)
         client.attached_seq = session.channel.log.next_seq  # its channel is the client's
 
         def resumed() -> None:
             self.grant(session, client)
-            held, last_id = held_events(session.client_seq, session.last_client_event_id,
+            held, last_id = held_events(state.client_seq, state.last_client_event_id,
                                         [text for _, text in restored.events])
             client.send(se.MetronomeSessionResumed(
                 session=session.describe(), resumed=se.ResumedOut(
@@ -291,7 +339,7 @@ class Resumer:
             replay.due(lambda: session.stream.frames_answered,  # the rest after replayed
                        lambda: session.quiescent)  # frames
             if replay.pending:
-                session.replay = replay
+                state.replay = replay
             serving.metrics.observe_resume(serving.driver.loop.time() - arrived_s)
             log.info("session %s taken over from a checkpoint: %d client events replayed",
                      session.id, len(restored.events))
@@ -340,29 +388,31 @@ class Resumer:
         if session is None:
             return
         log.info("session %s: resumed on another server; ended here", session_id)
-        if session.connection is not None:  # its connection still looked open
-            session.connection.end("handed_over", TAKEN_OVER_CLOSE_CODE,
-                                   "session resumed on another connection", flush=False)
+        connection = self.connection_of(session)
+        if connection is not None:  # its connection still looked open
+            connection.end("handed_over", TAKEN_OVER_CLOSE_CODE,
+                           "session resumed on another connection", flush=False)
         self.serving.remove(session, "moved")
 
     # ---- a draining server --------------------------------------------------------------
     def migrate(self, session: RealtimeSession) -> None:
         """Draining: checkpoint the connected session now if it is between frames, then
         close 4002 so its client resumes it elsewhere (else: at its next result)."""
-        if (self.checkpoints is None or session.connection is None
-                or session.checkpointing.migrating
+        state = self.states.get(session.id)
+        if (self.checkpoints is None or state is None or state.connection is None
+                or state.checkpointing.migrating
                 or self.serving.sessions.get(session.id) is not session):
             return
-        stored = self.checkpoints.maybe(session, force=True,
+        stored = self.checkpoints.maybe(state, force=True,
                                         frames_answered=session.stream.frames_answered)
         if stored is None:
             return
-        session.checkpointing.migrating = True
-        stored.add_done_callback(lambda done: self._migrated(session, done.result()))
+        state.checkpointing.migrating = True
+        stored.add_done_callback(lambda done: self._migrated(session, state, done.result()))
 
-    def _migrated(self, session: RealtimeSession, stored: bool) -> None:
-        session.checkpointing.migrating = False
-        connection = session.connection
+    def _migrated(self, session: RealtimeSession, state: ResumeState, stored: bool) -> None:
+        state.checkpointing.migrating = False
+        connection = state.connection
         if not stored or self.serving.sessions.get(session.id) is not session or (
                 connection is None):
             return  # not checkpointed (unbounded, store full): closed at the drain timeout
@@ -373,7 +423,7 @@ class Resumer:
     def describe(self, session: RealtimeSession, now_s: float) -> dict:
         """Its connection as `GET /v1/sessions` shows it: connected, or leased (for how
         much longer)."""
-        leased_for_s = self.resumption.leased_for_s(session, now_s)
+        leased_for_s = self.resumption.leased_for_s(self.states[session.id], now_s)
         return {"connection": "connected" if leased_for_s is None else "leased",
                 "lease_expires_in_s": None if leased_for_s is None else round(max(
                     0.0, self.resumption.grace_s - leased_for_s), 3)}

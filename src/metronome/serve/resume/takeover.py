@@ -8,12 +8,12 @@ session another server held (`resume.checkpoint` has the format and the store).
   recently is tried again at its next result or when the interval has passed, whichever
   comes first (no further result may come: a turn waits for its user). The loop captures
   the session's own state; the engine thread takes the engine snapshot (a copy of its
-  blocks, ~1 ms) as the next engine command, i.e. before any input the session sends
-  afterwards; a worker thread serializes both (the MBs are copied neither on the loop nor
-  on the engine thread). Unbounded sessions are never checkpointed (`engine.snapshot`
+  blocks, ~1 ms: `Beat.snapshot`) as the next engine command, i.e. before any input the
+  session sends afterwards; a worker thread serializes both (the MBs are copied neither on
+  the loop nor on the engine thread). Unbounded sessions are never checkpointed (`engine.snapshot`
   refuses them).
 * **The input log.** Every client event the session applies is numbered
-  (`RealtimeSession.client_seq`) and, once the session has a checkpoint, appended to the
+  (`ResumeState.client_seq`) and, once the session has a checkpoint, appended to the
   store. Store calls of one session run in order, one at a time (`_Lane`), so an append
   never overtakes the put it follows; a server never awaits them on its loop, nor before
   an event applies (a round trip per audio chunk): events a server applied but had not
@@ -22,8 +22,8 @@ session another server held (`resume.checkpoint` has the format and the store).
   sends the rest again.
 * **Moves.** A put or append the store refuses because another server claimed the session
   means the session lives there now: `on_moved` ends it here.
-* **Take-over** (`restore`): a claimed checkpoint is opened in this engine (its own pool:
-  None when it cannot hold it) and the session rebuilt from it; the logged events are
+* **Take-over** (`restore`): a claimed checkpoint is opened in this engine (`Beat.restore`;
+  its own pool: None when it cannot hold it) and the session rebuilt from it; the logged events are
   applied again, each at its place (`LoggedEvents`): every logged event carries how many
   frames the session had answered when it was first applied, and the new server applies it
   once the restored session has answered as many. So a client that waited for a response
@@ -34,7 +34,7 @@ session another server held (`resume.checkpoint` has the format and the store).
   pace: its frames are cut where the appends land there.)
 
 A session's checkpointing state (its lane of store calls, its last checkpoint, a retry due)
-is kept on the session (`RealtimeSession.checkpointing`, a `CheckpointState`).
+is kept beside the session (`resume.state.ResumeState.checkpointing`, a `CheckpointState`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import asyncio
 import json
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -51,6 +50,8 @@ from typing import Protocol
 
 from metronome.engine.snapshot import SessionSnapshot, SnapshotError
 from metronome.observe.metrics import Metrics
+from metronome.runtime.beat import Beat, Snapshotted
+from metronome.runtime.ports import Answer
 from metronome.serve.resume.checkpoint import Checkpoint, CheckpointStore, Claim
 from metronome.serve.resume.lease import Credentials, Grant
 from metronome.stream import Stream
@@ -61,13 +62,25 @@ StoreCall = Callable[[], Awaitable[object]]
 
 
 class Checkpointable(Protocol):
-    """What the checkpointer needs of a session (`serve.session.RealtimeSession`)."""
+    """What the checkpointer needs of a session (`resume.state.ResumeState`: the session and
+    what resuming keeps of it)."""
 
-    id: str
-    client_seq: int
-    quiescent: bool
-    stream: Stream  # its frames answered
-    grant: Grant | None  # its resume credentials (None: it cannot be resumed)
+    @property
+    def id(self) -> str: ...
+
+    client_seq: int  # client events applied
+
+    @property
+    def quiescent(self) -> bool: ...
+
+    @property
+    def stream(self) -> Stream:
+        """Its frames answered."""
+
+    @property
+    def grant(self) -> Grant | None:
+        """Its resume credentials (None: it cannot be resumed)."""
+
     checkpointing: CheckpointState
 
     def saved(self) -> dict: ...
@@ -113,14 +126,13 @@ class CheckpointState:
 
 
 class Checkpointer:
-    def __init__(self, store: CheckpointStore, owner: str, interval_s: float, engine,
-                 run_on_engine: Callable[[Callable], asyncio.Future], metrics: Metrics,
-                 on_moved: Callable[[str], None], now_s: Callable[[], float]) -> None:
+    def __init__(self, store: CheckpointStore, owner: str, interval_s: float, beat: Beat,
+                 metrics: Metrics, on_moved: Callable[[str], None],
+                 now_s: Callable[[], float]) -> None:
         self.store = store
         self.owner = owner  # this server's name in the store
         self.interval_s = interval_s
-        self.engine = engine
-        self.run_on_engine = run_on_engine
+        self.beat = beat  # snapshots and restores are its commands
         self.metrics = metrics
         self.on_moved = on_moved
         self.now_s = now_s
@@ -153,31 +165,24 @@ class Checkpointer:
         state.last = (now_s, session.client_seq, frames_answered)
         # a deep copy now (KBs): the loop changes the session while a worker serializes
         saved, client_seq = json.loads(json.dumps(session.saved())), session.client_seq
-        engine, sid = self.engine, session.id
-
-        def take() -> tuple[SessionSnapshot | None, float]:  # engine thread, between steps
-            start = time.perf_counter()
-            snapshot = engine.snapshot_session(sid)  # a copy: serialized elsewhere
-            if snapshot.decode_budget > 0:
-                return None, 0.0  # still generating: its state is not the loop's
-            return snapshot, time.perf_counter() - start
-
-        taken = self.run_on_engine(take)  # queued now: before any later input
+        taken = self.beat.snapshot(session.stream)  # queued now: before any later input
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         self._lane(session).calls.put_nowait(
             lambda: self._put(session, taken, saved, client_seq, done))
         return done
 
-    async def _put(self, session: Checkpointable, taken: asyncio.Future, saved: dict,
+    async def _put(self, session: Checkpointable, taken: Answer[Snapshotted], saved: dict,
                    client_seq: int, done: asyncio.Future) -> None:
         sid, stored, data, state = session.id, False, None, session.checkpointing
+        seconds = 0.0
         try:
-            snapshot, seconds = await taken
+            snapshotted = await taken
         except SnapshotError:
             state.never = True  # unbounded: its resume elsewhere is refused
             self.metrics.checkpoint("unbounded")
         else:
-            if snapshot is None:
+            snapshot, seconds = snapshotted.snapshot, snapshotted.engine_s
+            if snapshot.decode_budget > 0:  # still generating: its state is not the loop's
                 state.last = None  # try again at its next result, or when its
                 self.metrics.checkpoint("generating")  # interval has passed if none comes
                 if state.lane is not None:
@@ -270,8 +275,8 @@ class Checkpointer:
         gives; None when its pool cannot hold it."""
         checkpoint = Checkpoint.from_bytes(claim.checkpoint)
         snapshot = SessionSnapshot.from_bytes(checkpoint.engine)
-        engine, stream = self.engine, make_stream(checkpoint.state)
-        if not await self.run_on_engine(lambda: engine.restore_session(snapshot, stream)):
+        stream = make_stream(checkpoint.state)
+        if not await self.beat.restore(snapshot, stream):
             return None
         return Restored(checkpoint.state, stream, [read_entry(e) for e in claim.events],
                         checkpoint.client_seq)

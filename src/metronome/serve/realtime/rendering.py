@@ -1,5 +1,6 @@
-"""What a response and a frame's result become on the wire: server events rendered from the
-runtime's `Frame` (its result) and the `Response` it belongs to (the frame's `tag`).
+"""What a reply and a frame's result become on the wire: server events rendered from the
+runtime's `Frame` (its result) and the reply it answers (the frame's `tag`: a `Reply`, read
+here through its ids, `ResponseIds`).
 
 A frame that asked for output is one response. It opens (`response_opened`) when it is
 created: `response.created`, its assistant item added (`response.output_item.added`,
@@ -16,34 +17,44 @@ between, to a client that opted in. A frame without output (turn-mode prefill) i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Final, Literal, Protocol
 
 from metronome.serve import protocol as p
 from metronome.serve.protocol import server as se
 from metronome.stream import Frame, FrameStatus
 
-TURN_DETECTED = "turn_detected"  # a response cancelled because the user spoke (OpenAI's)
-CLIENT_CANCELLED = "client_cancelled"  # a response cancelled by `response.cancel` (OpenAI's)
+TURN_DETECTED: Final = "turn_detected"  # a response cancelled because the user spoke (OpenAI's)
+CLIENT_CANCELLED: Final = "client_cancelled"  # cancelled by `response.cancel` (OpenAI's)
+ResponseStatus = Literal["completed", "incomplete", "cancelled", "failed"]
+ItemStatus = Literal["completed", "incomplete", "in_progress"]
 
 
-@dataclass(frozen=True)
-class Response:
-    """A response's ids, fixed when it opens; the frame that answers it carries it (`tag`)."""
+class ResponseIds(Protocol):
+    """A response's ids, fixed when it opens (`serve.realtime.reply.Reply` has them)."""
 
-    response_id: str
-    item_id: str  # its assistant item
-    previous_item_id: str | None  # the conversation's last item when it opened
-    metadata: dict[str, str] | None = None
+    @property
+    def response_id(self) -> str: ...
+
+    @property
+    def item_id(self) -> str:
+        """Its assistant item."""
+
+    @property
+    def previous_item_id(self) -> str | None:
+        """The conversation's last item when it opened."""
+
+    @property
+    def metadata(self) -> dict[str, str] | None: ...
 
 
-_RESPONSE_STATUS = {  # frame status -> response status
+_RESPONSE_STATUS: dict[FrameStatus | None, ResponseStatus] = {  # frame's -> response's
     FrameStatus.OK: "completed",
     FrameStatus.LATE: "incomplete",
     FrameStatus.CANCELLED: "cancelled",
 }
 
 
-def response_opened(response: Response, spoken: bool = False) -> list[p.ServerEvent]:
+def response_opened(response: ResponseIds, spoken: bool = False) -> list[p.ServerEvent]:
     item = assistant_item(response, "in_progress", None)
     return [
         se.ResponseCreated(response=se.ResponseOut(
@@ -56,13 +67,13 @@ def response_opened(response: Response, spoken: bool = False) -> list[p.ServerEv
     ]
 
 
-def result_events(frame: Frame, text: str, extensions: bool,
+def result_events(frame: Frame[Any], response: ResponseIds | None, text: str, extensions: bool,
                   spoken: bool = False) -> list[p.ServerEvent]:
-    """The events of one frame's result, in the order they go out; `text`: its output,
-    decoded; `extensions`: the client opted in to `metronome.*` events; `spoken`: its
-    response is being spoken, so it closes later (`spoken_close_events`), not here."""
+    """The events of one frame's result, in the order they go out; `response`: the reply it
+    answers (None: a frame without output); `text`: its output, decoded; `extensions`: the
+    client opted in to `metronome.*` events; `spoken`: its response is being spoken, so it
+    closes later (`spoken_close_events`), not here."""
     events: list[p.ServerEvent] = []
-    response = frame.tag
     if response is not None and text and not spoken:
         events.append(se.ResponseOutputTextDelta(response_id=response.response_id,
                                                  item_id=response.item_id, delta=text))
@@ -80,21 +91,21 @@ def result_events(frame: Frame, text: str, extensions: bool,
         se.ResponseContentPartDone(response_id=rid, item_id=item_id, part=se.PartOut(text=text)),
         se.ResponseOutputItemDone(response_id=rid, item=item),
         se.ConversationItemDone(previous_item_id=response.previous_item_id, item=item),
-        se.ResponseDone(response=_response_out(frame, status, item)),
+        se.ResponseDone(response=_response_out(frame, response, status, item)),
     ]
     return events
 
 
-def spoken_close_events(frame: Frame, transcript: str,
+def spoken_close_events(frame: Frame[Any], response: ResponseIds, transcript: str,
                         cancelled_reason: str | None) -> list[p.ServerEvent]:
     """A spoken response's closing events, once its last sentence went out (or a cancel
     stopped it: `cancelled_reason`, then the response is `cancelled`)."""
-    response = frame.tag
-    status = "cancelled" if cancelled_reason else _RESPONSE_STATUS.get(frame.status, "failed")
+    status: ResponseStatus = "cancelled" if cancelled_reason else _RESPONSE_STATUS.get(
+        frame.status, "failed")
     rid, item_id = response.response_id, response.item_id
     item = assistant_item(response, "completed" if status == "completed" else "incomplete",
                           transcript, spoken=True)
-    done = _response_out(frame, status, item, cancelled_reason, spoken=True)
+    done = _response_out(frame, response, status, item, cancelled_reason, spoken=True)
     return [
         se.ResponseOutputAudioDone(response_id=rid, item_id=item_id),
         se.ResponseOutputAudioTranscriptDone(response_id=rid, item_id=item_id,
@@ -107,7 +118,7 @@ def spoken_close_events(frame: Frame, transcript: str,
     ]
 
 
-def assistant_item(response: Response, status: str, text: str | None,
+def assistant_item(response: ResponseIds, status: ItemStatus, text: str | None,
                    spoken: bool = False) -> se.ItemOut:
     """A response's output item; `text` None: no content yet (in progress); `spoken`: its
     content is audio, `text` its transcript."""
@@ -117,7 +128,8 @@ def assistant_item(response: Response, status: str, text: str | None,
     return se.ItemOut(id=response.item_id, role="assistant", status=status, content=content)
 
 
-def _frame_out(frame: Frame) -> se.FrameOut:
+def _frame_out(frame: Frame[Any]) -> se.FrameOut:
+    assert frame.status is not None and frame.index is not None, "an answered frame's"
     return se.FrameOut(
         index=frame.index, kind=frame.kind, status=frame.status.value, reason=frame.reason,
         num_input_tokens=frame.input_tokens, num_tokens=len(frame.token_ids),
@@ -127,21 +139,34 @@ def _frame_out(frame: Frame) -> se.FrameOut:
     )
 
 
-def _response_out(frame: Frame, status: str, item: se.ItemOut,
-                  cancelled_reason: str | None = None, spoken: bool = False) -> se.ResponseOut:
+def _response_out(frame: Frame[Any], response: ResponseIds, status: ResponseStatus,
+                  item: se.ItemOut, cancelled_reason: str | None = None,
+                  spoken: bool = False) -> se.ResponseOut:
     reason = cancelled_reason
     if status == "cancelled" and frame.reason in (TURN_DETECTED, CLIENT_CANCELLED):
         reason = reason or frame.reason
     error = None
     if status == "failed":
-        error = {"type": p.ErrorType.SERVER.value, "code": frame.status.value,
+        error = {"type": p.ErrorType.SERVER.value, "code": str(frame.status),
                  "message": frame.reason}
-    num_output, response = len(frame.token_ids), frame.tag
+    num_output = len(frame.token_ids)
     return se.ResponseOut(
         id=response.response_id, status=status,
-        status_details=se.StatusDetails(type=status, reason=reason, error=error),
+        status_details=se.StatusDetails(type=status, reason=_openai_reason(reason),
+                                        error=error),
         output=[item], metadata=response.metadata,
         output_modalities=["audio"] if spoken else ["text"],
         usage=se.Usage(total_tokens=frame.input_tokens + num_output,
                        input_tokens=frame.input_tokens, output_tokens=num_output),
     )
+
+
+def _openai_reason(reason: str | None) -> Literal["turn_detected", "client_cancelled"] | None:
+    """A cancelled response's reason as OpenAI names one; any other (the session closed, its
+    client dropped and it is held for a resume) is told by none (the `metronome.frame` of
+    its frame has it)."""
+    if reason == TURN_DETECTED:
+        return TURN_DETECTED
+    if reason == CLIENT_CANCELLED:
+        return CLIENT_CANCELLED
+    return None

@@ -2,12 +2,12 @@
 
 Two halves on two threads. `cut` and `cut_rest` run on the event loop and only move bytes:
 a frame is cut the moment its last byte arrives, so frames carry `frame_period_s` of audio
-each. `encode` runs on the server's audio encoder thread (log-mel + projection, the costly
+each. `encode` runs on the hear stage's thread (log-mel + projection, the costly
 part) and owns the session's streaming encoder, whose carry-over (audio of a token period
 not yet complete) flows into the next frame. Frames are encoded in the order they were cut.
 A final cut (a commit) ends the stream's current frame early, padding the last token period
 with silence. `decode_pcm16` reads an append's audio (`ClientError` if it is not whole
-16-bit samples in base64).
+16-bit samples in base64); `decoded_bytes` says how much it decodes to, from its length.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ import torch
 from metronome.audio.frontend import AudioFrontEnd, StreamingAudioEncoder
 from metronome.audio.pcm import PCM16_BYTES_PER_SAMPLE
 from metronome.serve.protocol import ClientError, ErrorCode
+
+
+def decoded_bytes(audio_b64: str) -> int:
+    """The bytes base64 text decodes to, from its length and padding alone (exact for valid
+    base64; what is not valid is refused by `decode_pcm16`)."""
+    padding = 2 if audio_b64.endswith("==") else 1 if audio_b64.endswith("=") else 0
+    return max(0, len(audio_b64) // 4 * 3 - padding)
 
 
 def decode_pcm16(audio_b64: str) -> bytes:
@@ -42,7 +49,7 @@ class AudioFramer:
         self.token_rate_hz = fmt.token_rate_hz
         self.frame_bytes = fmt.frame_bytes(frame_period_s)
         self._samples_per_token = fmt.samples_per_token
-        self._encoder = StreamingAudioEncoder(frontend)  # the encoder thread's only
+        self._encoder = StreamingAudioEncoder(frontend)  # the hear stage's only
         self._pending = bytearray()  # the frame being filled: < frame_bytes (the loop's)
         self.received_bytes = 0
 
@@ -80,8 +87,8 @@ class AudioFramer:
         return cuts
 
     def saved(self) -> dict:
-        """The framing and the encoder's stream state, for a checkpoint (`serve.resume.checkpoint`):
-        only between frames, when no encode is under way."""
+        """The framing and the encoder's stream state, for a checkpoint (`serve.resume`): only
+        between frames, when no encode is under way."""
         return {"received_bytes": self.received_bytes,
                 "pending": base64.b64encode(self._pending).decode(),
                 "encoder": self._encoder.saved()}
@@ -102,7 +109,7 @@ class AudioFramer:
         self._pending.clear()
         return chunk, self._ms(self.received_bytes)
 
-    # ---- on the encoder thread -------------------------------------------------------------
+    # ---- on the hear stage ------------------------------------------------------------------
     def encode(self, pcm: bytes, final: bool = False) -> torch.Tensor:
         """(num_tokens, hidden) embeddings of a frame's bytes; `final` (a commit): the last
         token period padded with silence. May be empty (a final frame of nothing)."""

@@ -25,8 +25,8 @@ from metronome.serve.protocol.schema import (
     SessionOut,
     Transcription,
 )
+from metronome.serve.voice.pipeline import OUTPUT_RATE_HZ
 
-OUTPUT_RATE_HZ = 24000  # the reply's audio: pcm16 at OpenAI's one output rate
 VOICE_NAME = "joe"  # the one voice served (Piper en_US joe, medium)
 
 
@@ -47,7 +47,7 @@ class SessionSettings:
                    speaks and config.output_audio)
 
     def saved(self) -> dict:
-        """As JSON, for a checkpoint (`serve.resume.checkpoint`)."""
+        """As JSON, for a checkpoint (`serve.resume`)."""
         return {"mode": self.mode.value, "sample_rate_hz": self.sample_rate_hz,
                 "turns": None if self.turns is None else self.turns.model_dump(mode="json"),
                 "speak": self.speak, "transcription": None if self.transcription is None
@@ -91,11 +91,12 @@ class SessionSettings:
             )
         turns = self.turns
         if audio_in is not None and "turn_detection" in audio_in.model_fields_set:
-            turns = audio_in.turn_detection
-            if isinstance(turns, p.SemanticVad):  # no turn-end model is served: the
-                # closest that is, with the client's choices (`SessionIn.not_honored` says so)
-                turns = p.ServerVad(type="server_vad", **turns.model_dump(
-                    include={"create_response", "interrupt_response"}, exclude_none=True))
+            chosen = audio_in.turn_detection
+            # semantic_vad: no turn-end model is served, so the closest that is, with the
+            # client's choices (`SessionIn.not_honored` says so)
+            turns = p.ServerVad(type="server_vad", **chosen.model_dump(
+                include={"create_response", "interrupt_response"}, exclude_none=True)) if (
+                isinstance(chosen, p.SemanticVad)) else chosen
         if (turns is not None and turns.create_response and mode is SessionMode.TURN
                 and not has_tokenizer):
             raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer, so "
@@ -110,7 +111,7 @@ class SessionSettings:
         """The session as `session.created` / `session.updated` tell it, the effective values
         (`serve.protocol.schema`); `policy`: the KV bound in force (the profile's, or the one
         KV pressure imposed); `truncation`: the session's choice in force
-        (`serve.truncation`); the `metronome` block only for a client that opted in."""
+        (`serve.realtime.bound`); the `metronome` block only for a client that opted in."""
         return SessionOut(
             id=session_id, model=model_name, instructions=instructions, truncation=truncation,
             output_modalities=["audio"] if self.speak else ["text"],

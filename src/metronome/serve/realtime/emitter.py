@@ -1,24 +1,48 @@
-"""One session's server events, numbered and kept (the last `max_events` / `max_bytes` of them),
-so a client that resumes the session (`resume.lease`) gets what it missed, in order.
+"""One session's server events, numbered and kept, on their way to its client's connection.
 
-Every event the session emits gets the next sequence number and joins the tail; the oldest
-fall out when either bound would pass. While the session is leased (no connection), the
-events from `hold_from` on are owed to the client: evicting one of those would lose it, so
-the append that would do it says so (`False`) and the lease ends instead (nothing is lost
+`EventLog` keeps the last `max_events` / `max_bytes` of them, so a client that resumes the
+session (`serve.resume`) gets what it missed, in order. Every event the session emits gets
+the next sequence number and joins the tail; the oldest fall out when either bound would
+pass. While the session is detached (its client dropped: leased), the events from
+`hold_from` on are owed to the client: evicting one of those would lose it, so the append
+that would do it says so (`False`) and the session's keeper ends it instead (nothing is lost
 silently). A resuming client names the last event it received (`last_event_id`); without
 one, the server replays from the first event its old connection had not handed to the
 transport.
+
+`EventChannel` is the one way a session's events leave it: numbered and kept in its log,
+then to the attached `Client` (the connection); while detached, only kept, and its `Keeper`
+(the lease) hears when an owed event cannot be kept or the session fails.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from metronome.serve.protocol import ServerEvent, text_bytes
+from metronome.serve.protocol import ClientError, ServerEvent, text_bytes
 
-Sink = Callable[[ServerEvent, str, int], None]  # an event, its JSON, its number in the stream
+
+class Client(Protocol):
+    """The connection a session's events go to (`serve.connection.Connection`)."""
+
+    def sink(self, event: ServerEvent, text: str, seq: int) -> None:
+        """A session event, its JSON and its number in the session's stream of events."""
+
+    def fail(self) -> None:
+        """The session failed (a bug): the connection ends it (1011)."""
+
+    def refuse(self, error: ClientError) -> None:
+        """A client event the session refused: an `error` echoing its `event_id`."""
+
+
+class Keeper(Protocol):
+    """Who holds a detached session (its lease, `serve.resume`)."""
+
+    def lost(self, outcome: str) -> None:
+        """An event owed to the client cannot be kept (`lease_overflow`), or the session
+        failed (`error`): end the session."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +60,7 @@ class EventLog:
         self.next_seq = 0  # the number the next event gets
         self.num_bytes = 0
         self._events: deque[tuple[str, str, int]] = deque()  # (event_id, text, bytes)
-        self.hold_from: int | None = None  # leased: events from here on are owed
+        self.hold_from: int | None = None  # detached: events from here on are owed
 
     @property
     def first_seq(self) -> int:
@@ -78,53 +102,56 @@ class EventLog:
 
 
 class EventChannel:
-    """Where one session's events go: numbered and kept in its event log, then to the attached
-    connection's sink; while detached (its client dropped, the session leased), only kept.
-    A failure of the session goes to the connection (which ends it), or, detached, ends the
-    lease."""
+    """Where one session's events go (see the module docstring)."""
 
-    def __init__(self, log: EventLog, sink: Sink, on_failure: Callable[[], None]) -> None:
+    def __init__(self, log: EventLog, client: Client) -> None:
         self.log = log
-        self._sink: Sink | None = sink
-        self._failure = on_failure
-        self._lost: Callable[[str], None] | None = None  # detached: ends the lease
+        self._client: Client | None = client
+        self._keeper: Keeper | None = None  # detached: the lease
 
     @property
     def attached(self) -> bool:
-        return self._sink is not None
+        return self._client is not None
 
     def emit(self, event: ServerEvent) -> None:
         text = event.to_json()
         kept = self.log.append(event.event_id, text)
-        if self._sink is not None:
-            self._sink(event, text, self.log.next_seq - 1)
-        elif not kept and self._lost is not None:
-            self._lost("lease_overflow")  # an event owed to the client would be lost
+        if self._client is not None:
+            self._client.sink(event, text, self.log.next_seq - 1)
+        elif not kept and self._keeper is not None:
+            self._keeper.lost("lease_overflow")  # an event owed to the client would be lost
+
+    def refuse(self, error: ClientError) -> None:
+        """A client event refused: told to the attached client (a detached session's client
+        is gone, and with it whatever it sent)."""
+        if self._client is not None:
+            self._client.refuse(error)
 
     def fail(self) -> None:
-        if self._lost is not None:
-            self._lost("error")
-        else:
-            self._failure()
+        """The session failed: its connection ends it, or, detached, its keeper."""
+        if self._client is not None:
+            self._client.fail()
+        elif self._keeper is not None:
+            self._keeper.lost("error")
 
-    def detach(self, resume_from_seq: int, on_lost: Callable[[str], None]) -> None:
-        """The client is gone: events from `resume_from_seq` on are owed to it; `on_lost`
-        ends the session when one cannot be kept, or the session fails."""
+    def detach(self, resume_from_seq: int, keeper: Keeper | None) -> None:
+        """The client is gone: events from `resume_from_seq` on are owed to it; `keeper`
+        (None: nobody) ends the session when one cannot be kept, or the session fails."""
         assert 0 <= resume_from_seq <= self.log.next_seq, (resume_from_seq,
                                                               self.log.next_seq)
-        self._sink, self._lost = None, on_lost
+        self._client, self._keeper = None, keeper
         self.log.hold_from = resume_from_seq
 
-    def attach(self, sink: Sink, on_failure: Callable[[], None],
-               last_event_id: str | None) -> MissedEvents:
+    def attach(self, client: Client, last_event_id: str | None) -> MissedEvents:
         """A resumed client: the events it missed (after `last_event_id` when the log
-        still holds it, else from where its old connection stopped); `sink` gets the rest."""
-        assert self._sink is None and self.log.hold_from is not None
+        still holds it, else from where its old connection stopped); `client` gets the
+        rest."""
+        assert self._client is None and self.log.hold_from is not None
         start = self.log.hold_from
         if last_event_id is not None:
             seq = self.log.seq_of(last_event_id)
             start = start if seq is None else seq + 1
         missed = self.log.since(start)
         self.log.hold_from = None
-        self._sink, self._failure, self._lost = sink, on_failure, None
+        self._client, self._keeper = client, None
         return missed

@@ -1,12 +1,21 @@
-"""Text in and out: ChatML framing of text items, and incremental detokenization.
+"""Text in and out of the model: the ChatML framing of the conversation's messages (text
+items, instructions, a spoken turn's words as they are heard) and incremental
+detokenization of its replies.
 
-Text items are framed with ChatML markers (`<|im_start|>role\\n...<|im_end|>\\n`), SmolLM2's
+Messages are framed with ChatML markers (`<|im_start|>role\\n...<|im_end|>\\n`), SmolLM2's
 and Qwen's chat format, and a response starts with the assistant header, so the bundled
-model answers text turns as the chat model it is. A model with another chat format still
-gets text through, framed in markers it was not trained on.
+model answers as the chat model it is. A model with another chat format still gets text
+through, framed in markers it was not trained on.
+
+A spoken turn is one user message written as it is heard (`HeardMessage`): the words the
+hearing stage commits, piece by piece, the header before the turn's first word and the end
+marker after its last (SmolLM2's byte-level BPE splits before each space-led word, so words
+tokenized piece by piece are the tokens of the whole message).
 """
 
 from __future__ import annotations
+
+import math
 
 from metronome.serve.protocol import text_bytes
 
@@ -14,6 +23,8 @@ CHATML_MARKERS = 2  # <|im_start|> and <|im_end|>: special tokens, one each
 CHATML_NEWLINES = 2  # after the role and after the end marker
 REPLACEMENT_CHAR = "\ufffd"
 MAX_HELD_TOKENS = 8  # a UTF-8 character spans at most 4 byte-level tokens; hold no longer
+MESSAGE_FRAMING_TOKENS = 8  # <|im_start|>user\n ... <|im_end|>\n, with room
+MAX_TOKENS_PER_SPEECH_S = 12  # ~4 words/s of fast speech at <= 3 tokens a word
 
 
 class ChatText:
@@ -34,8 +45,43 @@ class ChatText:
         character, a fallback token one byte). O(1) for ASCII text."""
         return CHATML_MARKERS + text_bytes(role) + text_bytes(text) + CHATML_NEWLINES
 
+    def ids(self, text: str) -> list[int]:
+        """A piece of a message, tokenized as it stands (costly: the stage's work)."""
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
     def decoder(self) -> DeltaDecoder:
         return DeltaDecoder(self.tokenizer)
+
+
+class HeardMessage:
+    """One spoken turn as the user message it becomes, piece by piece, on the stage that
+    hears it (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._open = False  # the turn's message is open in the KV
+
+    @staticmethod
+    def max_tokens(turn_audio_s: float) -> int:
+        """The most tokens a frame can commit when the turn holds this much audio not yet
+        heard to the end: the room it reserves in the stream until it is heard."""
+        return MESSAGE_FRAMING_TOKENS + math.ceil(turn_audio_s * MAX_TOKENS_PER_SPEECH_S)
+
+    def piece(self, words: list[str], final: bool) -> str:
+        """The text `words` add to the message ("" for none): the header before the turn's
+        first word, the end marker after the turn's last (`final`)."""
+        text = " ".join(words)
+        opens = bool(words) and not self._open
+        closes = final and (self._open or opens)
+        if not (words or closes):
+            return ""
+        piece = ("<|im_start|>user\n" + text) if opens else (" " + text if text else "")
+        if closes:
+            piece += "<|im_end|>\n"
+        self._open = not closes and (self._open or opens)
+        return piece
 
 
 class DeltaDecoder:

@@ -50,17 +50,16 @@ class Conversation:
         return previous
 
     def saved(self) -> dict:
-        """Its items and last item id, as JSON (a checkpoint: `serve.resume.checkpoint`)."""
+        """Its items and last item id, as JSON (a checkpoint: `serve.resume`)."""
         return {"items": [item.model_dump(mode="json") for item in self._items.values()],
                 "last_item_id": self.last_item_id}
 
-    @classmethod
-    def load(cls, saved: dict, max_items: int = MAX_ITEMS) -> Conversation:
-        conversation = cls(max_items)
+    def load(self, saved: dict) -> None:
+        """`saved()`'s items into this conversation, still empty (a restored session's)."""
+        assert not self._items and self.last_item_id is None
         for data in saved["items"]:
-            conversation.add(se.ItemOut.model_validate(data))
-        conversation.last_item_id = saved["last_item_id"]
-        return conversation
+            self.add(se.ItemOut.model_validate(data))
+        self.last_item_id = saved["last_item_id"]
 
     def update(self, item: se.ItemOut) -> None:
         """An item's final form (an assistant item once its response is done)."""

@@ -101,9 +101,9 @@ class SessionBound:
         if saved is None:  # a checkpoint from before bounds were per session
             return cls()
         truncation = saved["truncation"]
-        return cls(truncation if isinstance(truncation, str)
-                   else RetentionRatio.model_validate(truncation), saved["pinned_tokens"],
-                   saved.get("rolled", False))
+        choice: Choice = "auto" if truncation == "auto" else "disabled" if (
+            truncation == "disabled") else RetentionRatio.model_validate(truncation)
+        return cls(choice, saved["pinned_tokens"], saved.get("rolled", False))
 
 
 def choose(truncation: Choice, current: SessionBound, limits: BoundLimits,

@@ -1,0 +1,54 @@
+"""One session's ears: a turn's audio, heard by Whisper as it arrives, becomes its words.
+
+Each audio frame of a turn is heard on the hear stage (`StreamingTranscript`): the words two
+passes agree on are committed, and the turn's last frame (the commit) commits the rest. A
+pass is speculative work, shed first: a frame whose partial pass would hear the same turn
+with less audio than a newer frame queued behind it, or that waited for the stage longer
+than `PARTIAL_PASS_MAX_WAIT_S` (the stage is behind), keeps its audio and skips its pass, so
+a turn's last pass is never queued behind others' speculation. Under load the words arrive
+later, never wrong.
+
+Words only: what they become in the conversation (the user message's framing, its tokens,
+its transcription events) is the Realtime session's (`serve.realtime`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from metronome.audio.pcm import decode_pcm16_array
+from metronome.audio.whisper import StreamingTranscript, Whisper
+
+PARTIAL_PASS_MAX_WAIT_S = 0.1  # a frame that waited longer for the stage skips its partial pass
+
+
+@dataclass
+class Heard:
+    """What one frame's pass committed."""
+
+    words: list[str] = field(default_factory=list)
+    final: bool = False
+    passed: bool = False  # a Whisper pass ran for it (not shed, not skipped)
+
+
+class Hearing:
+    def __init__(self, whisper: Whisper, sample_rate_hz: int) -> None:
+        self.transcript = StreamingTranscript(whisper, sample_rate_hz)  # the stage's only
+        self.sample_rate_hz = sample_rate_hz
+        self.latest_cut_ms = 0.0  # the loop's: the end of the newest frame queued
+
+    def hear(self, pcm: bytes, final: bool, audio_end_ms: float, speech_from_ms: float | None,
+             queued_at_s: float, speech_end_ms: float | None = None) -> Heard:
+        """On the hear stage: one frame's audio heard, and the words it commits.
+        `speech_from_ms`: where its turn's speech starts, as the loop knew when it queued
+        the frame (None: no speech yet); `queued_at_s`: `time.monotonic()` then;
+        `speech_end_ms`: where server VAD placed the turn's end (a final frame)."""
+        samples = decode_pcm16_array(pcm)
+        waited_s = time.monotonic() - queued_at_s
+        pass_now = final or (self.latest_cut_ms <= audio_end_ms
+                             and waited_s <= PARTIAL_PASS_MAX_WAIT_S)
+        passes = self.transcript.passes
+        words = self.transcript.push(samples, audio_end_ms, final, speech_from_ms, pass_now,
+                                     speech_end_ms)
+        return Heard(words, final, passed=self.transcript.passes > passes)

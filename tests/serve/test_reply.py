@@ -1,0 +1,108 @@
+"""One `Reply` per response (`serve.realtime.reply`): it closes in one place, once its frame is
+answered *and* its voice is done, whichever comes last; and a spoken reply cut because its
+client dropped (the session held for a resume) closes `cancelled` like any other.
+
+A fake owner (the session's side: events, conversation, decoding) and a speak stage that is
+a `call_soon` on the test's loop; no model, no socket."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from metronome.serve.realtime.conversation import Conversation
+from metronome.serve.realtime.reply import Reply
+from metronome.serve.realtime.session import HELD_REASON
+from metronome.serve.voice.speaking import Speaking
+from metronome.stream import Frame, FrameStatus
+
+
+class Owner:
+    extensions = False
+    closed = False
+
+    def __init__(self) -> None:
+        self.conversation = Conversation()
+        self.events: list = []
+        self.closed_replies: list[Reply] = []
+
+    def emit(self, event) -> None:
+        self.events.append(event)
+
+    def text_of(self, token_ids: list[int], flush: bool) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
+    def observe_lm(self, seconds: float) -> None:
+        pass
+
+    def reply_closed(self, reply: Reply) -> None:
+        self.closed_replies.append(reply)
+
+    def types(self) -> list[str]:
+        return [e.type for e in self.events]
+
+
+class OneCharVoice:
+    def speak(self, text: str, to_rate_hz: int) -> bytes:
+        return bytes(2 * len(text))
+
+
+def _spoken_reply(loop: asyncio.AbstractEventLoop, owner: Owner) -> Reply:
+    def run_model(work):
+        future = loop.create_future()
+        loop.call_soon(lambda: future.set_result(work(OneCharVoice())))
+        return future
+
+    stage = SimpleNamespace(run_model=run_model, observe=lambda seconds: None)
+    reply = Reply(owner, "resp_1", "item_1", None)
+    reply.voice = Speaking(stage, 24000, reply)
+    reply.open()
+    return reply
+
+
+def _answered(reply: Reply, status: FrameStatus, reason: str = "") -> Frame[Reply]:
+    frame: Frame[Reply] = Frame("sess_1", 0.0, True, "response", reply, index=0)
+    frame.status, frame.reason, frame.finish_s = status, reason, 0.5
+    frame.token_ids = [7, 4, 11, 11, 14]
+    return frame
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_spoken_reply_closes_once_its_frame_is_answered_and_its_voice_is_done():
+    async def scenario():
+        owner = Owner()
+        reply = _spoken_reply(asyncio.get_running_loop(), owner)
+        reply.on_tokens([7, 4, 11, 11, 14])  # "hello": no sentence end yet, nothing said
+        reply.answered(_answered(reply, FrameStatus.OK))  # the rest goes to the voice
+        assert not reply.closed and owner.closed_replies == []  # the voice still speaks
+        await _settle()
+        return owner, reply
+
+    owner, reply = asyncio.run(scenario())
+    assert reply.closed and owner.closed_replies == [reply]  # closed once, when both were done
+    assert owner.types()[-1] == "response.done"
+    assert owner.types().count("response.done") == 1
+    done = owner.events[-1].response
+    assert done.status == "completed" and done.output[0].content[0].transcript == "hello"
+    assert reply.said == [("hello", 5 / 24000 * 1000)] and reply.token_ids == [7, 4, 11, 11, 14]
+
+
+def test_a_spoken_reply_cut_because_its_client_dropped_closes_cancelled():
+    """A held session's reply frame is answered `cancelled` with the hold's reason, which is
+    no reason of OpenAI's: the response is `cancelled` without one (it failed validation
+    before, and the failure ended the lease it was held for)."""
+    async def scenario():
+        owner = Owner()
+        reply = _spoken_reply(asyncio.get_running_loop(), owner)
+        reply.answered(_answered(reply, FrameStatus.CANCELLED, HELD_REASON))
+        await _settle()
+        return owner, reply
+
+    owner, reply = asyncio.run(scenario())
+    assert owner.closed_replies == [reply]
+    details = owner.events[-1].response.status_details
+    assert (details.type, details.reason) == ("cancelled", None)
