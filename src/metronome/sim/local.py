@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shlex
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ from rich.table import Table
 from metronome.engine.engine import ENGINE_PATHS, Engine, EngineConfig, for_engine_path
 from metronome.kv.residency import ResidencyPolicy
 from metronome.model.dtypes import AUTO_DTYPE, resolve_dtype
+from metronome.results.provenance import provenance
 from metronome.results.tables import fmt
 from metronome.runtime.driver import OverheadMeter
 from metronome.runtime.observer import RuntimeObserver
@@ -181,9 +184,13 @@ def run_local(config: RunConfig, console: Console | None = None,
     else:
         cost = None
         overhead = asyncio.run(_run_wall(config, engine, source, recorder, observer, console))
+    dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")  # what build() loaded
     summary = recorder.summary() | {
+        # the command that made it (a `metronome run`, or an experiment that ran it), where
+        "command": shlex.join(["metronome", *sys.argv[1:]]), "provenance": provenance(
+            dtype=dtype, clock=config.clock, engine_path=config.engine_path),
         "config": asdict(config),
-        "dtype": str(resolve_dtype(config.dtype)).removeprefix("torch."),  # what build() loaded
+        "dtype": dtype,
         "cost_model": None if cost is None else asdict(cost),
         "health": observer.health_summary(),
         "runtime_overhead": overhead.summary(),

@@ -37,6 +37,8 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from metronome.results.provenance import git_commit
+
 SINK_TOKENS = 4
 WINDOW_TOKENS = 512
 BLOCK_SIZE = 16
@@ -347,7 +349,8 @@ def cpu_name() -> str:
 
 def report(result: dict) -> str:
     lines = [f"# GPU check: sinks+window on vLLM's Triton attention ({result['mode']})", "",
-             f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
+             f"Command: `{result['command']}` (commit `{result.get('commit')}`)  ",
+             f"Machine: {result['machine']}  ",
              f"Kernel: vLLM {result['kernel_source'].get('vllm_version')} "
              f"`triton_unified_attention.py`, Triton {result['triton']}, torch {result['torch']}  ",
              f"Shapes: {result['shapes']}", "", "## Correctness (vs fp32 dense reference)", "",
@@ -432,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                else f"{cpu_name()}, {os.cpu_count()} CPUs (Triton's interpreter)")
     result = {"mode": "dry run (CPU)" if args.dry_run else "GPU",
               "command": "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:]),
-              "machine": machine, "torch": torch.__version__, "triton": triton.__version__,
+              "commit": git_commit(), "machine": machine, "torch": torch.__version__,
+              "triton": triton.__version__,
               "kernel_source": json.loads((args.kernels / "SOURCE.json").read_text())
               if (args.kernels / "SOURCE.json").exists() else {},
               "shapes": asdict(shapes), "correctness": correctness, "timing": timing,

@@ -161,7 +161,7 @@ class RealtimeSession:
                                     client)
         self.extensions = extensions  # the client opted in to `metronome.*` events
         self.opened_at_s = host.now_s() - (0.0 if saved is None else saved["age_s"])
-        self.resume: ResumeOut | None = None  # how its client resumes it (shown to it)
+        self.resume_offer: ResumeOut | None = None  # how its client resumes it (its token)
         self.closed = False
         settings = SessionSettings.defaults(config, host.stages.speaks) if saved is None else (
             SessionSettings.load(saved["settings"]))
@@ -588,7 +588,8 @@ class RealtimeSession:
         host, context = self.host, self.context
         return context.settings.describe(
             self.id, host.model_name, self.stream.profile, self.stream.policy,
-            host.config.token_rate_hz, context.instructions, self.extensions, self.resume,
+            host.config.token_rate_hz, context.instructions, self.extensions,
+            self.resume_offer,
             context.bound.describe(host.bound_limits))
 
     def summary(self, now_s: float) -> dict:

@@ -177,14 +177,15 @@ class Resumer:
         """A new resume token for a client that can read it (it opted in to the extensions)."""
         if self.resumption.enabled and session.extensions:
             state = self.states[session.id]
-            session.resume = ResumeOut(token=self.resumption.grant(state, client.api_key),
-                                       grace_s=self.resumption.grace_s)
+            session.resume_offer = ResumeOut(
+                token=self.resumption.grant(state, client.api_key),
+                grace_s=self.resumption.grace_s)
             if self.checkpoints is not None:
                 self.checkpoints.regranted(state)
 
     def opened(self, session: RealtimeSession) -> None:
         """A new session has started: resumable elsewhere from here on."""
-        if self.checkpoints is not None and session.resume is not None:
+        if self.checkpoints is not None and session.resume_offer is not None:
             self.checkpoints.opened(self.states[session.id])
 
     def ended(self, session: RealtimeSession, outcome: str) -> None:
