@@ -84,6 +84,26 @@ def test_the_horizon_holds_blocks_only_while_the_reply_is_the_latest(tiny_model)
         engine.rewind_reply("s", 0)
 
 
+def test_a_session_generating_on_without_input_holds_one_reply_beyond_its_bound(tiny_model):
+    """Free-running generation (budget after budget, no input between): each new budget is a
+    new reply, so the horizon holds the latest budget's blocks only. Before, it held every
+    block since the last input, and such a session outgrew its bound without end (the
+    quality experiment's free-running arm stalled its pool)."""
+    engine = make_engine(tiny_model)
+    open_one(engine, "s")
+    engine.submit("s", PROMPT, max_new_tokens=8)
+    held = []
+    for _ in range(12):  # 96 tokens generated: six windows' worth
+        run(engine, "s")
+        held.append(engine.session_blocks("s"))
+        engine.submit("s", None, max_new_tokens=8)
+    reply_blocks = -(-8 // BLOCK) + 1  # a budget's tokens, and the block its query starts in
+    assert max(held) <= POLICY.max_blocks(BLOCK) + reply_blocks, held
+    assert len(engine.sessions["s"].reply) == 0  # asked for: the next budget is a new reply
+    run(engine, "s")
+    assert engine.rewind_reply("s", 3) == 5  # the latest budget's reply still rewinds
+
+
 def test_rewind_refusals(tiny_model):
     engine = make_engine(tiny_model)
     open_one(engine, "s")

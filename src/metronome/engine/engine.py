@@ -254,6 +254,8 @@ class Engine:
         check_feed(session_id, "context full" if session.ended else "", num_tokens,
                    max_new_tokens)
         assert session.fed_tokens + num_tokens <= session.stream.received_tokens, session.stream
+        if max_new_tokens and not session.decode_budget:  # a new reply, with or without
+            session.end_reply(self.pool)  # input first: the last one is no longer the latest
         session.feed(num_tokens, max_new_tokens)
 
     def submit(self, session_id: str, token_ids: list[int] | torch.Tensor | None = None,
@@ -320,7 +322,7 @@ class Engine:
         reply = len(session.reply)
         if not reply:
             raise SessionError(f"session {session_id} has no reply to rewind: input was read "
-                               "after it (or it never sampled)")
+                               "after it, or a new reply was asked for (or it never sampled)")
         if not 0 <= keep_tokens <= reply:
             raise SessionError(f"keep_tokens must be in [0, {reply}], got {keep_tokens}")
         if session.unread_tokens - (session.feedback is not None) > 0:

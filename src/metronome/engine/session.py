@@ -69,8 +69,9 @@ class Session:
         self.stop_token_ids = frozenset(stop_ids)
         self.generator = torch.Generator().manual_seed(self.spec.sampling.seed)
         self.ended = False
-        # The tokens sampled since the session last read input (its latest reply), first to
-        # last: the table holds the blocks a rewind to its start needs (`rewind_reply`).
+        # The tokens sampled since the session last read input or was given a new budget (its
+        # latest reply), first to last: the table holds the blocks a rewind to its start
+        # needs (`rewind_reply`).
         self.reply: list[int] = []
         self.pinning: list[int] | None = None  # new instructions to pin (`Engine.repin`)
         # ---- this step's plan (`plan`) --------------------------------------------------------
@@ -166,6 +167,19 @@ class Session:
         policy = replace(self.spec.policy, positions=Positions.ROLLING)
         self.set_policy(policy, pool)
         return policy
+
+    def end_reply(self, pool: BlockPool) -> None:
+        """The latest reply can no longer be rewound (a new one is asked for): the blocks
+        only its rewind horizon held go back to `pool`. A reply is what one generation
+        budget sampled, so a session that generates on and on without input (free-running)
+        holds at most one budget's blocks beyond its bound, not everything since its last
+        input. Between steps."""
+        assert self.chunk is None, "a planned chunk still needs its blocks"
+        if self.table.hold_from is None:
+            return
+        self.reply = []
+        self.table.hold_from = None
+        self.table.slide(pool)
 
     def rewind_reply(self, keep_tokens: int, pool: BlockPool) -> None:
         """Forget all but the first `keep_tokens` of the latest reply, in the KV too: the

@@ -142,7 +142,8 @@ class Resumer:
     def received(self, session: RealtimeSession, text: str) -> bool:
         """A live client message: queued behind a take-over's replay while one is pending
         (the client sent it after all of them)."""
-        replay = self.states[session.id].replay
+        state = self.states.get(session.id)  # (None: it ended, its connection with it)
+        replay = None if state is None else state.replay
         if replay is not None and replay.pending:
             replay.offer(text)
             return True
@@ -152,7 +153,9 @@ class Resumer:
                 text: str | None) -> None:
         """The session applied a client event: counted, and a live one (`text`) logged for a
         take-over (a replayed one was logged where it was first applied)."""
-        state = self.states[session.id]
+        state = self.states.get(session.id)
+        if state is None:
+            return  # it ended: nothing resumes it
         state.applied(event)
         if text is not None and self.checkpoints is not None:
             self.checkpoints.applied(state, text, session.stream.frames_answered)
