@@ -189,3 +189,53 @@ def test_streamers_that_speak_up_during_a_lone_flood_are_not_late(tiny_model):
         progress[alone] = sum(before)
     assert progress[EngineConfig.max_prefill_chunk_tokens] > progress[
         EngineConfig.max_chunk_tokens]
+
+
+def test_many_sessions_ahead_share_one_chunk_beside_a_live_streamer(tiny_model):
+    """The lease attack's opening (tests/serve/test_serve_attack_leases.py), on a host 2.5x
+    slower than the packaged cost model's: 32 sessions each queue ~630 tokens of text and
+    ask for a reply, 20 ms apart, beside a streamer whose 1 s frames are due in 1 s, and are
+    held 0.7 s later (their clients dropped: `Beat.hold`, what the engine holds of theirs is
+    still processed). Each took a chunk between the streamer's frames (a 1,232-token step
+    at 1x: 1.6 s) and a fair share while its frame was in flight (513 tokens at 2.5x: 1.8 s),
+    and its frames were late behind them; sharing one chunk, no step holds more than one
+    chunk of theirs, and every frame is on time. Released, their input all reaches the
+    engine."""
+    slow = StepCostModel(fixed_s=0.054 * 2.5, per_token_s=0.00126 * 2.5, per_context_token_s=0)
+    engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=1536 * BLOCK))
+    recorder, steps = RunRecorder(), []
+    driver = VirtualDriver(engine, slow, Listeners.of(recorder, Listeners(
+        on_step=lambda out: steps.append((out.started_s, out.input_tokens)))))
+    beat = driver.beat
+    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
+                             policy=ResidencyPolicy.sinks_window(4, 512),
+                             max_queued_input_tokens=4096)
+    beat.add(Stream("streamer", profile))
+    queued = [Stream(f"s{k}", profile) for k in range(32)]
+    for stream in queued:
+        beat.add(stream)
+    for second in range(20):
+        driver.run_until(float(second))
+        beat.submit(Frame("streamer", float(second)), float(second), tokens(second, FRAME_TOKENS))
+        if second == 2:
+            for k, stream in enumerate(queued):
+                at = 2.05 + 0.02 * k
+                driver.run_until(at)
+                beat.submit(Frame(stream.id, at, respond=False), at, tokens(k, 630))
+                beat.submit(Frame(stream.id, at, kind="response"), at, tokens(k + 1, 3))
+            driver.run_until(2.75)
+            for stream in queued:
+                beat.hold(stream, 2.75, "client dropped")
+        if second == 12:
+            for stream in queued:  # resumed: their input goes on to the engine
+                beat.release(stream, 12.0)
+    driver.run_until(120.0)
+    streamed = [r for r in recorder.results if r.session_id == "streamer"]
+    assert len(streamed) == 20 and all(r.deadline_met for r in streamed[:12]), [
+        (r.index, round(r.latency_s, 2)) for r in streamed if not r.deadline_met]
+    live = [step for started_s, step in steps if started_s < 20.0]  # (its last frame: 19 s)
+    assert max(sum(n for sid, n in step.items() if sid != "streamer") for step in live
+               ) <= EngineConfig.max_chunk_tokens + 1  # (+ a sampled token written back)
+    # (a reply not begun when its session was held is withdrawn with its 3 tokens)
+    assert all(s.consumed_tokens == s.received_tokens >= 630 for s in queued), [
+        (s.consumed_tokens, s.received_tokens) for s in queued]
