@@ -17,7 +17,6 @@ from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
 from metronome.serve.edge.limits import PeerLimits, TransportLimits
 from metronome.serve.protocol.bounded_json import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
-from metronome.serve.realtime.bound import BoundLimits
 from metronome.workload_defaults import (
     BLOCK_SIZE_TOKENS,
     DEADLINE_FRACTION,
@@ -327,13 +326,6 @@ class ServerConfig(BaseModel):
                             max_prefill_chunk_tokens=self.prefill_chunk_tokens,
                             max_window_tokens=self.max_window_tokens,
                             max_sink_tokens=self.max_pinned_tokens)
-
-    def bound_limits(self, per_session: bool) -> BoundLimits:
-        """What a session's `session.truncation` and instructions are held to; `per_session`:
-        the engine serves each session its own bound (`EngineFeature.SESSION_POLICY`)."""
-        return BoundLimits(ResidencyPolicy.parse(self.policy), self.block_size,
-                           self.max_window_tokens, self.max_pinned_tokens,
-                           self.allow_unbounded_sessions, per_session=per_session)
 
     @property
     def ws_max_message_bytes(self) -> int:

@@ -60,8 +60,11 @@ class Serving:
         self.engine = engine
         self.model_name = model_name
         self.chat = ChatText(tokenizer) if tokenizer is not None else None
-        # what a session's bound may be: its own where the engine serves one per session
-        self.bound_limits: BoundLimits = config.bound_limits(
+        # what a session's bound may be (`session.truncation`, its instructions' pin): its
+        # own where the engine serves one per session
+        self.bound_limits = BoundLimits(
+            ResidencyPolicy.parse(config.policy), config.block_size, config.max_window_tokens,
+            config.max_pinned_tokens, config.allow_unbounded_sessions,
             per_session=EngineFeature.SESSION_POLICY in engine.features)
         # Health covers one control interval, and frames slow by their own session's input
         # (more than one step's chunk of it) are no sign of load: the controller's rules.
