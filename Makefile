@@ -61,6 +61,10 @@ browser-tools:
 # engine tests in .venv-vllm (vLLM's pins conflict with ours, so it has its own venv; the first
 # suite skips those tests).
 test: install prometheus-tools browser-tools vllm-install
+	@# which kind of host this is (its bf16 instructions, what --dtype auto becomes), then the
+	@# kernels for it: METRONOME_CPU=float32 runs this host as one without AVX512-BF16 or AMX
+	$(BIN)/python -m metronome.model.cpu
+	$(BIN)/python -m metronome.model.native
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --ignore=tests/vllm

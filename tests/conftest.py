@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+# first of ours: under METRONOME_CPU=float32 it caps oneDNN before any torch work
+from metronome.model import cpu  # noqa: F401
 from metronome.model.config import TINY_LLAMA
 from metronome.model.weights import load_model, random_model
 

@@ -20,7 +20,9 @@ def _kernel(extension, what: str, available: str, isa: str, without: str):
             pytest.skip(extension.reason())
         pytest.fail(f"the {what} did not build: {extension.reason()}")
     if not getattr(module, available)():
-        pytest.skip(f"this CPU has no {isa}: {without}")
+        from metronome.model import cpu
+
+        pytest.skip(f"{cpu.lacks(isa)}: {without}")
     return module
 
 

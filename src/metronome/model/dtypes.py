@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from metronome.model import cpu
+
 # the dtypes a model can be served in, by the names the command line and configs use
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ... plus "auto" (the default): bfloat16 where the CPU computes it natively (AVX512-BF16 or
@@ -15,8 +17,9 @@ DTYPE_NAMES = (AUTO_DTYPE, *DTYPES)
 
 
 def native_bf16() -> bool:
-    """Does this CPU compute bf16 matmuls natively (not by conversion)?"""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    """Does this CPU compute bf16 matmuls natively (not by conversion)? No where a float32
+    host is forced (`METRONOME_CPU=float32`, `metronome.model.cpu`)."""
+    return cpu.native_bf16()
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -14,6 +14,8 @@ for the compiler (~1 min on 2 cores).
 The build is specific to this CPU (`-march=native`) and this venv's torch: its cache folder
 is named after a hash of the CPU's model and flags, the venv and the torch version, so a
 cache shared with another machine or venv is never reused.
+Under METRONOME_CPU=float32 (`metronome.model.cpu`) they build without their bf16 tasks, into
+folders of their own, as on a host without AVX512-BF16.
 Set METRONOME_NATIVE_ATTENTION=0 to never build or load it.
 """
 
@@ -45,15 +47,19 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 def _cpu_tag() -> str:
     """Hash of what the build depends on: this CPU (model, flags), this Python environment
-    (its torch headers and ABI) and the torch version."""
+    (its torch headers and ABI), the torch version and the host kind forced on it (a float32
+    host's build lacks the bf16 tasks: `metronome.model.cpu`)."""
     import torch
+
+    from metronome.model import cpu
 
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         info = platform.processor()
     lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    text = "\n".join(sorted(set(lines)) + [platform.machine(), sys.prefix, torch.__version__])
+    text = "\n".join(sorted(set(lines)) + [platform.machine(), sys.prefix, torch.__version__]
+                     + cpu.kernel_cflags())
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -110,6 +116,8 @@ class Extension:
     def _load(self):
         if os.environ.get(DISABLE_ENV, "1") == "0":
             return None, f"disabled by {DISABLE_ENV}=0"
+        from metronome.model import cpu
+
         try:
             import torch.utils.cpp_extension as cpp
         except ImportError as err:  # pragma: no cover - torch always ships it
@@ -124,7 +132,8 @@ class Extension:
         try:
             with build_lock(directory):
                 module = cpp.load(name=f"metronome_{self.name}_{_cpu_tag()}",
-                                  sources=[str(self.source)], extra_cflags=CFLAGS,
+                                  sources=[str(self.source)],
+                                  extra_cflags=CFLAGS + cpu.kernel_cflags(),
                                   extra_ldflags=["-fopenmp"], build_directory=str(directory),
                                   verbose=False)
         except (RuntimeError, OSError, ImportError, SystemExit) as err:
@@ -193,9 +202,9 @@ def sdpa_packs_amx_tiles() -> bool:
     AMX took 16.0 s with torch's SDPA against 26.3 s with the kernel at 4k tokens each
     unbounded, 8.6 against 12.5 s bounded, 2.0 against 3.0 s at 1k (medians of 2,
     alternating; docs/results/amx_host.md)."""
-    import torch
+    from metronome.model import cpu
 
-    return torch.cpu._is_amx_tile_supported()
+    return cpu.amx()
 
 
 def small_linear(dtype=None):
@@ -215,6 +224,8 @@ def small_linear(dtype=None):
 def main() -> int:
     """`python -m metronome.model.native`: build (or find) every kernel; exit 0 either way
     (a machine without a compiler still runs, on the reference ops), but say which."""
+    from metronome.model import cpu
+
     module = kernel()
     if module is None:
         print(f"metronome: {unavailable_reason()}; the engine will use the dense path",
@@ -227,7 +238,7 @@ def main() -> int:
     else:
         print(f"metronome: fused elementwise kernels ready ({FUSED.build_dir()})")
     if prefill_attention() is None:
-        why = PREFILL.reason() or "this CPU has no AVX512-BF16"
+        why = PREFILL.reason() or cpu.lacks("AVX512-BF16")
         print(f"metronome: prefill attention kernel unavailable ({why}); long chunks use "
               "torch's SDPA", file=sys.stderr)
     elif sdpa_packs_amx_tiles():
@@ -236,7 +247,7 @@ def main() -> int:
     else:
         print(f"metronome: prefill attention kernel ready ({PREFILL.build_dir()})")
     if small_linear() is None:
-        why = SMALL_LINEAR.reason() or "this CPU has neither AVX512-BF16 nor AVX2 with FMA"
+        why = SMALL_LINEAR.reason() or cpu.lacks("AVX512-BF16 or AVX2 with FMA")
         print(f"metronome: few-row projection kernel unavailable ({why}); projections use "
               "oneDNN", file=sys.stderr)
     else:

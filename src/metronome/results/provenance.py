@@ -60,6 +60,13 @@ def vector_isa(flags: list[str]) -> str:
     return next((f for f in ("avx", "sse4_2", "asimd") if f in flags), "none")
 
 
+def _cpu_kind() -> str:
+    """"native", or the slower host kind forced on this one (`metronome.model.cpu`)."""
+    from metronome.model import cpu
+
+    return cpu.kind()
+
+
 def machine() -> dict:
     """This machine's facts: CPU (model, generation, vector ISA), cores, memory, bf16
     instructions, library versions, load."""
@@ -77,6 +84,7 @@ def machine() -> dict:
         "logical_cpus": os.cpu_count(),
         "memory_gib": round(mem_kib / (1 << 20), 1),
         "bf16_isa": [f for f in ("avx512_bf16", "amx_bf16") if f in flags],
+        "cpu_kind": _cpu_kind(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
@@ -97,6 +105,8 @@ def describe(prov: dict) -> str:
     extra = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in prov.items()
                       if k not in ("commit", "machine") and v is not None)
     facts = ", ".join(str(m[k]) for k in ("cpu_generation", "vector_isa") if m.get(k))
+    if m.get("cpu_kind", "native") != "native":
+        facts += f", run as a {m['cpu_kind']} host (METRONOME_CPU)"
     return (f"Machine: {m['cpu_model']}{f' ({facts})' if facts else ''}, "
             f"{m['logical_cpus']} logical CPUs, "
             f"{m['memory_gib']} GiB, torch {m['torch']} ({m['torch_threads']} threads)"
