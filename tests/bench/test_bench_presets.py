@@ -14,6 +14,7 @@ import torch
 
 from metronome.bench.presets import (
     cluster,
+    ear,
     endless,
     engine,
     engine_paths,
@@ -57,6 +58,19 @@ def test_word_error_rate_counts_edits_over_the_reference():
     assert voice.wer("What is the capital of France?", "what is the capital of france") == 0
     assert voice.wer("front center", "Front Centre.") == 0.5  # one substitution
     assert voice.wer("a b c", "a c") == 1 / 3 and voice.wer("a", "a b c") == 2.0
+
+
+@pytest.mark.model
+def test_the_ear_by_window_against_thirty_seconds(tmp_path):
+    res, text = smoke(ear, tmp_path)
+    assert {r["window"] for r in res["wer"]} == {ear.REFERENCE, "10 s"}
+    assert {r["source"] for r in res["wer"]} >= {"Piper (the served voice)", "espeak-ng"}
+    reference = {r["source"]: r for r in res["wer"] if r["window"] == ear.REFERENCE}
+    assert all(r["wer_rise"] == r["wer"] - reference[r["source"]]["wer"] for r in res["wer"])
+    assert reference["Piper (the served voice)"]["wer"] < 0.15  # it hears the served voice
+    times = {(r["window"], r["clip_s"]): r["pass_ms"] for r in res["pass_times"]}
+    assert times[("10 s", 1.0)] < times[(ear.REFERENCE, 1.0)]  # the point of the window
+    assert res["derived"]["value"] in (None, 10.0) and "| 10 s |" in text
 
 
 @pytest.mark.model

@@ -1,8 +1,14 @@
 """Hearing: Whisper tiny.en (CTranslate2, int8) and a streaming transcript over its passes.
 
-`Whisper` is the model: 16 kHz float samples in, words out (one pass; every pass pads to
-30 s, so its cost barely depends on the clip: ~0.35-0.5 s on 2 threads here). It runs on
-the server's encoder thread, never on the loop or the engine's thread.
+`Whisper` is the model: 16 kHz float samples in, words out, one pass. A pass hears a window of
+max(clip, `window_s`) seconds (10 s by default), not the 30 s faster-whisper's `transcribe()`
+always pads to: its encoder cost follows the window (on 2 cores ~5x less at 10 s than at 30 s;
+`metronome bench ear`). CTranslate2 takes fewer than 3,000 mel frames (its PR #1446), so the
+pass calls the model's `encode` and `generate` itself; the guards `transcribe()` gave are kept
+here: the tokens capped by the clip's duration, a phrase repeated in a loop cut to once (below
+~6-8 s tiny.en loops: "Yes. Yes. Yes."), and no words where the model says there is no speech.
+`window_s=None` is `transcribe()` itself: the 30 s reference the window is measured against.
+It runs on the server's encoder thread, never on the loop or the engine's thread.
 
 `StreamingTranscript` is one turn's transcript as its audio arrives (LocalAgreement-2, as
 streaming-Whisper servers do): each pass transcribes the turn's audio so far; the words two
@@ -29,25 +35,125 @@ ROLLING_S = 3.0  # audio kept before speech is detected (VAD reports a frame or 
 HEARD_THE_END_MS = 150.0  # a pass that heard this far past the speech's end heard it all
 
 
-class Whisper:
-    def __init__(self, cpu_threads: int = 1, beam_size: int = 1) -> None:
-        from faster_whisper import WhisperModel  # imported here: ~0.3 s, only when hearing
+WINDOW_S = 10.0  # a pass hears max(clip, this): the smallest window measured to keep WER
+# within 1.5 points of 30 s on every speech set (`metronome bench ear`); below ~6-8 s tiny.en
+# loops on short clips
+HOP_SAMPLES = 160  # one mel frame (10 ms at 16 kHz)
+MAX_TOKENS_PER_S = 8  # the cap on a pass's tokens by the clip's duration (speech: ~3-5/s)
+MIN_MAX_TOKENS = 16  # ... and at least this many, for the shortest clips
+MIN_LOOP_REPEATS = 3  # a phrase said this many times in a row is a loop: kept once
+MAX_LOOP_WORDS = 8  # the longest phrase looked for
+NO_SPEECH_PROB = 0.6  # transcribe()'s: no words where the model says this AND ...
+LOW_AVG_LOGPROB = -1.0  # ... its tokens' mean log-probability is below this; or where ...
+SURE_NO_SPEECH_PROB = 0.9  # ... it says this at all: on a short window of silence it says
+# 0.99 and still writes "you" at a mean log-probability of -0.65 (speech: 0.006-0.04)
 
+
+class Whisper:
+    def __init__(self, cpu_threads: int = 1, beam_size: int = 1,
+                 window_s: float | None = WINDOW_S) -> None:
+        """`window_s`: the least a pass hears (seconds, at most 30); None: faster-whisper's
+        `transcribe()`, which pads every pass to 30 s (the reference)."""
+        from faster_whisper import WhisperModel  # imported here: ~0.3 s, only when hearing
+        from faster_whisper.tokenizer import Tokenizer
+        from faster_whisper.transcribe import get_suppressed_tokens
+
+        if window_s is not None and not 1.0 <= window_s <= WHISPER_MAX_S:
+            raise ValueError(f"a Whisper window is 1-{WHISPER_MAX_S:g} s, got {window_s}")
         self.model = WhisperModel(str(whisper_model_dir()), device="cpu", compute_type="int8",
                                   cpu_threads=cpu_threads, num_workers=1)
         self.beam_size = beam_size
+        self.window_s = window_s
+        self.tokenizer = Tokenizer(self.model.hf_tokenizer, False, task="transcribe",
+                                   language="en")
+        self.prompt = self.model.get_prompt(self.tokenizer, [], without_timestamps=True)
+        self.suppress_tokens = list(get_suppressed_tokens(self.tokenizer, [-1]) or [])
         self._lock = threading.Lock()  # one pass at a time (the model is not reentrant)
+        self.loops_cut = 0  # passes whose words the loop guard cut (`cut_loops`)
 
     def words(self, samples_16k: np.ndarray) -> list[str]:
-        """The words of one pass over `samples_16k` (float32 in [-1, 1] at 16 kHz)."""
+        """The words of one pass over `samples_16k` (float32 in [-1, 1] at 16 kHz; its last
+        30 s at most)."""
         if len(samples_16k) < WHISPER_RATE_HZ // 10:  # under 0.1 s: nothing to hear
             return []
+        samples_16k = samples_16k[-int(WHISPER_MAX_S * WHISPER_RATE_HZ):]
         with self._lock:
-            segments, _ = self.model.transcribe(
-                samples_16k, language="en", beam_size=self.beam_size, vad_filter=False,
-                condition_on_previous_text=False, without_timestamps=True)
-            text = "".join(segment.text for segment in segments)
-        return text.split()
+            if self.window_s is None:
+                return self._transcribe(samples_16k).split()
+            words = self._windowed(samples_16k).split()
+            kept = cut_loops(words)
+            self.loops_cut += len(kept) < len(words)
+            return kept
+
+    def _transcribe(self, samples_16k: np.ndarray) -> str:
+        segments, _ = self.model.transcribe(
+            samples_16k, language="en", beam_size=self.beam_size, vad_filter=False,
+            condition_on_previous_text=False, without_timestamps=True)
+        return "".join(segment.text for segment in segments)
+
+    def _windowed(self, samples_16k: np.ndarray) -> str:
+        """One pass over a window of max(clip, window_s): the log-mel of the clip followed by
+        silence (zero audio, as faster-whisper pads since its PR #1101), encoded and decoded
+        greedily with the tokens capped by the clip's duration."""
+        import ctranslate2
+
+        assert self.window_s is not None
+        clip_frames = len(samples_16k) // HOP_SAMPLES + 1
+        frames = min(int(WHISPER_MAX_S * 100), max(clip_frames, int(self.window_s * 100)))
+        padded = np.zeros((frames + 2) * HOP_SAMPLES, np.float32)
+        padded[:len(samples_16k)] = samples_16k
+        features = self.model.feature_extractor(padded)[:, :frames]
+        encoded = self.model.model.encode(
+            ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None])))
+        clip_s = len(samples_16k) / WHISPER_RATE_HZ
+        max_tokens = max(MIN_MAX_TOKENS, int(MAX_TOKENS_PER_S * clip_s))
+        result = self.model.model.generate(
+            encoded, [self.prompt], beam_size=self.beam_size,
+            max_length=min(self.model.max_length, len(self.prompt) + max_tokens),
+            return_scores=True, return_no_speech_prob=True, suppress_blank=True,
+            suppress_tokens=self.suppress_tokens)[0]
+        tokens = [t for t in result.sequences_ids[0] if t < self.tokenizer.eot]
+        avg_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)  # as transcribe()
+        no_speech = result.no_speech_prob
+        if no_speech > SURE_NO_SPEECH_PROB or (no_speech > NO_SPEECH_PROB
+                                               and avg_logprob < LOW_AVG_LOGPROB):
+            return ""
+        return self.tokenizer.decode(tokens)
+
+
+def cut_loops(words: list[str]) -> list[str]:
+    """`words` with any phrase (1 to MAX_LOOP_WORDS words) said MIN_LOOP_REPEATS or more times
+    in a row kept once: what Whisper emits when it loops on a short or silent window ("Yes.
+    Yes. Yes. ..."). Speech repeats a phrase twice at times ("no, no"); three times in a row
+    on one clip is the model."""
+    keys = [normalise_word(w) for w in words]
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        loop = _loop_at(keys, i)
+        if loop is None:
+            out.append(words[i])
+            i += 1
+        else:
+            num_words, repeats = loop
+            out += words[i:i + num_words]
+            i += num_words * repeats
+    return out
+
+
+def _loop_at(keys: list[str], i: int) -> tuple[int, int] | None:
+    """The shortest phrase starting at `i` repeated MIN_LOOP_REPEATS times or more in a row:
+    (its words, its repeats), or None."""
+    for n in range(1, MAX_LOOP_WORDS + 1):
+        phrase = keys[i:i + n]
+        if len(phrase) < n:
+            return None
+        repeats = 1
+        while keys[i + repeats * n:i + (repeats + 1) * n] == phrase:
+            repeats += 1
+        if repeats >= MIN_LOOP_REPEATS:
+            return n, repeats
+    return None
 
 
 @dataclass
@@ -97,7 +203,7 @@ class StreamingTranscript:
         if heard_the_end:
             words = self._previous
         else:
-            words = self.whisper.words(audio[-int(WHISPER_MAX_S * WHISPER_RATE_HZ):])
+            words = self.whisper.words(audio)
             self._previous_end_ms = end_ms
             self.passes += 1
         if final:

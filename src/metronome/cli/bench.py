@@ -35,6 +35,7 @@ BENCHES = {
     "soak": ("soak", False),
     "vad": ("vad", False),
     "voice": ("voice", False),
+    "ear": ("ear", False),
     "endless": ("endless", False),
     "instructions": ("instructions", False),
     "resume": ("resume", False),

@@ -86,7 +86,7 @@ class Serving:
             asyncio.get_running_loop(), self.metrics,
             hears=config.audio_input == "transcribe" and self.chat is not None,
             speaks=config.output_audio and self.chat is not None,
-            whisper_threads=config.whisper_threads)
+            whisper_threads=config.whisper_threads, whisper_window_s=config.whisper_window_s)
         self.pool: PoolStats = engine.pool_stats()  # latest reading (steps and probes)
         limit = make_limit(config.admission, config.admission_cap)
         self.controller = AdmissionController(

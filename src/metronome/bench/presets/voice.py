@@ -48,19 +48,22 @@ ALSA_CLIPS = {"Front_Center": "front center", "Front_Left": "front left",
               "Front_Right": "front right", "Rear_Center": "rear center",
               "Rear_Left": "rear left", "Rear_Right": "rear right",
               "Side_Left": "side left", "Side_Right": "side right"}
+VOICE = ["--mode", "turn", "--audio-input", "transcribe", "--output-audio", "--server-vad"]
 ARMS = {  # the serve flags of each arm (after the bench launcher's text-server defaults)
-    "voice": ["--mode", "turn", "--audio-input", "transcribe", "--output-audio",
-              "--server-vad"],
+    "voice": VOICE,
+    # as before the ear (`metronome bench ear`): every Whisper pass hears 30 s
+    "voice, 30 s passes": [*VOICE, "--whisper-window-s", "30"],
     "embeddings+text": ["--mode", "turn", "--audio-input", "embeddings", "--no-output-audio",
                         "--server-vad"],
 }
+SPOKEN = ("voice", "voice, 30 s passes")  # the arms that answer in audio
 
 
 @dataclass(frozen=True)
 class Config(Knobs):
     sessions: tuple[int, ...] = knob((1, 2, 4, 8), "concurrent voice sessions, one run each")
     turns: int = knob(3, "questions each session speaks")
-    arms: tuple[str, ...] = knob(tuple(ARMS), "voice | embeddings+text")
+    arms: tuple[str, ...] = knob(("voice", "embeddings+text"), " | ".join(ARMS))
     budget_ms: float = knob(800.0, "the time-to-first-audio budget for the derived number")
     silence_duration_ms: int = knob(500, "server VAD's silence that ends a turn (OpenAI's)")
     whisper_threads: int = knob(1, "threads of one Whisper pass")
@@ -181,7 +184,7 @@ async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, 
     conn = await Connection.open(url, extensions=False)
     vad = {"type": "server_vad", "silence_duration_ms": silence_ms}
     audio_in = {"turn_detection": vad} | ({"transcription": {"model": "whisper-1"}}
-                                          if arm == "voice" else {})
+                                          if arm in SPOKEN else {})
     await conn.update({"type": "realtime", "audio": {"input": audio_in}})
     chunk = int(2 * RATE_HZ * CHUNK_S)
     speech_ends, turns_out, errors = [], [], []
@@ -204,8 +207,8 @@ async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, 
     sender = asyncio.create_task(speak())
     current: dict | None = None
     stopped_at = None
-    output = {"voice": "response.output_audio.delta", "embeddings+text":
-              "response.output_text.delta"}[arm]
+    output = ("response.output_audio.delta" if arm in SPOKEN
+              else "response.output_text.delta")
     try:
         async with asyncio.timeout(turns * 15 + 30):
             async for event in conn:

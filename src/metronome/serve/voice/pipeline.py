@@ -26,7 +26,7 @@ import numpy as np
 
 from metronome.audio.silero import SileroVad
 from metronome.audio.voice import Voice
-from metronome.audio.whisper import WHISPER_RATE_HZ, Whisper
+from metronome.audio.whisper import WHISPER_RATE_HZ, WINDOW_S, Whisper
 from metronome.observe.metrics import Metrics
 from metronome.serve.voice.stage import Stage
 
@@ -41,12 +41,14 @@ class VoiceStages:
 
     @classmethod
     def start(cls, loop: asyncio.AbstractEventLoop, metrics: Metrics, hears: bool,
-              speaks: bool, whisper_threads: int) -> VoiceStages:
+              speaks: bool, whisper_threads: int,
+              whisper_window_s: float | None = WINDOW_S) -> VoiceStages:
         """The three threads, started now; Whisper (`hears`) and the voice (`speaks`)
         loaded and warmed up on theirs before the first user."""
         return cls(
             Stage("audio", "encoder", loop, metrics,
-                  (lambda: _load_whisper(whisper_threads)) if hears else None),
+                  (lambda: _load_whisper(whisper_threads, whisper_window_s)) if hears
+                  else None),
             Stage("vad", "vad", loop, metrics, SileroVad, lazy=True),
             Stage("voice", "voice", loop, metrics, _load_voice if speaks else None))
 
@@ -63,9 +65,9 @@ class VoiceStages:
             stage.close()
 
 
-def _load_whisper(cpu_threads: int) -> Whisper:
+def _load_whisper(cpu_threads: int, window_s: float | None) -> Whisper:
     """On the hear stage: the model, and one pass to set up its kernels (~0.5 s)."""
-    whisper = Whisper(cpu_threads)
+    whisper = Whisper(cpu_threads, window_s=window_s)
     whisper.words(np.zeros(WHISPER_RATE_HZ, np.float32))
     return whisper
 

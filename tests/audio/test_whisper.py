@@ -1,0 +1,74 @@
+"""The ear: a Whisper pass hears a window of max(clip, 10 s), not 30 s, and keeps the guards
+faster-whisper's `transcribe()` gave (no words on silence, a looped phrase cut, tokens capped by
+the clip's duration); it hears the served voice as the 30 s reference does, for less."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from metronome.audio.whisper import WHISPER_RATE_HZ, WINDOW_S, Whisper, cut_loops
+
+
+def test_a_phrase_said_three_times_or_more_in_a_row_is_kept_once():
+    assert cut_loops("Yes. Yes. Yes. Yes.".split()) == ["Yes."]
+    assert cut_loops("I think so, I think so. I think so and then".split()) == [
+        "I", "think", "so,", "and", "then"]
+    assert cut_loops("no, no thanks".split()) == ["no,", "no", "thanks"]  # twice: speech
+    assert cut_loops("a b a b c".split()) == ["a", "b", "a", "b", "c"]
+    assert cut_loops([]) == []
+
+
+def test_a_window_outside_one_to_thirty_seconds_is_refused():
+    with pytest.raises(ValueError, match="a Whisper window is 1-30 s, got 45"):
+        Whisper(window_s=45)
+
+
+@pytest.fixture(scope="module")
+def speech() -> dict[str, np.ndarray]:
+    from metronome.audio.voice import Voice
+
+    voice = Voice()
+    return {text: np.frombuffer(voice.speak(text, WHISPER_RATE_HZ), "<i2").astype(np.float32)
+            / 32768 for text in ("Yes.", "What is the capital of France?",
+                                 "How far is the moon from the earth?")}
+
+
+@pytest.mark.model
+def test_the_window_hears_what_thirty_seconds_hear_for_less(speech):
+    windowed, reference = Whisper(window_s=WINDOW_S), Whisper(window_s=None)
+    for whisper in (windowed, reference):  # their kernels set up
+        whisper.words(np.zeros(WHISPER_RATE_HZ, np.float32))
+    costs_s: dict[str, list[float]] = {"windowed": [], "reference": []}
+    for text, samples in speech.items():
+        for name, whisper in (("windowed", windowed), ("reference", reference)):
+            started = time.process_time()
+            words = whisper.words(samples)
+            costs_s[name].append(time.process_time() - started)
+            assert [w.strip(".?,").lower() for w in words] == [
+                w.strip(".?,").lower() for w in text.split()], (name, words)
+    # a 10 s window is a third of 30 s: measured ~3-5x less CPU time (the process's: the
+    # passes run on CTranslate2's threads)
+    assert sum(costs_s["windowed"]) < 0.6 * sum(costs_s["reference"]), costs_s
+
+
+@pytest.mark.model
+def test_silence_is_no_words_and_a_loop_is_cut():
+    whisper = Whisper(window_s=WINDOW_S)
+    # on a short window of silence tiny.en writes "you", though it says 0.99 no speech
+    assert whisper.words(np.zeros(2 * WHISPER_RATE_HZ, np.float32)) == []
+    assert whisper.words(np.zeros(WHISPER_RATE_HZ // 20, np.float32)) == []  # under 0.1 s
+
+
+@pytest.mark.model
+def test_a_window_too_short_for_the_model_loops_and_the_guard_cuts_it(speech):
+    """Below ~6-8 s tiny.en loops on short clips ("Yes. Yes. Yes. ..."): the guard keeps
+    one, and the tokens are capped by the clip's duration."""
+    whisper = Whisper(window_s=1.0)
+    passes = [whisper.words(samples) for samples in speech.values()]
+    assert whisper.loops_cut >= 1, passes
+    for words in passes:
+        assert cut_loops(words) == words
+        assert len(words) <= 12, words
