@@ -43,7 +43,7 @@ def question_wav(path: Path) -> Path:
     """Piper asking QUESTION: 24 kHz mono PCM16, 1 s of silence before and 2 s after."""
     from metronome.audio.voice import Voice
 
-    speech = Voice().speak(QUESTION, RATE_HZ)
+    speech = Voice().speak(QUESTION, RATE_HZ, exact=True)
     with wave.open(str(path), "wb") as wav:
         wav.setnchannels(1)
         wav.setsampwidth(2)

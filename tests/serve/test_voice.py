@@ -149,7 +149,7 @@ def test_the_default_server_hears_and_speaks():
 @pytest.mark.model
 def test_a_spoken_question_gets_a_spoken_answer(smollm2):
     voice = Voice()
-    question = voice.speak("What is the capital of France?", 24000)
+    question = voice.speak("What is the capital of France?", 24000, exact=True)
     silence = bytes(2 * 24000)
     audio = silence + question + silence * 2
     config = ServerConfig(pool_tokens=4096, admission="off",

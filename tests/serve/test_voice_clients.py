@@ -37,7 +37,7 @@ def url():
 @pytest.fixture(scope="module")
 def question() -> bytes:
     """1 s quiet, the spoken question, 1.5 s quiet (server VAD ends the turn in it)."""
-    speech = Voice().speak("What is the capital of France?", RATE_HZ)
+    speech = Voice().speak("What is the capital of France?", RATE_HZ, exact=True)
     return bytes(2 * RATE_HZ) + speech + bytes(3 * RATE_HZ)
 
 

@@ -51,12 +51,18 @@ class Voice:
         self.sample_rate_hz: int = self.voice.config.sample_rate
         self._lock = threading.Lock()
 
-    def speak(self, text: str, to_rate_hz: int) -> bytes:
-        """PCM16 little-endian mono of `text` at `to_rate_hz` (b"" for no speakable text)."""
+    def speak(self, text: str, to_rate_hz: int, exact: bool = False) -> bytes:
+        """PCM16 little-endian mono of `text` at `to_rate_hz` (b"" for no speakable text).
+        `exact`: without the variation Piper samples (its noise scales 0), so the same text is
+        always the same audio (test fixtures; the served voice varies, as speech does)."""
         if not any(ch.isalnum() for ch in text):
             return b""
+        from piper import SynthesisConfig
+
+        config = SynthesisConfig(noise_scale=0.0 if exact else None,
+                                 noise_w_scale=0.0 if exact else None)
         with self._lock:
-            chunks = [chunk.audio_float_array for chunk in self.voice.synthesize(text)]
+            chunks = [chunk.audio_float_array for chunk in self.voice.synthesize(text, config)]
         if not chunks:
             return b""
         samples = np.concatenate(chunks)

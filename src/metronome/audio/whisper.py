@@ -41,6 +41,9 @@ WINDOW_S = 10.0  # a pass hears max(clip, this): the smallest window measured to
 HOP_SAMPLES = 160  # one mel frame (10 ms at 16 kHz)
 MAX_TOKENS_PER_S = 8  # the cap on a pass's tokens by the clip's duration (speech: ~3-5/s)
 MIN_MAX_TOKENS = 16  # ... and at least this many, for the shortest clips
+STEPS_PER_TOKEN = 2  # CTranslate2's Whisper `max_length` yields about half as many tokens
+# (measured on tiny.en: max_length 21 -> 10 tokens, 31 -> 15; a 3.7 s sentence capped at
+# 2 + 8/s lost its last word, "available")
 MIN_LOOP_REPEATS = 3  # a phrase said this many times in a row is a loop: kept once
 MAX_LOOP_WORDS = 8  # the longest phrase looked for
 NO_SPEECH_PROB = 0.6  # transcribe()'s: no words where the model says this AND ...
@@ -109,7 +112,8 @@ class Whisper:
         max_tokens = max(MIN_MAX_TOKENS, int(MAX_TOKENS_PER_S * clip_s))
         result = self.model.model.generate(
             encoded, [self.prompt], beam_size=self.beam_size,
-            max_length=min(self.model.max_length, len(self.prompt) + max_tokens),
+            max_length=min(self.model.max_length,
+                           len(self.prompt) + STEPS_PER_TOKEN * max_tokens),
             return_scores=True, return_no_speech_prob=True, suppress_blank=True,
             suppress_tokens=self.suppress_tokens)[0]
         tokens = [t for t in result.sequences_ids[0] if t < self.tokenizer.eot]
