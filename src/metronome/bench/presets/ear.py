@@ -56,8 +56,10 @@ class Config(Knobs):
     repeats: int = knob(3, "timed repeats of each pass (the fastest is kept)")
     max_wer_rise: float = knob(0.015, "how much word error a window may add on any source")
     human: bool = knob(True, "fetch the ALSA test voice (Debian's alsa-utils) for a human set")
+    piper_takes: int = knob(3, "times Piper speaks each prompt (it samples each take afresh: "
+                               "one take's luck moved a window's word error by 5 points)")
 
-    SMOKE = dict(windows_s=(10.0,), clips_s=(1.0, 4.0), repeats=1, human=False)
+    SMOKE = dict(windows_s=(10.0,), clips_s=(1.0, 4.0), repeats=1, human=False, piper_takes=1)
 
 
 def speech_sets(ctx: RunContext, cfg: Config) -> dict[str, list[tuple[str, np.ndarray]]]:
@@ -68,7 +70,7 @@ def speech_sets(ctx: RunContext, cfg: Config) -> dict[str, list[tuple[str, np.nd
     texts = list(dict.fromkeys(PROMPTS + QUESTIONS + list(SENTENCES.values())))
     sets = {"Piper (the served voice)": [
         (text, np.frombuffer(voice.speak(text, WHISPER_RATE_HZ), "<i2").astype(np.float32)
-         / 32768) for text in texts]}
+         / 32768) for text in texts for _ in range(cfg.piper_takes)]}
     espeak = [(text, to16k(*read_wav(SPEECH_DIR / f"{name}.wav")))
               for name, text in SENTENCES.items()]
     if shutil.which("espeak-ng"):
@@ -122,7 +124,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
                engine_path="not used", whisper_threads=cfg.threads)
     sets = speech_sets(ctx, cfg)
     ctx.log("speech sets: " + ", ".join(f"{s} {len(c)} clips" for s, c in sets.items()))
-    speech = np.concatenate([samples for _, samples in sets["Piper (the served voice)"]])
+    speech = np.concatenate([samples for _, samples in sets["Piper (the served voice)"]
+                             [::cfg.piper_takes]])
     arms: list[tuple[str, float | None]] = [(REFERENCE, None)] + [
         (f"{w:g} s", w) for w in cfg.windows_s]
     costs, transcripts, by_source = [], [], []
