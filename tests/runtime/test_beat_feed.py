@@ -239,3 +239,40 @@ def test_many_sessions_ahead_share_one_chunk_beside_a_live_streamer(tiny_model):
     # (a reply not begun when its session was held is withdrawn with its 3 tokens)
     assert all(s.consumed_tokens == s.received_tokens >= 630 for s in queued), [
         (s.consumed_tokens, s.received_tokens) for s in queued]
+
+
+def test_a_streamer_that_just_opened_is_waited_for_before_its_first_frame(tiny_model):
+    """The lease attack with its neighbour opened just before it (the attack test run alone):
+    the streamer opens, 32 sessions queue ~630 tokens of text each within its first period,
+    and its first frame arrives a period after it opened. Until a session's first frame it
+    was not live, so the sessions ahead each took a chunk per step and its first two frames
+    were late behind them (2 of 8 here, on the same 2.5x slower host as above); a session
+    that opened within `LIVE_PERIODS` periods is live: they share one chunk from the start."""
+    slow = StepCostModel(fixed_s=0.054 * 2.5, per_token_s=0.00126 * 2.5, per_context_token_s=0)
+    engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=1536 * BLOCK))
+    recorder = RunRecorder()
+    driver = VirtualDriver(engine, slow, Listeners.of(recorder))
+    beat = driver.beat
+    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
+                             policy=ResidencyPolicy.sinks_window(4, 512),
+                             max_queued_input_tokens=4096)
+    queued = [Stream(f"s{k}", profile) for k in range(32)]
+    for stream in queued:
+        beat.add(stream)
+    driver.run_until(1.0)
+    beat.add(Stream("streamer", profile, opened_at_s=1.0))
+    for k, stream in enumerate(queued):
+        at = 1.05 + 0.02 * k
+        driver.run_until(at)
+        beat.submit(Frame(stream.id, at, respond=False), at, tokens(k, 630))
+        beat.submit(Frame(stream.id, at, kind="response"), at, tokens(k + 1, 3))
+    driver.run_until(1.75)
+    for stream in queued:
+        beat.hold(stream, 1.75, "client dropped")
+    for second in range(2, 10):
+        driver.run_until(float(second))
+        beat.submit(Frame("streamer", float(second)), float(second), tokens(second, FRAME_TOKENS))
+    driver.run_until(60.0)
+    streamed = [r for r in recorder.results if r.session_id == "streamer"]
+    assert len(streamed) == 8 and all(r.deadline_met for r in streamed), [
+        (r.index, round(r.latency_s, 2)) for r in streamed if not r.deadline_met]

@@ -89,7 +89,7 @@ class FeedPolicy:
     its frame was in flight, 513 tokens, and the neighbour's frames waited behind both.
     `alone_engine_tokens` (the engine's long-prefill chunk) when no other session is live
     (none has a frame under way, or had one arrive within `LIVE_PERIODS` of its frame
-    periods). Other ahead sessions
+    periods, or opened within them and sent none yet). Other ahead sessions
     count as live: streamers fallen behind are ahead, and under overload they would all get
     large pieces (40 streaming sessions: goodput 0.957 and 0.969 with that vs 1.000 without).
     A limited piece is fed once the engine has consumed the last one (the engine takes one
@@ -328,11 +328,14 @@ class Beat:
 
     @staticmethod
     def _live(stream: Stream, now_s: float) -> bool:
-        """It has a frame under way, or had one arrive recently enough to send the next."""
+        """It has a frame under way, or had one arrive (or, none yet, opened) recently enough
+        to send the next: a session that just opened is about to send its first frame (the
+        lease attack run alone: 32 sessions ahead took a chunk each before the neighbour's
+        first frame, and its first two frames were late behind them)."""
         last = stream.last_answered
+        since_s = stream.opened_at_s if last is None else last.arrival_s
         return bool(stream.frames) or (
-            last is not None
-            and now_s - last.arrival_s < LIVE_PERIODS * stream.profile.frame_period_s)
+            now_s - since_s < LIVE_PERIODS * stream.profile.frame_period_s)
 
     def _feed_all(self, now_s: float) -> None:
         """Feed each session what the feed policy lets the engine hold now."""
