@@ -13,7 +13,12 @@ import torch
 
 from metronome.audio.resample import StreamingResampler
 from metronome.audio.silero import CHUNK_SAMPLES, SileroState, SileroVad, model_path
-from metronome.audio.turn_detector import SpeechStarted, SpeechStopped, TurnDetector
+from metronome.audio.turn_detector import (
+    SpeechPaused,
+    SpeechStarted,
+    SpeechStopped,
+    TurnDetector,
+)
 from metronome.audio.vad import CHUNK_MS, VadStream
 from metronome.load.speech import SENTENCES, speech_spans_ms, to_pcm16, utterances
 
@@ -50,6 +55,20 @@ def test_a_pause_shorter_than_the_silence_duration_is_one_turn():
     events = run_rules(TurnDetector(0.5, silence_duration_ms=40),
                        [0.9, 0.0, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0])
     assert events == [(0, SpeechStarted(0.0)), (8, SpeechStopped(0.0, 50.0))]
+
+
+def test_a_pause_is_told_once_per_silence_before_the_stop_and_only_if_shorter():
+    # speech in chunks 1..2, 20 ms of silence (a pause: told once), speech again in 5, then
+    # the pause and, at 40 ms of silence, the stop
+    probabilities = [0.0, 0.9, 0.9, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0]
+    events = run_rules(TurnDetector(0.5, silence_duration_ms=40, pause_ms=20), probabilities)
+    assert events == [(1, SpeechStarted(10.0)), (4, SpeechPaused(10.0, 30.0)),
+                      (7, SpeechPaused(10.0, 60.0)), (9, SpeechStopped(10.0, 60.0))]
+    # no pause as long as the silence that ends a turn, and none asked for
+    for pause_ms in (40, None):
+        events = run_rules(TurnDetector(0.5, silence_duration_ms=40, pause_ms=pause_ms),
+                           probabilities)
+        assert not any(isinstance(e, SpeechPaused) for _, e in events), events
 
 
 def test_zero_silence_stops_at_the_first_silent_chunk_and_a_low_threshold_can_stop():

@@ -14,6 +14,7 @@ from metronome.audio.whisper import (
     MIN_MAX_TOKENS,
     WHISPER_RATE_HZ,
     WINDOW_S,
+    StreamingTranscript,
     Whisper,
     cut_loops,
 )
@@ -88,3 +89,35 @@ def test_a_window_too_short_for_the_model_loops_and_the_guard_cuts_it(speech):
         # a word is one token or more: never more words than the clip's token cap
         assert len(words) <= max(MIN_MAX_TOKENS, MAX_TOKENS_PER_S * len(samples)
                                  / WHISPER_RATE_HZ), words
+
+
+@pytest.mark.model
+def test_a_pass_heard_ahead_at_a_pause_is_the_turns_last_when_the_pause_ends_it():
+    """Server VAD hears a pause 200 ms into the silence: the turn's last pass runs then, on
+    the frames pushed and the audio not cut into one yet (at 24 kHz: resampled by a copy of
+    the transcript's resampler). The commit at the pause's end runs no pass and commits the
+    same words as a turn heard without it."""
+    from metronome.audio.voice import Voice
+
+    rate_hz = 24000
+    speech = np.frombuffer(Voice().speak(LONG, rate_hz, exact=True), "<i2").astype(
+        np.float32) / 32768
+    speech_end_ms = 1000 * len(speech) / rate_hz  # ~3.7 s: frames end at 1, 2, 3 s
+    audio = np.concatenate([speech, np.zeros(rate_hz // 4, np.float32)])
+    whisper = Whisper(window_s=WINDOW_S)
+    heard, passes = {}, {}
+    for ahead in (False, True):
+        transcript = StreamingTranscript(whisper, rate_hz)
+        words = []
+        for end in range(rate_hz, len(audio), rate_hz):  # the 1 s frames
+            words += transcript.push(audio[end - rate_hz:end], 1000 * end / rate_hz, False)
+        rest_from = len(audio) // rate_hz * rate_hz
+        end_ms = 1000 * len(audio) / rate_hz
+        if ahead:
+            transcript.hear_ahead(audio[rest_from:], end_ms, 0.0)
+        before = transcript.passes
+        words += transcript.push(audio[rest_from:], end_ms, True, speech_end_ms=speech_end_ms)
+        heard[ahead], passes[ahead] = words, transcript.passes - before
+    assert passes == {False: 1, True: 0}
+    assert heard[True] == heard[False] and [w.strip(".").lower() for w in heard[True]] == [
+        w.strip(".").lower() for w in LONG.split()], heard

@@ -139,6 +139,27 @@ def test_a_busy_encoder_sheds_partial_passes_but_never_the_last():
     assert whisper.heard_s == [2.0] and heard.words[-1] == "France?" and heard.passed
 
 
+def test_a_pause_hears_the_turn_ahead_and_its_commit_then_runs_no_pass():
+    """Server VAD heard 200 ms of silence after speech ending at 1.4 s: the turn's last pass
+    runs on the frame pushed and the 0.6 s not cut yet, and the commit (speech ended at 1.4 s)
+    runs none; a pause heard while the stage is behind, or after a newer frame was cut, is
+    shed."""
+    whisper = ScriptedWhisper(["what is", "what is the capital of France?", "unused"])
+    hearing = Hearing(whisper, 16000)
+    pcm = np.zeros(16000, np.int16).tobytes()
+    assert hearing.hear(pcm, False, 1000.0, 0.0, time.monotonic()).passed
+    rest = np.zeros(9600, np.int16).tobytes()
+    assert not hearing.hear_ahead(rest, 1600.0, 0.0, time.monotonic() - 1.0)  # behind
+    hearing.latest_cut_ms = 2000.0
+    assert not hearing.hear_ahead(rest, 1600.0, 0.0, time.monotonic())  # a newer frame
+    hearing.latest_cut_ms = 1000.0
+    assert hearing.hear_ahead(rest, 1600.0, 0.0, time.monotonic())
+    assert whisper.heard_s == [1.0, 1.6]
+    heard = hearing.hear(rest, True, 1600.0, 0.0, time.monotonic(), speech_end_ms=1400.0)
+    assert not heard.passed and whisper.heard_s == [1.0, 1.6]
+    assert heard.words == "what is the capital of France?".split()
+
+
 def test_the_default_server_hears_and_speaks():
     """`metronome serve` with no flags: turn mode, server VAD, Whisper, Piper."""
     config = ServerConfig()

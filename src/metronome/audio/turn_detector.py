@@ -6,7 +6,10 @@ Pure and clock-free: positions are milliseconds of the audio stream, given with 
                                         and, so far, ends at this chunk's end
     stop_threshold <= p < threshold     undecided: neither extends speech nor ends it
     p < stop_threshold, while speaking  silence: once `silence_duration_ms` have passed since
-                                        speech last ended, it stops there (at that end)
+                                        speech last ended, it stops there (at that end);
+                                        once `pause_ms` have (if given, and shorter), it
+                                        paused there: told once per silence, the turn may
+                                        still go on (a pass can hear the turn ahead of its end)
 
 The gap between the two thresholds is Silero's hysteresis (0.15 below the threshold, here
 at most half the threshold, so that a low threshold still has a silence below it): a
@@ -32,11 +35,20 @@ class SpeechStopped:
     end_ms: float
 
 
-TurnEvent = SpeechStarted | SpeechStopped
+@dataclass(frozen=True)
+class SpeechPaused:
+    """`pause_ms` of silence since speech last ended at `end_ms`: the turn may end there."""
+
+    start_ms: float
+    end_ms: float
+
+
+TurnEvent = SpeechStarted | SpeechPaused | SpeechStopped
 
 
 class TurnDetector:
-    def __init__(self, threshold: float, silence_duration_ms: float) -> None:
+    def __init__(self, threshold: float, silence_duration_ms: float,
+                 pause_ms: float | None = None) -> None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         if silence_duration_ms < 0:
@@ -44,6 +56,10 @@ class TurnDetector:
         self.threshold = threshold
         self.stop_threshold = threshold - min(STOP_MARGIN, threshold / 2)
         self.silence_duration_ms = silence_duration_ms
+        # a pause is told only if it comes before the stop
+        self.pause_ms = pause_ms if pause_ms is not None and pause_ms < silence_duration_ms \
+            else None
+        self._pause_told = False  # this silence's pause was told
         self.speech_start_ms: float | None = None  # None: not speaking
         self._speech_end_ms = 0.0  # end of the last chunk judged speech
 
@@ -56,14 +72,19 @@ class TurnDetector:
         assert start_ms < end_ms and start_ms >= self._speech_end_ms, (start_ms, end_ms)
         if probability >= self.threshold:
             self._speech_end_ms = end_ms
+            self._pause_told = False
             if self.speech_start_ms is None:
                 self.speech_start_ms = start_ms
                 return SpeechStarted(start_ms)
             return None
         if self.speech_start_ms is None or probability >= self.stop_threshold:
             return None
-        if end_ms - self._speech_end_ms < self.silence_duration_ms:
-            return None
+        silent_ms = end_ms - self._speech_end_ms
+        if silent_ms < self.silence_duration_ms:
+            if (self.pause_ms is None or self._pause_told or silent_ms < self.pause_ms):
+                return None
+            self._pause_told = True
+            return SpeechPaused(self.speech_start_ms, self._speech_end_ms)
         stopped = SpeechStopped(self.speech_start_ms, self._speech_end_ms)
         self.speech_start_ms = None
         return stopped

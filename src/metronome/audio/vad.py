@@ -1,7 +1,7 @@
 """One stream's voice activity: PCM16 at the stream's rate -> speech started / stopped.
 
     PCM16 bytes ─decode─► float samples ─resample to 16 kHz (zero phase)─► 512-sample chunks
-      ─Silero VAD─► P(speech) per 32 ms chunk ─turn rules─► SpeechStarted / SpeechStopped
+      ─Silero VAD─► P(speech) per 32 ms chunk ─turn rules─► SpeechStarted / Paused / Stopped
 
 Positions are milliseconds of the input stream from `origin_ms` (where the stream began in
 the session's audio): the resampler is zero-phase, so 16 kHz sample `i` is input time
@@ -26,9 +26,9 @@ CHUNK_MS = CHUNK_SAMPLES * 1000 / SILERO_RATE_HZ  # 32 ms
 
 class VadStream:
     def __init__(self, sample_rate_hz: int, threshold: float, silence_duration_ms: float,
-                 origin_ms: float = 0.0) -> None:
+                 origin_ms: float = 0.0, pause_ms: float | None = None) -> None:
         self.origin_ms = origin_ms
-        self.detector = TurnDetector(threshold, silence_duration_ms)
+        self.detector = TurnDetector(threshold, silence_duration_ms, pause_ms)
         self._resampler = StreamingResampler(sample_rate_hz, SILERO_RATE_HZ)
         self._state = SileroState()
         self._partial = np.zeros(0, dtype=np.float32)  # 16 kHz samples short of a chunk

@@ -21,6 +21,7 @@ falls further behind than one pass.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass, field
 
@@ -223,6 +224,25 @@ class StreamingTranscript:
         new = agreed[done:]
         self.committed += new
         return new
+
+
+    def hear_ahead(self, samples: np.ndarray, end_ms: float, speech_from_ms: float) -> None:
+        """A pass over this turn's audio followed by `samples` (the audio since, not pushed
+        yet: the turn's next push brings it), which end at `end_ms`: server VAD heard a
+        pause in the speech. Its words become the last pass's and nothing is committed; if
+        the pause becomes the turn's end (the final push's `speech_end_ms` before `end_ms`),
+        they are the turn's and the final push runs no pass: the turn's last pass ran
+        during the silence that confirmed it, not after. If the user speaks on, it was one
+        pass more (the next pass agrees with it or not, as with any)."""
+        if self._resampler is not None:  # a copy: the next push resamples these samples
+            samples = copy.deepcopy(self._resampler).push(samples)
+        audio = np.concatenate([*self._audio, samples.astype(np.float32, copy=False)])
+        start_ms = end_ms - len(audio) * 1000 / WHISPER_RATE_HZ
+        if speech_from_ms > start_ms:
+            audio = audio[int((speech_from_ms - start_ms) * WHISPER_RATE_HZ / 1000):]
+        self._previous = self.whisper.words(audio)
+        self._previous_end_ms = end_ms
+        self.passes += 1
 
 
 def _common_prefix(a: list[str], b: list[str]) -> list[str]:

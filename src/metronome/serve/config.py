@@ -107,6 +107,11 @@ class ServerConfig(BaseModel):
         10.0, ge=1.0, le=30.0, description="the least a Whisper pass hears: max(turn, this) "
         "seconds (30: every pass 30 s, as faster-whisper's transcribe() pads; 10 costs ~3-5x "
         "less at the same word error: `metronome bench ear`)")
+    hear_ahead_pause_ms: float = Field(
+        200.0, ge=0, description="a pause in a turn's speech this long runs the turn's last "
+        "Whisper pass at once, in the silence that may end the turn (server VAD's "
+        "silence_duration_ms, 500 by default): a turn that ends there is heard one pass "
+        "sooner; 0: off (the last pass runs at the commit)")
     sample_rates_hz: tuple[int, ...] = Field((16000, 24000, 48000),
                                              description="accepted audio/pcm rates")
     default_sample_rate_hz: int = Field(24000, description="input rate until a session "

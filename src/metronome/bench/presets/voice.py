@@ -52,7 +52,8 @@ VOICE = ["--mode", "turn", "--audio-input", "transcribe", "--output-audio", "--s
 ARMS = {  # the serve flags of each arm (after the bench launcher's text-server defaults)
     "voice": VOICE,
     # as before the ear (`metronome bench ear`): every Whisper pass hears 30 s
-    "voice, 30 s passes": [*VOICE, "--whisper-window-s", "30"],
+    # the ear as it was: every pass 30 s, the turn's last pass at its commit
+    "voice, 30 s passes": [*VOICE, "--whisper-window-s", "30", "--hear-ahead-pause-ms", "0"],
     "embeddings+text": ["--mode", "turn", "--audio-input", "embeddings", "--no-output-audio",
                         "--server-vad"],
 }

@@ -99,6 +99,10 @@ class AudioFramer:
         assert len(self._pending) < self.frame_bytes, len(self._pending)
         self._encoder.load(saved["encoder"])
 
+    def pending(self) -> bytes:
+        """The partial frame's bytes, left where they are (a pass that hears ahead)."""
+        return bytes(self._pending)
+
     def clear_pending(self) -> None:
         """Drop the partial frame (`input_audio_buffer.clear`); the stream position stays."""
         self._pending.clear()

@@ -22,6 +22,8 @@ withdrawn (no input, no slot in the stream).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -41,6 +43,7 @@ from metronome.serve.realtime.intake import Intake, token_tensor
 from metronome.serve.voice.hearing import Heard, Hearing
 
 ItemContent = se.ContentOut
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -193,6 +196,23 @@ class InputBuffer:
         self.intake.queue("audio", hear, max_tokens, audio_end_ms=audio_end_ms,
                           on_prepared=lambda: self._transcribed(*self.turn.heard(heard)))
 
+    def hear_ahead(self) -> None:
+        """Server VAD heard a pause in the turn's speech: its last pass runs now on the hear
+        stage, behind the turn's frames queued there, on their audio and the bytes not cut
+        into a frame yet (`Hearing.hear_ahead`); nothing reaches the stream or the client."""
+        hearing, speech_from_ms = self.hearing, self.speech_from_ms
+        if hearing is None or speech_from_ms is None or not self.appended_since_commit_bytes:
+            return
+        pcm, end_ms, queued_at_s = self.framer.pending(), self.framer.received_ms, time.monotonic()
+        stage = self.intake.stage
+
+        def ahead() -> None:  # on the hear stage
+            start = time.perf_counter()
+            if hearing.hear_ahead(pcm, end_ms, speech_from_ms, queued_at_s):
+                stage.observe(time.perf_counter() - start)
+
+        stage.run(ahead).add_done_callback(_log_failure)
+
     def _transcribed(self, item_id: str | None, delta: str, transcript: str | None) -> None:
         """The user's words as they are heard: transcription events for a client that asked,
         and the item's transcript once the turn is heard to the end."""
@@ -251,3 +271,9 @@ class InputBuffer:
 def no_text() -> ClientError:
     return ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer: text items "
                        "and text responses are not available")
+
+
+def _log_failure(done: asyncio.Future[None]) -> None:
+    """A pass that hears ahead is speculative: if it fails, the turn's own passes still run."""
+    if not done.cancelled() and done.exception() is not None:
+        log.error("a pass that hears ahead failed", exc_info=done.exception())

@@ -41,7 +41,7 @@ import logging
 from typing import Any, Protocol
 
 from metronome.audio.frontend import AudioFrontEnd
-from metronome.audio.turn_detector import SpeechStarted, SpeechStopped, TurnEvent
+from metronome.audio.turn_detector import SpeechPaused, SpeechStarted, SpeechStopped, TurnEvent
 from metronome.engine.types import EngineFeature, Rebound
 from metronome.observe.metrics import Metrics
 from metronome.runtime.beat import Beat
@@ -424,7 +424,7 @@ class RealtimeSession:
         self.buffer.speech_item_id = None  # the item of speech the old detection heard
         self.turns = None if turns is None else TurnDetection(
             self.host.stages.detect, rate_hz, turns.threshold, turns.silence_duration_ms,
-            self.buffer.framer.received_ms)
+            self.buffer.framer.received_ms, self.host.config.hear_ahead_pause_ms or None)
         self._turns_for = (turns, rate_hz)
 
     def _listen(self, pcm: bytes) -> None:
@@ -463,6 +463,8 @@ class RealtimeSession:
                     buffer.speech_from_ms = start_ms
                 if vad.interrupt_response and self.reply is not None:
                     self.reply.cancel(TURN_DETECTED)
+            case SpeechPaused():  # the turn may end here: its last pass runs now
+                buffer.hear_ahead()
             case SpeechStopped():
                 item_id = buffer.speech_item_id or p.new_id("item")  # or a commit took it
                 end_ms = event.end_ms + vad.silence_duration_ms

@@ -6,7 +6,10 @@ pass is speculative work, shed first: a frame whose partial pass would hear the 
 with less audio than a newer frame queued behind it, or that waited for the stage longer
 than `PARTIAL_PASS_MAX_WAIT_S` (the stage is behind), keeps its audio and skips its pass, so
 a turn's last pass is never queued behind others' speculation. Under load the words arrive
-later, never wrong.
+later, never wrong. When server VAD hears a pause (`--hear-ahead-pause-ms`: 200 ms of
+silence), the turn's last pass runs at once (`hear_ahead`), in the silence that may confirm
+the turn's end: if it does, the commit finds the turn heard and the reply starts one pass
+sooner.
 
 Words only: what they become in the conversation (the user message's framing, its tokens,
 its transcription events) is the Realtime session's (`serve.realtime`).
@@ -52,3 +55,16 @@ class Hearing:
         words = self.transcript.push(samples, audio_end_ms, final, speech_from_ms, pass_now,
                                      speech_end_ms)
         return Heard(words, final, passed=self.transcript.passes > passes)
+
+    def hear_ahead(self, pcm: bytes, audio_end_ms: float, speech_from_ms: float,
+                   queued_at_s: float) -> bool:
+        """On the hear stage: server VAD heard a pause in the turn; its last pass runs on the
+        audio so far (`pcm`: the bytes not cut into a frame yet), so that a commit at the
+        pause finds the turn heard (`StreamingTranscript.hear_ahead`). Speculative work,
+        shed as a partial pass is: not if a frame was cut since or the stage is behind.
+        Whether a pass ran."""
+        if (self.latest_cut_ms > audio_end_ms
+                or time.monotonic() - queued_at_s > PARTIAL_PASS_MAX_WAIT_S):
+            return False
+        self.transcript.hear_ahead(decode_pcm16_array(pcm), audio_end_ms, speech_from_ms)
+        return True

@@ -1,5 +1,5 @@
 """One session's turn detection: its audio to the VAD stage, the turns heard back as
-`TurnEvent`s (`audio.turn_detector`: speech started, speech stopped), in arrival order.
+`TurnEvent`s (`audio.turn_detector`: speech started, paused, stopped), in arrival order.
 
 Owns the session's `VadStream`, whose state lives on the VAD stage's thread (the Silero
 network runs there in ONNX Runtime, never on the loop and never on the engine's torch
@@ -24,10 +24,14 @@ from metronome.serve.voice.stage import Stage
 
 class TurnDetection:
     def __init__(self, stage: Stage[SileroVad], sample_rate_hz: int, threshold: float,
-                 silence_duration_ms: float, origin_ms: float) -> None:
+                 silence_duration_ms: float, origin_ms: float,
+                 pause_ms: float | None = None) -> None:
+        """`pause_ms`: also tell a pause in speech this long (`SpeechPaused`: a session that
+        hears runs the turn's last pass there, ahead of the turn's end)."""
         self.sample_rate_hz = sample_rate_hz
         self._stage = stage
-        self._stream = VadStream(sample_rate_hz, threshold, silence_duration_ms, origin_ms)
+        self._stream = VadStream(sample_rate_hz, threshold, silence_duration_ms, origin_ms,
+                                 pause_ms)
         self.stopped = False
 
     def push(self, pcm: bytes) -> asyncio.Future[list[TurnEvent]]:
