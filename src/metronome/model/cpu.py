@@ -26,8 +26,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
-
-from metronome.results.provenance import cpuinfo_field, proc_lines
+from pathlib import Path
 
 ENV = "METRONOME_CPU"
 NATIVE, FLOAT32 = "native", "float32"
@@ -36,6 +35,18 @@ KINDS = (NATIVE, FLOAT32)
 ONEDNN_ISA_ENV, ONEDNN_FLOAT32_ISA = "ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI"
 # the instructions a float32 host lacks, off for the compiled kernels
 FLOAT32_CFLAGS = ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+
+
+def proc_lines(path: str) -> list[str]:
+    """The lines of a /proc file ([] where there is none)."""
+    file = Path(path)
+    return file.read_text().splitlines() if file.exists() else []
+
+
+def cpuinfo_field(cpuinfo: list[str], name: str) -> str | None:
+    """The first value of a /proc/cpuinfo field (`name` exactly, before the colon)."""
+    return next((ln.split(":", 1)[1].strip() for ln in cpuinfo
+                 if ":" in ln and ln.split(":", 1)[0].strip() == name), None)
 
 
 def kind() -> str:

@@ -24,8 +24,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from metronome.model.cpu import cpuinfo_field, proc_lines
 from metronome.model.spans import in_span
-from metronome.results.provenance import cpuinfo_field, proc_lines
 
 # oneDNN picks its blocking for this many rows; any row count works (measured: 64 is best
 # from 1 to 256 rows for SmolLM2's shapes; a 1-row hint is 1.3x slower at 8-64 rows).

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from metronome.results.provenance import cpuinfo_field, proc_lines
+from metronome.model.cpu import cpuinfo_field, proc_lines
 
 log = logging.getLogger(__name__)
 

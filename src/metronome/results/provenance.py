@@ -7,6 +7,9 @@ import platform
 import subprocess
 from pathlib import Path
 
+from metronome.model import cpu
+from metronome.model.cpu import cpuinfo_field, proc_lines
+
 # the checkout this package runs from (an installed wheel has none: the commit is then None)
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 
@@ -31,18 +34,6 @@ def git_commit(root: Path = SOURCE_ROOT) -> str | None:
     return head + ("-dirty" if dirty else "")
 
 
-def proc_lines(path: str) -> list[str]:
-    """The lines of a /proc file ([] where there is none)."""
-    file = Path(path)
-    return file.read_text().splitlines() if file.exists() else []
-
-
-def cpuinfo_field(cpuinfo: list[str], name: str) -> str | None:
-    """The first value of a /proc/cpuinfo field (`name` exactly, before the colon)."""
-    return next((ln.split(":", 1)[1].strip() for ln in cpuinfo
-                 if ":" in ln and ln.split(":", 1)[0].strip() == name), None)
-
-
 def cpu_generation(cpuinfo: list[str]) -> str | None:
     """The CPU's generation as /proc/cpuinfo numbers it ("family F model M"), or None: what
     a VM's generic model name hides (an "AMD EPYC" at family 23 is a Zen 1 or 2, at family
@@ -58,13 +49,6 @@ def vector_isa(flags: list[str]) -> str:
     if "avx2" in flags:
         return "avx2+fma" if "fma" in flags else "avx2"
     return next((f for f in ("avx", "sse4_2", "asimd") if f in flags), "none")
-
-
-def _cpu_kind() -> str:
-    """"native", or the slower host kind forced on this one (`metronome.model.cpu`)."""
-    from metronome.model import cpu
-
-    return cpu.kind()
 
 
 def machine() -> dict:
@@ -84,7 +68,7 @@ def machine() -> dict:
         "logical_cpus": os.cpu_count(),
         "memory_gib": round(mem_kib / (1 << 20), 1),
         "bf16_isa": [f for f in ("avx512_bf16", "amx_bf16") if f in flags],
-        "cpu_kind": _cpu_kind(),
+        "cpu_kind": cpu.kind(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
