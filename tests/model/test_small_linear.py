@@ -182,33 +182,40 @@ def test_float32_projection_chooses_by_rows(small_f32, monkeypatch):
 
 
 def test_the_kernel_runs_without_the_gil(small_f32):
-    """A projection on the engine's thread must not stop the server's event loop: while one
-    long call runs in another thread, this thread keeps running Python (with the GIL held it
-    would stand still for the whole call)."""
+    """A projection on the engine's thread must not stop the server's event loop: while long
+    calls run in another thread, this thread keeps running Python within them (with the GIL
+    held it could not tick once between a call's start and its end). Asked of the middle
+    half of each of 5 calls, 3 at least: the host may take this thread off a core for a few
+    ms (a 6-7 ms gap in 2 runs of 4 around a ~9 ms call on a 2-core VM, when one call's
+    largest gap was asked to stay under half the call), never for most of 5 calls."""
+    import bisect
     import threading
     import time
 
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(8, 4096, generator=g), torch.randn(16384, 4096, generator=g)
     small_f32.small_linear(x, w)  # warm: pages touched, threads up
-    started = time.perf_counter()
-    small_f32.small_linear(x, w)
-    call_s = time.perf_counter() - started
     go = threading.Event()
+    calls: list[tuple[float, float]] = []  # each call's (start, end)
 
     def project():
         go.wait()
-        small_f32.small_linear(x, w)
+        for _ in range(5):
+            started = time.perf_counter()
+            small_f32.small_linear(x, w)
+            calls.append((started, time.perf_counter()))
 
     worker = threading.Thread(target=project)
     worker.start()
     ticks = [time.perf_counter()]
-    go.set()  # from here this thread ticks, before, during and after the call
+    go.set()  # from here this thread ticks, before, during and after the calls
     while worker.is_alive():
         ticks.append(time.perf_counter())
     worker.join()
-    gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
-    assert gaps and max(gaps) < call_s / 2, (max(gaps, default=None), call_s)
+    ticked_within = [bisect.bisect_left(ticks, end - (end - start) / 4)
+                     - bisect.bisect_right(ticks, start + (end - start) / 4)
+                     for start, end in calls]
+    assert sum(n > 0 for n in ticked_within) >= 3, (ticked_within, calls)
 
 
 ZEN1 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
