@@ -191,6 +191,36 @@ def test_streamers_that_speak_up_during_a_lone_flood_are_not_late(tiny_model):
         EngineConfig.max_chunk_tokens]
 
 
+def lease_attack(tiny_model, listeners: Listeners | None = None):
+    """The lease attack on the virtual clock, on a host 2.5x slower than the packaged cost
+    model: (its driver, the results' recorder, the sessions' profile, the 32 sessions that
+    will queue text, open already)."""
+    slow = StepCostModel(fixed_s=0.054 * 2.5, per_token_s=0.00126 * 2.5, per_context_token_s=0)
+    engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=1536 * BLOCK))
+    recorder = RunRecorder()
+    driver = VirtualDriver(engine, slow, Listeners.of(recorder, *filter(None, [listeners])))
+    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
+                             policy=ResidencyPolicy.sinks_window(4, 512),
+                             max_queued_input_tokens=4096)
+    queued = [Stream(f"s{k}", profile) for k in range(32)]
+    for stream in queued:
+        driver.beat.add(stream)
+    return driver, recorder, profile, queued
+
+
+def queue_and_drop(driver: VirtualDriver, queued: list[Stream], from_s: float) -> None:
+    """From `from_s`: each session queues ~630 tokens of text and asks for a reply, 20 ms
+    apart; 0.75 s on, all their clients drop and the beat holds them."""
+    for k, stream in enumerate(queued):
+        at = from_s + 0.05 + 0.02 * k
+        driver.run_until(at)
+        driver.beat.submit(Frame(stream.id, at, respond=False), at, tokens(k, 630))
+        driver.beat.submit(Frame(stream.id, at, kind="response"), at, tokens(k + 1, 3))
+    driver.run_until(from_s + 0.75)
+    for stream in queued:
+        driver.beat.hold(stream, from_s + 0.75, "client dropped")
+
+
 def test_many_sessions_ahead_share_one_chunk_beside_a_live_streamer(tiny_model):
     """The lease attack's opening (tests/serve/test_serve_attack_leases.py), on a host 2.5x
     slower than the packaged cost model's: 32 sessions each queue ~630 tokens of text and
@@ -201,31 +231,16 @@ def test_many_sessions_ahead_share_one_chunk_beside_a_live_streamer(tiny_model):
     and its frames were late behind them; sharing one chunk, no step holds more than one
     chunk of theirs, and every frame is on time. Released, their input all reaches the
     engine."""
-    slow = StepCostModel(fixed_s=0.054 * 2.5, per_token_s=0.00126 * 2.5, per_context_token_s=0)
-    engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=1536 * BLOCK))
-    recorder, steps = RunRecorder(), []
-    driver = VirtualDriver(engine, slow, Listeners.of(recorder, Listeners(
-        on_step=lambda out: steps.append((out.started_s, out.input_tokens)))))
+    steps = []
+    driver, recorder, profile, queued = lease_attack(tiny_model, Listeners(
+        on_step=lambda out: steps.append((out.started_s, out.input_tokens))))
     beat = driver.beat
-    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
-                             policy=ResidencyPolicy.sinks_window(4, 512),
-                             max_queued_input_tokens=4096)
     beat.add(Stream("streamer", profile))
-    queued = [Stream(f"s{k}", profile) for k in range(32)]
-    for stream in queued:
-        beat.add(stream)
     for second in range(20):
         driver.run_until(float(second))
         beat.submit(Frame("streamer", float(second)), float(second), tokens(second, FRAME_TOKENS))
         if second == 2:
-            for k, stream in enumerate(queued):
-                at = 2.05 + 0.02 * k
-                driver.run_until(at)
-                beat.submit(Frame(stream.id, at, respond=False), at, tokens(k, 630))
-                beat.submit(Frame(stream.id, at, kind="response"), at, tokens(k + 1, 3))
-            driver.run_until(2.75)
-            for stream in queued:
-                beat.hold(stream, 2.75, "client dropped")
+            queue_and_drop(driver, queued, 2.0)
         if second == 12:
             for stream in queued:  # resumed: their input goes on to the engine
                 beat.release(stream, 12.0)
@@ -246,29 +261,14 @@ def test_a_streamer_that_just_opened_is_waited_for_before_its_first_frame(tiny_m
     the streamer opens, 32 sessions queue ~630 tokens of text each within its first period,
     and its first frame arrives a period after it opened. Until a session's first frame it
     was not live, so the sessions ahead each took a chunk per step and its first two frames
-    were late behind them (2 of 8 here, on the same 2.5x slower host as above); a session
-    that opened within `LIVE_PERIODS` periods is live: they share one chunk from the start."""
-    slow = StepCostModel(fixed_s=0.054 * 2.5, per_token_s=0.00126 * 2.5, per_context_token_s=0)
-    engine = Engine(tiny_model, EngineConfig(block_size=BLOCK, pool_tokens=1536 * BLOCK))
-    recorder = RunRecorder()
-    driver = VirtualDriver(engine, slow, Listeners.of(recorder))
+    were late behind them (all 8 here, on the same 2.5x slower host as above; 2 of 8 on the
+    server, in the attack test); a session that opened within `LIVE_PERIODS` periods is live:
+    they share one chunk from the start."""
+    driver, recorder, profile, queued = lease_attack(tiny_model)
     beat = driver.beat
-    profile = SessionProfile(frame_period_s=1.0, max_output_tokens_per_frame=4,
-                             policy=ResidencyPolicy.sinks_window(4, 512),
-                             max_queued_input_tokens=4096)
-    queued = [Stream(f"s{k}", profile) for k in range(32)]
-    for stream in queued:
-        beat.add(stream)
     driver.run_until(1.0)
     beat.add(Stream("streamer", profile, opened_at_s=1.0))
-    for k, stream in enumerate(queued):
-        at = 1.05 + 0.02 * k
-        driver.run_until(at)
-        beat.submit(Frame(stream.id, at, respond=False), at, tokens(k, 630))
-        beat.submit(Frame(stream.id, at, kind="response"), at, tokens(k + 1, 3))
-    driver.run_until(1.75)
-    for stream in queued:
-        beat.hold(stream, 1.75, "client dropped")
+    queue_and_drop(driver, queued, 1.0)
     for second in range(2, 10):
         driver.run_until(float(second))
         beat.submit(Frame("streamer", float(second)), float(second), tokens(second, FRAME_TOKENS))
