@@ -193,11 +193,8 @@ class StreamingTranscript:
         if self._resampler is not None:
             samples = self._resampler.push(samples)
         self._audio.append(samples.astype(np.float32, copy=False))
-        audio = np.concatenate(self._audio)
-        start_ms = end_ms - len(audio) * 1000 / WHISPER_RATE_HZ
         keep_from_ms = end_ms - ROLLING_S * 1000 if speech_from_ms is None else speech_from_ms
-        if keep_from_ms > start_ms:
-            audio = audio[int((keep_from_ms - start_ms) * WHISPER_RATE_HZ / 1000):]
+        audio = _kept(self._audio, end_ms, keep_from_ms)
         self._audio = [audio]
         if not final and (speech_from_ms is None or not pass_now):
             return []
@@ -225,7 +222,6 @@ class StreamingTranscript:
         self.committed += new
         return new
 
-
     def hear_ahead(self, samples: np.ndarray, end_ms: float, speech_from_ms: float) -> None:
         """A pass over this turn's audio followed by `samples` (the audio since, not pushed
         yet: the turn's next push brings it), which end at `end_ms`: server VAD heard a
@@ -236,13 +232,21 @@ class StreamingTranscript:
         pass more (the next pass agrees with it or not, as with any)."""
         if self._resampler is not None:  # a copy: the next push resamples these samples
             samples = copy.deepcopy(self._resampler).push(samples)
-        audio = np.concatenate([*self._audio, samples.astype(np.float32, copy=False)])
-        start_ms = end_ms - len(audio) * 1000 / WHISPER_RATE_HZ
-        if speech_from_ms > start_ms:
-            audio = audio[int((speech_from_ms - start_ms) * WHISPER_RATE_HZ / 1000):]
+        audio = _kept([*self._audio, samples.astype(np.float32, copy=False)], end_ms,
+                      speech_from_ms)
         self._previous = self.whisper.words(audio)
         self._previous_end_ms = end_ms
         self.passes += 1
+
+
+def _kept(pieces: list[np.ndarray], end_ms: float, keep_from_ms: float) -> np.ndarray:
+    """16 kHz audio in pieces that end at `end_ms` of the stream, as one array from
+    `keep_from_ms` on (all of it if it starts later)."""
+    audio = np.concatenate(pieces)
+    start_ms = end_ms - len(audio) * 1000 / WHISPER_RATE_HZ
+    if keep_from_ms > start_ms:
+        audio = audio[int((keep_from_ms - start_ms) * WHISPER_RATE_HZ / 1000):]
+    return audio
 
 
 def _common_prefix(a: list[str], b: list[str]) -> list[str]:

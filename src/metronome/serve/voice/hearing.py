@@ -48,9 +48,7 @@ class Hearing:
         the frame (None: no speech yet); `queued_at_s`: `time.monotonic()` then;
         `speech_end_ms`: where server VAD placed the turn's end (a final frame)."""
         samples = decode_pcm16_array(pcm)
-        waited_s = time.monotonic() - queued_at_s
-        pass_now = final or (self.latest_cut_ms <= audio_end_ms
-                             and waited_s <= PARTIAL_PASS_MAX_WAIT_S)
+        pass_now = final or self._speculation_pays(audio_end_ms, queued_at_s)
         passes = self.transcript.passes
         words = self.transcript.push(samples, audio_end_ms, final, speech_from_ms, pass_now,
                                      speech_end_ms)
@@ -63,8 +61,13 @@ class Hearing:
         pause finds the turn heard (`StreamingTranscript.hear_ahead`). Speculative work,
         shed as a partial pass is: not if a frame was cut since or the stage is behind.
         Whether a pass ran."""
-        if (self.latest_cut_ms > audio_end_ms
-                or time.monotonic() - queued_at_s > PARTIAL_PASS_MAX_WAIT_S):
+        if not self._speculation_pays(audio_end_ms, queued_at_s):
             return False
         self.transcript.hear_ahead(decode_pcm16_array(pcm), audio_end_ms, speech_from_ms)
         return True
+
+    def _speculation_pays(self, audio_end_ms: float, queued_at_s: float) -> bool:
+        """A speculative pass over audio up to `audio_end_ms`, queued at `queued_at_s`, runs:
+        no newer frame was cut (its pass will hear more) and the stage is not behind."""
+        return (self.latest_cut_ms <= audio_end_ms
+                and time.monotonic() - queued_at_s <= PARTIAL_PASS_MAX_WAIT_S)
