@@ -50,6 +50,16 @@ def recv_until(ws, event_type: str, count: int = 1, timeout_s: float = 10.0) -> 
     return events
 
 
+def context_in(server, session_id: str, timeout_s: float = 30.0) -> None:
+    """Until an in-process server (`ServerThread`) has processed all of the session's queued
+    input: a turn session's text items and instructions are context, answered by no frame."""
+    stream = server.app.state.serving.beat.streams[session_id]
+    deadline = time.monotonic() + timeout_s
+    while stream.queued_input_tokens:
+        assert time.monotonic() < deadline, f"{stream!r}: its input still queued"
+        time.sleep(0.01)
+
+
 def metric(server, name: str, **labels: str) -> float:
     """Sample `name` with `labels` of `server`'s /metrics (`server.url`: its base URL)."""
     for sample in metric_samples(server, name):

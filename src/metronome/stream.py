@@ -27,6 +27,12 @@ input it was fed (`read`) and drops what it has read (`trim`), under `_lock`, wh
 loop appends. The engine keeps its own read cursor; the loop's `consumed_tokens` advances
 when a step's output reaches it.
 
+**Context** is input that asks for no answer of its own (a turn session's text items and
+instructions: the history a client restores arrives in a burst): it joins the stream
+without a frame, so no count of frames and no deadline limits it, only the session's bound
+on queued input. While it is being prepared it is counted at the most tokens it can make
+(`preparing_context_tokens`); `context_until` is where the last of it ends.
+
 **A frame** is created when its submitter accepts it (the server: before its audio is
 encoded), takes its place in the stream once its input arrives (`index`, `start_offset`,
 `end_offset`), carries its deadline and its budget of new tokens, and becomes its result
@@ -95,6 +101,9 @@ class Frame(Generic[Tag]):
     start_offset: int | None = None  # its input's span in the stream
     end_offset: int | None = None
     queued_ahead_tokens: int = 0  # the session's input still queued ahead of it
+    # the end of the session's context queued ahead of it when it was submitted: while that
+    # is not processed its deadline waits (None: none was queued; `Beat.append_context`)
+    behind_context_until: int | None = None
     budget_fed: bool = False  # its budget went to the engine with its last input
     # ---- its result -----------------------------------------------------------------------
     status: FrameStatus | None = None  # None: not answered yet
@@ -177,6 +186,9 @@ class Stream:
         self.received_tokens = 0
         self.fed_tokens = 0  # how far the beat has let the engine read
         self.consumed_tokens = 0  # how far steps have processed (as reported to the loop)
+        # ---- context: input that asks for no answer of its own (`Beat.append_context`) -----
+        self.context_until = 0  # where the last context appended ends in the stream
+        self.preparing_context_tokens = 0  # what context being prepared is counted at
         # ---- frames ---------------------------------------------------------------------------
         self.frames: deque[Frame[Any]] = deque()  # unanswered, in the order accepted
         self.in_flight: Frame[Any] | None = None  # frames[0], once its input went to the engine
@@ -302,14 +314,20 @@ class Stream:
         """Input accepted but not yet processed: what reached the stream, and what frames
         being prepared were counted at (the session's bound on queued input counts this)."""
         preparing = sum(f.input_tokens for f in self.frames if f.end_offset is None)
-        return self.submitted_queued_tokens + preparing
+        return self.submitted_queued_tokens + preparing + self.preparing_context_tokens
 
     @property
     def feedable_until(self) -> int:
         """How far the engine may read: through the frame in flight (its input and every
-        earlier frame's), or with none in flight, everything received (answered frames'
-        leftovers: a waiting frame goes in flight as soon as none is)."""
-        return self.received_tokens if self.in_flight is None else self.in_flight.span[1]
+        earlier frame's; only up to it while the context ahead of it is not in), or with none
+        in flight, everything received (answered frames' leftovers: a waiting frame goes in
+        flight as soon as none is)."""
+        flight = self.in_flight
+        if flight is None:
+            return self.received_tokens
+        # behind context: the context first, the frame's own input once it is in (so a
+        # reply withdrawn meanwhile leaves no prompt in the KV)
+        return flight.span[0] if flight.behind_context_until is not None else flight.span[1]
 
     @property
     def backlog_tokens(self) -> int:
@@ -317,6 +335,11 @@ class Stream:
         flight, or of the next one)."""
         ahead_of = self.received_tokens if self.in_flight is None else self.in_flight.span[0]
         return max(0, ahead_of - self.consumed_tokens)
+
+    @property
+    def context_pending(self) -> bool:
+        """Context it appended is not all processed yet."""
+        return self.consumed_tokens < self.context_until
 
     def fits(self, num_tokens: int) -> bool:
         """Whether `num_tokens` more input keeps the queued input within the profile's

@@ -282,3 +282,78 @@ def test_policy_limits():
     assert FeedPolicy(metered=False).engine_tokens(ahead=True, contended=True) is None
     with pytest.raises(ValueError):
         FeedPolicy(fair_tokens=0)
+
+
+def test_context_joins_the_stream_with_no_frame_counted_at_its_most_until_it_arrives():
+    """A turn session's text items are context: no frame, no deadline, no answer; counted at
+    the most they can make while prepared, at what they made once appended, and fed in
+    order with the frames around them (nothing dropped)."""
+    profile = SessionProfile(mode=SessionMode.TURN, frame_period_s=0.1,
+                             max_queued_input_tokens=100)
+    engine, driver, results, [stream] = start(profile, chunk_tokens=8)
+    beat = driver.beat
+    beat.accept_context(stream, 30)
+    beat.accept_context(stream, 30)
+    assert (stream.queued_input_tokens, stream.unanswered_frames) == (60, 0)
+    assert stream.fits(40) and not stream.fits(41)
+    assert beat.append_context(stream, 30, torch.tensor([1, 2, 3]), 0.0) == ""
+    assert beat.append_context(stream, 30, None, 0.0) == ""  # withdrawn: its count goes
+    assert (stream.queued_input_tokens, stream.context_until) == (3, 3)
+    assert stream.context_pending
+    driver.run_until(1.0)
+    assert results == [] and not stream.context_pending
+    assert engine.fed("s").tolist() == [1, 2, 3] and stream.consumed_tokens == 3
+
+    beat.accept_context(stream, 5)
+    assert beat.append_context(stream, 5, torch.tensor([10 ** 9]), 1.0) != ""  # not a token
+    assert stream.queued_input_tokens == 0 and stream.received_tokens == 3
+
+
+def test_a_frame_behind_its_sessions_context_is_due_once_the_context_is_in():
+    """A reply asked for right after a burst of history: its deadline counts from when the
+    history is in the KV (the burst is the client's own load), so it is answered whole; a
+    frame submitted with no context ahead keeps its own deadline, and is never due before a
+    frame ahead of it."""
+    profile = SessionProfile(mode=SessionMode.TURN, frame_period_s=0.1, deadline_fraction=1.0,
+                             max_output_tokens_per_frame=2)
+    engine, driver, results, [stream] = start(profile, chunk_tokens=8)
+    beat = driver.beat
+    beat.accept_context(stream, 80)
+    beat.append_context(stream, 80, torch.arange(1, 81), 0.0)  # 10 steps of 10 ms
+    reply = Frame("s", 0.0, respond=True, kind="response")
+    beat.submit(reply, 0.0, token_ids=[5])
+    assert reply.behind_context_until == 80 and reply.deadline_at_s == pytest.approx(0.1)
+    after = Frame("s", 0.05, respond=False, kind="audio")  # sent while the history is queued
+    beat.submit(after, 0.05, token_ids=[6])
+    driver.run_until(2.0)
+    assert [(r.status, len(r.token_ids)) for r in results] == [(FrameStatus.OK, 2),
+                                                               (FrameStatus.OK, 0)]
+    assert reply.deadline_at_s > 0.19 and reply.deadline_met  # the history took ~0.1 s
+    assert after.deadline_at_s >= reply.deadline_at_s
+    assert engine.fed("s").tolist() == list(range(1, 81)) + [5, 6]
+
+    late = Frame("s", 2.0, respond=True, kind="response")  # no context ahead: its own deadline
+    beat.submit(late, 2.0, token_ids=list(range(1, 161)))  # 20 steps: past its 0.1 s
+    driver.run_until(3.0)
+    assert late.behind_context_until is None and late.status is FrameStatus.LATE
+    assert late.deadline_at_s == pytest.approx(2.1)
+
+
+def test_a_reply_withdrawn_behind_context_leaves_no_prompt_in_the_kv():
+    """A reply in flight behind context is fed only once the context is in: cancelled (or
+    held) before that, it leaves with its prompt, as a waiting reply does."""
+    profile = SessionProfile(mode=SessionMode.TURN, frame_period_s=0.1, deadline_fraction=1.0,
+                             max_output_tokens_per_frame=2)
+    engine, driver, results, [stream] = start(profile, chunk_tokens=8)
+    beat = driver.beat
+    beat.accept_context(stream, 40)
+    beat.append_context(stream, 40, torch.arange(1, 41), 0.0)
+    reply = Frame("s", 0.0, respond=True, kind="response")
+    beat.submit(reply, 0.0, token_ids=[5, 6])
+    assert stream.in_flight is reply and stream.feedable_until == 40
+    driver.run_until(0.02)
+    assert beat.cancel(reply, 0.02, "turn_detected")
+    assert (reply.status, reply.token_ids) == (FrameStatus.CANCELLED, [])
+    driver.run_until(1.0)
+    assert engine.fed("s").tolist() == list(range(1, 41))  # the context only
+    assert stream.received_tokens == stream.consumed_tokens == 40

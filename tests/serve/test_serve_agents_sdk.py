@@ -126,3 +126,26 @@ def test_the_check_sees_what_the_sdk_rejects(turn_server, caplog):
     turns = run(turn_server, scenario, caplog, url=with_extensions(turn_server.ws_url))
     assert any("metronome.frame" in problem or "Failed to validate" in problem
                for problem in turns.problems), turns.problems
+
+
+def test_a_restored_history_of_20_items_with_no_error(turn_server, caplog):
+    """A framework restoring a conversation after a reconnect: 20 items (user and assistant
+    in turn) sent at once, then a turn; every item is context (none refused), and the SDK's
+    history holds them all."""
+    async def scenario(turns: Turns):
+        for k in range(20):
+            role, kind = ("user", "input_text") if k % 2 == 0 else ("assistant", "output_text")
+            await turns.session.model.send_event(RealtimeModelSendRawMessage(message={
+                "type": "conversation.item.create", "other_data": {"item": {
+                    "type": "message", "role": role,
+                    "content": [{"type": kind, "text": f"Message {k} of the history."}]}}}))
+        await turns.session.send_message("What is the capital of France?")
+        turns.events = await turns.until(response_done)
+
+    turns = run(turn_server, scenario, caplog)
+    assert not turns.problems, turns.problems
+    added = [e for e in turns.events if e.type == "raw_model_event"
+             and e.data.type == "raw_server_event"
+             and e.data.data.get("type") == "conversation.item.added"]
+    assert len(added) >= 22  # the 20, the question, the reply
+    assert done_responses(turns.events)[-1]["status"] == "completed"

@@ -15,6 +15,7 @@ of them, in any order, or one), so no test depends on another having run before 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -29,11 +30,13 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 import pytest
+from openai import AsyncOpenAI
 from served import SHARED_CPU_ENV, free_port, metric_samples, served
 from streamer import SpeechStreamer, recv
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from metronome.corpus import play_text
 from metronome.serve.config import ServerConfig
 from metronome.serve.edge.loop_lag import LOOP_LAG_SECONDS
 from tests.host_speed import deadline_fraction, host_slowness
@@ -576,11 +579,14 @@ def _attacker(source: str) -> dict:
 
 # 9a. text that is costly to tokenize: refused before it is tokenized --------------------------
 TEXT_ATTACKERS = 3
-_PRINTABLE = "".join(chr(c) for c in range(0x21, 0x7F))
+# 8,192 random CJK characters: 24,576 UTF-8 bytes, more than the session's queued-input bound
+# (16,384 tokens) can hold at one token a byte. (8,192 printable ASCII, 8,192 bytes, now fit:
+# a turn session's history of 50 items of 200 words needs that bound.)
+_COSTLY = "".join(chr(c) for c in range(0x4E00, 0x9FA6))
 
 
 def test_text_costly_to_tokenize_is_refused_before_it_is_tokenized(world):
-    text = "".join(random.Random(25).choice(_PRINTABLE) for _ in range(8192))  # 7,132 tokens
+    text = "".join(random.Random(25).choice(_COSTLY) for _ in range(8192))
     message = json.dumps({"type": "conversation.item.create", "event_id": "evt_attack",
                           "item": {"type": "message", "role": "user",
                                    "content": [{"type": "input_text", "text": text}]}})
@@ -916,3 +922,61 @@ def test_every_refused_message_echoes_its_event_id(world):
                 window.attempts += 1
             time.sleep(len(REFUSED_WITH_IDS) / CONFIG.rate_limit_messages_per_s)
         window.notes.append("every error carried its message's event_id")
+
+
+# ---- 10. a conversation's history in a burst ----------------------------------------------------
+HISTORY_ITEMS = 50
+HISTORY_WORDS = 200
+HISTORY_TIMEOUT_S = 240.0  # ~20k tokens to prefill (Hamlet: ~390 a 200 words) beside the streamer
+
+
+def history_items(count: int = HISTORY_ITEMS, words: int = HISTORY_WORDS) -> list[str]:
+    """`count` user texts of `words` words of Hamlet each."""
+    text = play_text("hamlet").split()
+    return [" ".join(text[k * words:(k + 1) * words]) for k in range(count)]
+
+
+async def _restore_history(world: World, items: list[str]) -> tuple[list, float]:
+    """A client restoring a conversation through the official SDK: every item sent back to
+    back, a question, `response.create`; (every event until response.done, the seconds it
+    took to send them all)."""
+    client = AsyncOpenAI(api_key=KEY, websocket_base_url=world.url.replace("http", "ws") + "/v1")
+    async with client.realtime.connect(model="metronome") as conn:
+        assert (await conn.recv()).type == "session.created"
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                           "metronome": {"mode": "turn"}})
+        started = time.monotonic()
+        for text in items + ["The secret word is pineapple. What is the secret word?"]:
+            await conn.conversation.item.create(item={
+                "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": text}]})
+        await conn.response.create()
+        sent_s = time.monotonic() - started
+        events = []
+        async with asyncio.timeout(HISTORY_TIMEOUT_S):
+            while (event := await conn.recv()).type != "response.done":
+                events.append(event)
+        return events + [event], sent_s
+
+
+def test_a_history_burst_is_context_accepted_whole_and_answered(world):
+    """Issue 55: 50 user items of ~200 words sent back to back (what a client restoring a
+    conversation sends) are context, not frames: all accepted, prefilled as the beat allows
+    beside the streamer, and the question after them answered with them in the context
+    (before: every item past the 4th refused `too_many_pending_frames`)."""
+    items = history_items()
+    with AttackWindow(world, f"{HISTORY_ITEMS} user items of {HISTORY_WORDS} words back to "
+                      "back through the official SDK, then a question") as window:
+        started = time.monotonic()
+        events, sent_s = asyncio.run(_restore_history(world, items))
+        answered_s = time.monotonic() - started
+        window.attempts = HISTORY_ITEMS + 2
+        errors = [e.error for e in events if e.type == "error"]
+        added = [e for e in events if e.type == "conversation.item.added"
+                 and e.item.role == "user"]
+        done = events[-1].response
+        reply = done.output[0].content[0].text
+        assert errors == [] and len(added) == HISTORY_ITEMS + 1, errors
+        assert done.status == "completed" and "pineapple" in reply.lower(), (done.status, reply)
+        window.notes.append(f"all {len(added)} items added, 0 errors (sent in {sent_s:.2f} s); "
+                            f"the reply completed {answered_s:.0f} s later: {reply!r}")

@@ -144,9 +144,10 @@ def test_a_text_turn_is_openais_events_in_openais_order(turn_server):
 def test_metronome_events_go_to_a_client_that_opted_in(turn_server):
     with connect(with_extensions(turn_server.ws_url)) as ws:
         assert recv(ws)["session"]["metronome"]["mode"] == "turn"
-        ws.send(json.dumps(user_text("Hi")))
+        ws.send(json.dumps(user_text("Hi")))  # context in a turn session: no frame
+        send(ws, type="response.create")
         frame = recv_until(ws, "metronome.frame")[-1]["frame"]
-    assert frame["kind"] == "text" and frame["status"] == "ok"
+    assert frame["kind"] == "response" and frame["status"] == "ok"
 
 
 @pytest.mark.model

@@ -22,7 +22,7 @@ from metronome.serve.protocol import with_extensions
 from metronome.serve.realtime.intake import Intake
 from metronome.serve.server import ServerThread
 from tests.host_speed import host_slowness, printable
-from tests.served import TEXT_SERVER, metric, recv, recv_until
+from tests.served import TEXT_SERVER, context_in, metric, recv, recv_until
 
 pytestmark = pytest.mark.model
 
@@ -45,7 +45,8 @@ def test_text_over_the_queued_input_bound_is_refused_and_health_shows_the_ceilin
             assert error["message"].startswith("text item of ")
             assert "(limit 64); it alone may exceed the limit" in error["message"]
             ws.send(item("Hello"))  # nothing was accepted: a small item still fits
-            assert recv_until(ws, "metronome.frame")[-1]["frame"]["status"] == "ok"
+            events = recv_until(ws, "conversation.item.done")
+            assert not [e for e in events if e["type"] == "error"], events
         health = httpx.get(server.url + "/healthz").json()
         assert metric(server, "metronome_admission_memory_ceiling") == 3
     # 128 blocks; a sinks_window:4:512 session peaks at 38 (34 + a 64-token chunk)
@@ -62,11 +63,13 @@ def test_degrade_policy_bounds_a_session_at_the_wall_and_tells_its_client(smollm
         url = with_extensions(server.ws_url)
         with connect(url) as first, connect(url) as second:
             first_id = recv(first)["session"]["id"]
-            recv(second)
+            second_id = recv(second)["session"]["id"]
             first.send(item(long_text))  # ~19 of the pool's 32 blocks
-            recv_until(first, "metronome.frame")  # ok, or late on a busy machine
+            recv_until(first, "conversation.item.done")
+            context_in(server, first_id)
             second.send(item(long_text))  # the pool runs dry: the larger session is bound
-            recv_until(second, "metronome.frame")
+            recv_until(second, "conversation.item.done")
+            context_in(server, second_id)
             bounded = recv_until(first, "metronome.session.bounded")[-1]
             assert bounded["type"] == "metronome.session.bounded"
             assert bounded["session_id"] == first_id
@@ -97,7 +100,8 @@ def _mixed(num_chars: int) -> str:
 
 
 WORST_TEXT_MESSAGES = {  # kind -> (message, how many to send, on how many connections in turn)
-    "8,192 printable ASCII (refused: may exceed the queue)": (item(printable(8192, _rng)), 20, 1),
+    # (accepted while the queue holds it: 8,192 bytes, half the 16,384-token bound)
+    "8,192 printable ASCII (two accepted, then refused)": (item(printable(8192, _rng)), 20, 1),
     "8,192 mixed scripts (refused: may exceed the queue)": (item(_mixed(8192)), 20, 1),
     # one of the 3 is accepted (the others may exceed the queue behind it): 5 connections
     # give 20 timed calls, so the 90th percentile is not one slow call in 4
@@ -112,8 +116,9 @@ WORST_TEXT_MESSAGES = {  # kind -> (message, how many to send, on how many conne
 
 
 def test_the_worst_text_messages_cost_the_loop_under_a_millisecond_each(smollm2, monkeypatch):
-    """Each message's handling on the loop (`Connection._on_message`) and each frame it made
-    (`Intake._prepared`, which submits it) is timed in the loop thread's CPU
+    """Each message's handling on the loop (`Connection._on_message`) and each frame or
+    piece of context it made (`Intake._prepared`, `Intake._context_prepared`, which put it
+    in the stream) is timed in the loop thread's CPU
     time (a busy machine's preemption and the engine thread's GIL are not the loop's work)."""
     costs_s: dict[str, list[float]] = {}
     kind = [""]
@@ -129,6 +134,7 @@ def test_the_worst_text_messages_cost_the_loop_under_a_millisecond_each(smollm2,
 
     monkeypatch.setattr(Connection, "_on_message", timed(Connection._on_message))
     monkeypatch.setattr(Intake, "_prepared", timed(Intake._prepared))
+    monkeypatch.setattr(Intake, "_context_prepared", timed(Intake._context_prepared))
     config = ServerConfig(**TEXT_SERVER, pool_tokens=16384, admission="off", mode="turn")
     # A served process holds its own objects only; this one holds every earlier test's, and a
     # collection that walks them landed in a timed call (CI, after ~300 tests: p90 over 1 ms

@@ -102,3 +102,28 @@ def test_an_interruption_with_no_error(turn_server, caplog):
 
     _, errors = run(turn_server, scenario, caplog)
     assert not errors, errors
+
+
+def history(count: int = 20) -> list[tuple[str, str]]:
+    """A conversation of `count` messages, user and assistant in turn."""
+    return [("user", f"Fact {k}: the box number {k} holds {k * 3} red marbles.") if k % 2 == 0
+            else ("assistant", f"Noted: box {k - 1} holds {(k - 1) * 3} red marbles.")
+            for k in range(count)]
+
+
+def test_an_initial_chat_context_of_20_messages_with_no_error(turn_server, caplog):
+    """An agent that starts with a chat context of 20 messages: the plugin sends them all at
+    once (conversation.item.create each) and waits for each to be added; they are context,
+    so none is refused (before: past 4 unanswered frames each was `too_many_pending_frames`)."""
+    async def scenario(session):
+        chat = session.chat_ctx.copy()
+        for role, text in history():
+            chat.add_message(role=role, content=text)
+        chat.add_message(role="user", content="What is the capital of France?")
+        await session.update_chat_ctx(chat)
+        generation = await asyncio.wait_for(session.generate_reply(), REPLY_TIMEOUT_S)
+        return len(session.chat_ctx.items), await reply_text(generation)
+
+    (items, text), errors = run(turn_server, scenario, caplog)
+    assert not errors, errors
+    assert items >= 21 and text

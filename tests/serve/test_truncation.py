@@ -25,7 +25,7 @@ from metronome.serve.realtime.reply import Reply
 from metronome.serve.server import ServerThread
 from metronome.stream import Stream
 from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
-from tests.served import TEXT_SERVER, recv, recv_until
+from tests.served import TEXT_SERVER, context_in, recv, recv_until
 
 choices = st.one_of(
     st.sampled_from(["auto", "disabled"]),
@@ -230,13 +230,13 @@ def test_instructions_changed_mid_session_are_re_pinned(server):
         sid = recv(ws)["session"]["id"]
         send(ws, type="session.update", session={"type": "realtime",
                                                  "instructions": "You are Tobias."})
-        recv_until(ws, "metronome.frame")  # the instructions are in the KV
+        context_in(server, sid)  # the instructions are in the KV
         for k in range(4):  # past the 64-token window: the first instructions' blocks free
             send(ws, type="conversation.item.create", item={
                 "type": "message", "role": "user", "content": [{
                     "type": "input_text", "text": f"Line {k}: to be, or not to be, that is "
                     "the question, whether 'tis nobler in the mind to suffer."}]})
-            recv_until(ws, "metronome.frame")  # one at a time: the session's frame room
+            context_in(server, sid)  # one at a time
         second = "You are Ada, a terse assistant. Answer in one short sentence."
         send(ws, type="session.update", session={"type": "realtime", "instructions": second})
         recv(ws)
@@ -303,13 +303,13 @@ def test_instructions_stay_pinned_through_ten_windows_of_conversation(server):
         sid = recv(ws)["session"]["id"]
         send(ws, type="session.update", session={"type": "realtime",
                                                  "instructions": instructions})
-        recv_until(ws, "metronome.frame")
+        context_in(server, sid)
         line = "To be, or not to be, that is the question: whether 'tis nobler in the mind."
         while engine_session(server, sid).table.num_tokens < 10 * 64 + len(ids):
             send(ws, type="conversation.item.create", item={
                 "type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": line}]})
-            recv_until(ws, "metronome.frame")
+            context_in(server, sid)
         session = engine_session(server, sid)
         table, block = session.table, session.table.block_size
         assert session.spec.policy.sink_tokens == len(ids)

@@ -21,6 +21,12 @@ frames) and three decisions, all on the loop's clock:
   due, a full chunk while nobody waits, and the engine's long-prefill chunk when it is alone.
   The budget of new tokens goes with the feed that reaches the end of the frame's input, so
   the engine samples only after all of it.
+* **Context.** Input that asks for no answer (a turn session's text items and
+  instructions) joins the stream with no frame (`append_context`): no deadline, no result,
+  limited only by the session's bound on queued input, so a restored history is taken in a
+  burst; the feed gives it to the engine as any backlog. A frame submitted while context
+  is queued ahead of it is due `deadline_s` after that context is in, and its own input is
+  fed only then (withdrawn before, it leaves no prompt in the KV).
 * **Attribution.** A step's consumed input pays the answered frames' backlog first, then the
   frame in flight; its tokens are the frame's once its input is all consumed (nothing samples
   before that), else they come from a step that began before the previous frame was answered
@@ -225,7 +231,13 @@ class Beat:
         frame.submitted_s = now_s
         if not accepted:
             stream.frames.append(frame)
-        self.timer.call_at(frame.deadline_at_s, lambda t: self._on_deadline(frame, t))
+        if stream.context_pending:  # due once the context ahead of it is in (`_context_in`)
+            frame.behind_context_until = stream.context_until
+        else:  # never due before a frame ahead of it (one that `_context_in` moved)
+            frame.deadline_at_s = max([frame.deadline_at_s] + [
+                f.deadline_at_s for f in stream.frames
+                if f is not frame and f.end_offset is not None and f.status is None])
+            self._arm(frame)
         if stream.held_reason and frame.kind == REPLY_KIND:  # (held: none in flight)
             self.cancel(frame, now_s, stream.held_reason)  # a reply asked for while held
         self._advance(stream)
@@ -235,26 +247,81 @@ class Beat:
         if frame.reason and frame.status is None:  # withdrawn while it was being prepared
             self.cancel(frame, now_s, frame.reason)
 
+    def _arm(self, frame: Frame) -> None:
+        """Answer `frame` at its deadline if it is in flight then (a deadline moved later by
+        `_context_in` makes the earlier call stale)."""
+        at_s = frame.deadline_at_s
+        self.timer.call_at(at_s, lambda t: self._on_deadline(frame, t, at_s))
+
+    # ---- context -------------------------------------------------------------------------
+    def accept_context(self, stream: Stream, max_tokens: int) -> None:
+        """Context its submitter accepted (the server: a text item, before it is tokenized)
+        and will `append_context` once prepared, counted at `max_tokens` (the most it can
+        make; the submitter checked `stream.fits`) until then."""
+        assert self.streams.get(stream.id) is stream and max_tokens >= 0, stream
+        stream.preparing_context_tokens += max_tokens
+
+    def append_context(self, stream: Stream, max_tokens: int, token_ids: torch.Tensor | None,
+                       now_s: float) -> str:
+        """Context accepted at `max_tokens` (`accept_context`) joins the end of the stream
+        with no frame: no deadline of its own and no answer; the feed gives it to the engine
+        as it gives a backlog (in large chunks while the engine is free, a share beside live
+        sessions), and a frame submitted while it is queued is due `deadline_s` after it is
+        in (`_context_in`): the burst is its client's own load, not a late server. None ids:
+        it will not come (withdrawn). Why it was refused ('' if it was not): the session
+        ended, or the input is not the engine's."""
+        stream.preparing_context_tokens -= max_tokens
+        assert stream.preparing_context_tokens >= 0, stream
+        if token_ids is None or len(token_ids) == 0:
+            return ""
+        if stream.ended_reason:
+            return stream.ended_reason
+        try:
+            data = self.engine.check_input(token_ids, None)
+        except SessionError as err:  # one session's bad input is refused, never raised
+            return str(err)
+        assert data is not None and len(data) <= max_tokens, (len(token_ids), max_tokens)
+        _, stream.context_until = stream.append(data)
+        self._feed_all(now_s)
+        return ""
+
+    def _context_in(self, stream: Stream, now_s: float) -> None:
+        """Frames submitted behind context that is now processed: each is due `deadline_s`
+        from now, or at its own deadline if that is later."""
+        for frame in stream.frames:
+            until = frame.behind_context_until
+            if until is not None and stream.consumed_tokens >= until:
+                frame.behind_context_until = None
+                frame.deadline_at_s = max(frame.deadline_at_s, now_s + stream.profile.deadline_s)
+                self._arm(frame)
+
     def _schedule(self, stream: Stream, frame: Frame) -> None:
         profile = stream.profile
         frame.deadline_at_s = frame.arrival_s + profile.deadline_s
         frame.max_new_tokens = profile.output_tokens_for(frame.respond)
 
     def cancel(self, frame: Frame, now_s: float, reason: str) -> bool:
-        """Answer `frame` `cancelled` now: in flight, as at a deadline; waiting, with its
-        input, which never reached the engine; still being prepared, once it is submitted.
-        False if it was already answered."""
+        """Answer `frame` `cancelled` now: in flight, as at a deadline; waiting (or in flight
+        with none of its input fed yet: behind context), with its input, which never reached
+        the engine (a reply's prompt left in the KV would open a turn nobody answers); still
+        being prepared, once it is submitted. False if it was already answered."""
         stream = self.streams.get(frame.session_id)
         if stream is None or frame.status is not None:
             return False
-        if frame is stream.in_flight:
+        if frame is stream.in_flight and not self._unfed(stream, frame):
             self._answer(stream, frame, FrameStatus.CANCELLED, now_s, reason)
             self._advance(stream)
             self._feed_all(now_s)
-        elif frame.end_offset is not None:
+        elif frame.end_offset is not None:  # waiting, or in flight behind context still fed
+            in_flight = frame is stream.in_flight
+            if in_flight:
+                stream.in_flight = None
             stream.drop(frame)
             stream.frames.remove(frame)
             self._answer_unstarted(stream, frame, FrameStatus.CANCELLED, now_s, reason)
+            if in_flight:
+                self._advance(stream)
+                self._feed_all(now_s)
         else:
             frame.reason = reason  # answered as soon as it is submitted
         return True
@@ -268,9 +335,9 @@ class Beat:
         engine busy (what the engine holds already, one piece at most, is processed)."""
         assert self.streams.get(stream.id) is stream, stream
         stream.held_reason = reason
-        for frame in self._waiting(stream):
-            if frame.kind == REPLY_KIND:  # a reply not begun: withdrawn, as one spoken over
-                self.cancel(frame, now_s, reason)
+        for frame in [stream.in_flight, *self._waiting(stream)]:
+            if frame is not None and frame.kind == REPLY_KIND and self._unfed(stream, frame):
+                self.cancel(frame, now_s, reason)  # a reply not begun: withdrawn
         self._answer_held(stream, now_s)
 
     def release(self, stream: Stream, now_s: float) -> None:
@@ -284,6 +351,12 @@ class Beat:
             self._answer(stream, stream.in_flight, FrameStatus.CANCELLED, now_s,
                          stream.held_reason)
             self._advance(stream)
+
+    @staticmethod
+    def _unfed(stream: Stream, frame: Frame) -> bool:
+        """None of its input has gone to the engine (a frame waiting, or one in flight behind
+        context the engine still reads): withdrawn, it leaves with its input."""
+        return frame.end_offset is not None and stream.fed_tokens <= frame.span[0]
 
     @staticmethod
     def _waiting(stream: Stream) -> list[Frame]:
@@ -301,11 +374,12 @@ class Beat:
             frame = stream.in_flight = waiting[0]
             frame.queued_ahead_tokens = stream.backlog_tokens
 
-    def _on_deadline(self, frame: Frame, now_s: float) -> None:
+    def _on_deadline(self, frame: Frame, now_s: float, at_s: float) -> None:
         stream = self.streams.get(frame.session_id)
-        # Frames go in flight in order with one deadline_s, so a waiting frame's deadline
-        # never comes before the in-flight frame's: only that one can be overtaken here.
-        if stream is not None and stream.in_flight is frame:
+        # Frames go in flight in order with one deadline_s (a context's frames moved
+        # together, `_context_in`), so a waiting frame's deadline never comes before the
+        # in-flight frame's: only that one can be overtaken here.
+        if stream is not None and stream.in_flight is frame and at_s == frame.deadline_at_s:
             prepared_late = frame.submitted_s is not None and (
                 frame.submitted_s >= frame.deadline_at_s)
             self._answer(stream, frame, FrameStatus.LATE, now_s,
@@ -468,6 +542,8 @@ class Beat:
             return
         else:
             self._attribute(stream, out)
+            if any(f.behind_context_until is not None for f in stream.frames):
+                self._context_in(stream, out.finished_s)
             flight = stream.in_flight
             if (flight is not None and stream.consumed_tokens >= flight.span[1]
                     and stream.id not in out.generating):

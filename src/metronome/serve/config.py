@@ -133,8 +133,10 @@ class ServerConfig(BaseModel):
                                         "may send; more is refused")
     max_text_chars: int = Field(8192, ge=1, description="longest text item")
     max_queued_input_tokens: int = Field(
-        4096, ge=64, description="input tokens a session may have accepted but not yet "
-        "processed, late frames' leftover input included; more is refused")
+        16384, ge=64, description="input tokens a session may have accepted but not yet "
+        "processed, late frames' leftover input and context included (a turn session's text "
+        "items and instructions: a history of 50 items of 200 words restored at once fits); "
+        "more is refused")
     idle_timeout_s: float | None = Field(None, gt=0, description="close a session whose "
                                          "client sent nothing this long (off by default: a "
                                          "quiet session is healthy, and a half-open socket "

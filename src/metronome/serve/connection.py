@@ -188,6 +188,11 @@ class Connection:
                           config.rate_limit_bytes_per_s, config.rate_limit_burst_bytes,
                           loop.time())
         while not self._ending.done():
+            paused = session.reading_paused()
+            if paused is not None:  # its text being counted decides the next message's room
+                waits: set[asyncio.Future[Any]] = {paused, self._ending}
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                continue
             idle_at = math.inf if config.idle_timeout_s is None else (
                 loop.time() + config.idle_timeout_s)
             receive = asyncio.ensure_future(self.ws.receive())

@@ -74,6 +74,7 @@ class Intake:
         self.max_buffered_audio_s = max_buffered_audio_s
         self.max_text_chars = max_text_chars
         self.started = False  # input has reached the stream: mode and rate are fixed
+        self._counted: asyncio.Future[None] | None = None  # `reading_paused`'s
 
     # ---- frames ------------------------------------------------------------------------------
     def queue(self, kind: FrameKind, prepare: Prepare, num_tokens: int, respond: bool = False,
@@ -91,25 +92,76 @@ class Intake:
             lambda done: self._prepared(done, frame, on_prepared))
         return frame
 
-    def queue_text(self, chat: ChatText, role: str, text: str, param: str) -> Frame[Reply]:
-        """A text message into the model's context: a frame of its tokens. Nothing is
-        tokenized on the loop: the room is checked against the most tokens the text can make
-        (`ChatText.max_item_tokens`, from its UTF-8 size: O(1) for ASCII), which is reserved
-        in the stream's queued input until the stage has tokenized it. So a text that may not
-        fit costs no tokenizer time at all, and one session's tokenizing is bounded by what
-        the engine takes of its own input."""
+    def queue_text(self, chat: ChatText, role: str, text: str, param: str) -> None:
+        """A text message into the model's context. Nothing is tokenized on the loop: the
+        room is checked against the most tokens the text can make (`ChatText.max_item_tokens`,
+        from its UTF-8 size: O(1) for ASCII), which is reserved in the stream's queued input
+        until the stage has tokenized it. So a text that may not fit costs no tokenizer time
+        at all, and one session's tokenizing is bounded by what the engine takes of its own
+        input."""
         self.check_text(text, param)
-        self.check_room_for_a_frame()
         max_tokens = chat.max_item_tokens(role, text)
-        self.check_input_room(max_tokens, "text item", ErrorCode.TOO_MANY_PENDING, param,
-                              upper_bound=True)
-        return self.queue("text", lambda: token_tensor(chat.item_ids(role, text)), max_tokens)
+        self._queue_context(lambda: token_tensor(chat.item_ids(role, text)), max_tokens,
+                            "text item", param, upper_bound=True)
 
-    def queue_ids(self, role: str, ids: list[int], param: str) -> Frame[Reply]:
-        """A message tokenized already (instructions) into the model's context: a frame."""
-        self.check_room_for_a_frame()
-        self.check_input_room(len(ids), f"{role} message", ErrorCode.TOO_MANY_PENDING, param)
-        return self.queue("text", lambda: token_tensor(ids), len(ids))
+    def queue_ids(self, role: str, ids: list[int], param: str) -> None:
+        """A message tokenized already (instructions) into the model's context."""
+        self._queue_context(lambda: token_tensor(ids), len(ids), f"{role} message", param)
+
+    @property
+    def input_is_context(self) -> bool:
+        """Whether input that asks for no answer is context (`Beat.append_context`): in a
+        turn session; a duplex session answers every frame, text too."""
+        return self.stream.profile.output_tokens_for(False) == 0
+
+    def _queue_context(self, prepare: Prepare, max_tokens: int, what: str, param: str,
+                       upper_bound: bool = False) -> None:
+        """Input that asks for no answer: in a turn session context, limited only by the
+        session's queued input (a burst of history is what clients restore); in a duplex
+        one a frame (answered, so counted among the frames)."""
+        if not self.input_is_context:
+            self.check_room_for_a_frame()
+        self.check_input_room(max_tokens, what, ErrorCode.TOO_MANY_PENDING, param,
+                              upper_bound=upper_bound)
+        if not self.input_is_context:
+            self.queue("text", prepare, max_tokens)
+            return
+        self.started = True
+        self.beat.accept_context(self.stream, max_tokens)
+        self.stage.run(prepare).add_done_callback(
+            lambda done: self._context_prepared(done, max_tokens))
+
+    def reading_paused(self) -> asyncio.Future[None] | None:
+        """While context being prepared is counted at its most and that fills over half the
+        session's bound, the client's next message waits (its connection reads no further)
+        until the stage has counted what it holds: a burst of history is then checked at the
+        tokens it makes, not at one per byte (50 items of 200 words: 28 accepted without the
+        wait, as the loop read them all before any was tokenized). The future is done when
+        the next piece of context is counted; None: read on."""
+        stream = self.stream
+        limit = stream.profile.max_queued_input_tokens
+        if (stream.preparing_context_tokens == 0 or limit is None
+                or 2 * stream.queued_input_tokens <= limit):
+            return None
+        if self._counted is None or self._counted.done():
+            self._counted = asyncio.get_running_loop().create_future()
+        return self._counted
+
+    def _context_prepared(self, done: asyncio.Future[torch.Tensor], max_tokens: int) -> None:
+        if self._counted is not None and not self._counted.done():
+            self._counted.set_result(None)  # the connection may read the next message
+        if self.owner.closed or done.cancelled():
+            return  # the session ended (its stream with it) or the server is stopping
+        error = done.exception()
+        ids = None if error is not None else done.result()
+        refusal = self.beat.append_context(self.stream, max_tokens, ids, self.now_s())
+        if error is not None:
+            log.error("session %s: preparing its context failed", self.stream.id,
+                      exc_info=error)
+            self.owner.on_failure()
+        elif refusal:  # only an engine's limit or an ended session: never the client's doing
+            log.warning("session %s: context refused by the engine: %s", self.stream.id,
+                        refusal)
 
     def _prepared(self, done: asyncio.Future[torch.Tensor], frame: Frame[Reply],
                   on_prepared: Callable[[], None] | None) -> None:
@@ -154,7 +206,11 @@ class Intake:
             return
         limit, queued = stream.profile.max_queued_input_tokens, stream.queued_input_tokens
         if limit is not None and num_tokens <= limit:
-            advice = "retry once the engine has caught up"
+            room = max(0, limit - queued)
+            fits = f"{room} tokens fit now" + (
+                " (a text counts one per UTF-8 byte until it is tokenized)" if upper_bound
+                else "")
+            advice = f"{fits}; retry once the engine has caught up"
         elif upper_bound:
             advice = ("it alone may exceed the limit (text counts one token per UTF-8 byte "
                       f"until it is tokenized): send it in parts of at most {limit} bytes")

@@ -253,6 +253,11 @@ class RealtimeSession:
         if not self.host.hooks.received(self, text):
             self.apply(text)
 
+    def reading_paused(self) -> asyncio.Future[None] | None:
+        """Its connection reads the next message once this is done (None: at once): while
+        its text being tokenized decides whether more fits (`Intake.reading_paused`)."""
+        return self.intake.reading_paused()
+
     def apply(self, text: str, logged: bool = False) -> None:
         """Apply one client event; `logged`: replayed from the store's log (numbered and
         logged already: counted as applied wherever it lands). A refusal is an `error`."""
