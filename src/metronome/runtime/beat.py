@@ -542,8 +542,7 @@ class Beat:
             return
         else:
             self._attribute(stream, out)
-            if any(f.behind_context_until is not None for f in stream.frames):
-                self._context_in(stream, out.finished_s)
+            self._context_in(stream, out.finished_s)
             flight = stream.in_flight
             if (flight is not None and stream.consumed_tokens >= flight.span[1]
                     and stream.id not in out.generating):

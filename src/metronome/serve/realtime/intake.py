@@ -119,11 +119,12 @@ class Intake:
         """Input that asks for no answer: in a turn session context, limited only by the
         session's queued input (a burst of history is what clients restore); in a duplex
         one a frame (answered, so counted among the frames)."""
-        if not self.input_is_context:
+        context = self.input_is_context
+        if not context:
             self.check_room_for_a_frame()
         self.check_input_room(max_tokens, what, ErrorCode.TOO_MANY_PENDING, param,
                               upper_bound=upper_bound)
-        if not self.input_is_context:
+        if not context:
             self.queue("text", prepare, max_tokens)
             return
         self.started = True
