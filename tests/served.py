@@ -52,7 +52,9 @@ def recv_until(ws, event_type: str, count: int = 1, timeout_s: float = 10.0) -> 
 
 def context_in(server, session_id: str, timeout_s: float = 30.0) -> None:
     """Until an in-process server (`ServerThread`) has processed all of the session's queued
-    input: a turn session's text items and instructions are context, answered by no frame."""
+    input: a turn session's text items and instructions are context, answered by no frame.
+    Call it once the input is queued (its acknowledgment received: `session.updated`,
+    `conversation.item.done`): before that there is nothing queued to wait for."""
     stream = server.app.state.serving.beat.streams[session_id]
     deadline = time.monotonic() + timeout_s
     while stream.queued_input_tokens:

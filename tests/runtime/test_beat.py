@@ -296,7 +296,15 @@ def test_context_joins_the_stream_with_no_frame_counted_at_its_most_until_it_arr
     beat.accept_context(stream, 30)
     assert (stream.queued_input_tokens, stream.unanswered_frames) == (60, 0)
     assert stream.fits(40) and not stream.fits(41)
+    check_input, seen = engine.check_input, []
+
+    def checking(token_ids, embeddings):  # another thread may read the count meanwhile
+        seen.append(stream.queued_input_tokens)
+        return check_input(token_ids, embeddings)
+
+    engine.check_input = checking
     assert beat.append_context(stream, 30, torch.tensor([1, 2, 3]), 0.0) == ""
+    assert seen == [60]  # the reservation held until the context was in the stream
     assert beat.append_context(stream, 30, None, 0.0) == ""  # withdrawn: its count goes
     assert (stream.queued_input_tokens, stream.context_until) == (3, 3)
     assert stream.context_pending

@@ -230,12 +230,14 @@ def test_instructions_changed_mid_session_are_re_pinned(server):
         sid = recv(ws)["session"]["id"]
         send(ws, type="session.update", session={"type": "realtime",
                                                  "instructions": "You are Tobias."})
-        context_in(server, sid)  # the instructions are in the KV
+        recv_until(ws, "session.updated")  # the instructions are queued,
+        context_in(server, sid)  # then in the KV
         for k in range(4):  # past the 64-token window: the first instructions' blocks free
             send(ws, type="conversation.item.create", item={
                 "type": "message", "role": "user", "content": [{
                     "type": "input_text", "text": f"Line {k}: to be, or not to be, that is "
                     "the question, whether 'tis nobler in the mind to suffer."}]})
+            recv_until(ws, "conversation.item.done")
             context_in(server, sid)  # one at a time
         second = "You are Ada, a terse assistant. Answer in one short sentence."
         send(ws, type="session.update", session={"type": "realtime", "instructions": second})
@@ -293,22 +295,35 @@ def test_a_spoken_reply_is_cut_where_its_audio_stopped(smollm2):
 
 @pytest.mark.model
 def test_instructions_stay_pinned_through_ten_windows_of_conversation(server):
-    """After 10 x W tokens the pinned blocks still hold the instructions' KV, bit for bit the
-    KV a fresh session writes for them, while the window slid ten times over."""
+    """After 10 x W tokens the pinned blocks still hold the instructions' KV bit for bit as
+    the session wrote it, while the window slid ten times over; and that KV is the one a fresh
+    session writes for them (to float rounding: the server's step may batch the prefill with
+    another session's work, and a matmul's rounding follows its row count on some hosts)."""
     tokenizer = load_tokenizer()
     instructions = "You are Tobias. Answer in one short sentence."
     ids = tokenizer.encode(f"<|im_start|>system\n{instructions}<|im_end|>\n").ids
     serving = server.app.state.serving
+
+    def instructions_k(sid: str) -> torch.Tensor:
+        table = engine_session(server, sid).table
+        block = table.block_size
+        slots = [table.logical_to_block_id[p // block] * block + p % block
+                 for p in range(len(ids))]
+        return serving.engine.cache.k[:, :, slots].clone()
+
     with connect(server.ws_url + f"?{EXTENSIONS_QUERY}=true") as ws:
         sid = recv(ws)["session"]["id"]
         send(ws, type="session.update", session={"type": "realtime",
                                                  "instructions": instructions})
+        recv_until(ws, "session.updated")  # queued (context_in alone may look before that)
         context_in(server, sid)
+        written_k = instructions_k(sid)
         line = "To be, or not to be, that is the question: whether 'tis nobler in the mind."
         while engine_session(server, sid).table.num_tokens < 10 * 64 + len(ids):
             send(ws, type="conversation.item.create", item={
                 "type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": line}]})
+            recv_until(ws, "conversation.item.done")
             context_in(server, sid)
         session = engine_session(server, sid)
         table, block = session.table, session.table.block_size
@@ -316,10 +331,8 @@ def test_instructions_stay_pinned_through_ten_windows_of_conversation(server):
         kept = [k for k in table.logical_to_block_id if k * block < len(ids)]
         assert kept == list(range(-(-len(ids) // block)))  # every pinned block is resident
         assert min(k for k in table.logical_to_block_id if k not in kept) * block > 10 * 64 - 64
-        cache = serving.engine.cache
-        slots = [table.logical_to_block_id[p // block] * block + p % block
-                 for p in range(len(ids))]
-        pinned_k = cache.k[:, :, slots].clone()
+        pinned_k = instructions_k(sid)
+    torch.testing.assert_close(pinned_k, written_k, rtol=0, atol=0)
     fresh = Engine(serving.engine.model, EngineConfig(block_size=block, pool_tokens=1024))
     fresh.open_session(Stream("fresh", spec=SessionSpec(
         policy=ResidencyPolicy.sinks_window(len(ids), 64, "rolling"))))  # as pinned
@@ -328,7 +341,8 @@ def test_instructions_stay_pinned_through_ten_windows_of_conversation(server):
         fresh.step()
     own = fresh.sessions["fresh"].table.logical_to_block_id
     fresh_k = fresh.cache.k[:, :, [own[p // block] * block + p % block for p in range(len(ids))]]
-    torch.testing.assert_close(pinned_k, fresh_k, rtol=0, atol=0)
+    # CI's host once differed by 4.6e-5 at most; a position off by one moves K by whole units
+    torch.testing.assert_close(pinned_k, fresh_k, rtol=1e-3, atol=1e-3)
 
 
 def test_a_session_past_the_position_limit_keeps_rolling_whatever_it_chooses():

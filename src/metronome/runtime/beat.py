@@ -269,11 +269,19 @@ class Beat:
         sessions), and a frame submitted while it is queued is due `deadline_s` after it is
         in (`_context_in`): the burst is its client's own load, not a late server. None ids:
         it will not come (withdrawn). Why it was refused ('' if it was not): the session
-        ended, or the input is not the engine's."""
+        ended, or the input is not the engine's. The reservation is released only once the
+        context is in the stream, so the queued input read from another thread (a probe, a
+        test) never dips to none between the two."""
+        refusal = ""
+        if token_ids is not None and len(token_ids) > 0:
+            refusal = self._append_context(stream, max_tokens, token_ids)
         stream.preparing_context_tokens -= max_tokens
         assert stream.preparing_context_tokens >= 0, stream
-        if token_ids is None or len(token_ids) == 0:
-            return ""
+        if not refusal:
+            self._feed_all(now_s)
+        return refusal
+
+    def _append_context(self, stream: Stream, max_tokens: int, token_ids: torch.Tensor) -> str:
         if stream.ended_reason:
             return stream.ended_reason
         try:
@@ -282,7 +290,6 @@ class Beat:
             return str(err)
         assert data is not None and len(data) <= max_tokens, (len(token_ids), max_tokens)
         _, stream.context_until = stream.append(data)
-        self._feed_all(now_s)
         return ""
 
     def _context_in(self, stream: Stream, now_s: float) -> None:
