@@ -28,7 +28,8 @@ STARTUP_TIMEOUT_S = 120.0  # a first start converts the bundled model
 # commits. They test the engine, the beat and the wire, not hearing or speaking (the voice
 # suites do: tests/serve/test_voice*.py), and skip loading Whisper and Piper. TEXT_SERVER
 # leaves the mode to the caller; TEXT_DUPLEX is the old default mode too.
-TEXT_SERVER = {"audio_input": "embeddings", "output_audio": False, "server_vad": False}
+TEXT_SERVER = {"audio_input": "embeddings", "output_audio": False, "server_vad": False,
+               "max_response_tokens": 16}  # short replies: these suites check events
 TEXT_DUPLEX = TEXT_SERVER | {"mode": "duplex"}
 
 

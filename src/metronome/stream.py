@@ -94,6 +94,12 @@ class Frame(Generic[Tag]):
     # its input's positions: at acceptance the submitter's count (audio: an estimate, before
     # it is encoded), once submitted the real count (the stream holds that many)
     input_tokens: int = 0
+    # its output's budget (None: the session profile's per-frame one); a reply asks its own
+    output_budget_tokens: int | None = None
+    # an output stream (a turn's reply): its deadline is its first output's, and passing it
+    # cuts nothing; what follows is paced by its listener (`serve.realtime.pacing`), so the
+    # frame ends at its budget or the model's stop, however long that takes
+    paced: bool = False
     # ---- set by the beat ------------------------------------------------------------------
     index: int | None = None  # numbered as its input reaches the stream
     deadline_at_s: float = math.inf
@@ -112,6 +118,7 @@ class Frame(Generic[Tag]):
     late_token_ids: list[int] = field(default_factory=list)  # produced after it went out
     submitted_s: float | None = None  # when its input reached the stream (after preparing)
     start_s: float | None = None  # when the engine first worked on its input
+    first_output_s: float | None = None  # when its first output token was ready
     finish_s: float = math.nan  # when its result was ready
 
     @property
@@ -130,14 +137,23 @@ class Frame(Generic[Tag]):
         return self.input_tokens + self.queued_ahead_tokens
 
     @property
+    def due_s(self) -> float:
+        """When what its deadline is for was ready: its result, or a paced frame's first
+        output (its result, if it made none)."""
+        if self.paced and self.first_output_s is not None:
+            return self.first_output_s
+        return self.finish_s
+
+    @property
     def deadline_met(self) -> bool:
         # a late frame is answered *at* its deadline (on the virtual clock exactly), but its
         # work was not done: that is a miss
-        return self.status is not FrameStatus.LATE and self.finish_s <= self.deadline_at_s
+        return self.status is not FrameStatus.LATE and self.due_s <= self.deadline_at_s
 
     @property
     def latency_s(self) -> float:
-        return self.finish_s - self.arrival_s
+        """From its arrival to its result (a paced frame: to its first output)."""
+        return self.due_s - self.arrival_s
 
     @property
     def latency_fraction(self) -> float:

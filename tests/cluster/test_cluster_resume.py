@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.wall_clock, pytest.mark.model]
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    args = ["--replicas", "2", "--mode", "turn", "--response-tokens", "12", "--admission",
+    args = ["--replicas", "2", "--mode", "turn", "--max-response-tokens", "12", "--admission",
             "static", "--admission-cap", "4", "--pool-tokens", "8192",
             "--checkpoint-interval-s", "0.2", "--stats-period-s", "0.25",
             "--drain-timeout-s", "30",

@@ -365,3 +365,28 @@ def test_a_reply_withdrawn_behind_context_leaves_no_prompt_in_the_kv():
     driver.run_until(1.0)
     assert engine.fed("s").tolist() == list(range(1, 41))  # the context only
     assert stream.received_tokens == stream.consumed_tokens == 40
+
+
+def test_a_paced_reply_is_due_at_its_first_output_and_never_cut():
+    """A turn's reply is an output stream: due at its first output, then as long as its own
+    budget (not the profile's), however long that takes; the same frame unpaced is cut at
+    its deadline with what was ready."""
+    profile = SessionProfile(mode=SessionMode.TURN, frame_period_s=0.1, deadline_fraction=1.0,
+                             max_output_tokens_per_frame=4)
+    engine, driver, results, [stream] = start(profile, chunk_tokens=8)
+    beat = driver.beat
+    paced = Frame("s", 0.0, respond=True, kind="response", output_budget_tokens=40,
+                  paced=True)
+    beat.submit(paced, 0.0, token_ids=[5])
+    driver.run_until(5.0)
+    [answer] = results
+    assert answer.status is FrameStatus.OK and len(answer.token_ids) == 40  # its own budget
+    assert answer.finish_s > answer.deadline_at_s  # ran past its deadline, whole
+    assert answer.first_output_s is not None and answer.first_output_s < answer.deadline_at_s
+    assert answer.deadline_met and answer.good
+    assert answer.latency_s == pytest.approx(answer.first_output_s - answer.arrival_s)
+
+    cut = Frame("s", 5.0, respond=True, kind="response", output_budget_tokens=40)
+    beat.submit(cut, 5.0, token_ids=[6])
+    driver.run_until(10.0)
+    assert results[1].status is FrameStatus.LATE and 0 < len(results[1].token_ids) < 40

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from metronome.serve.realtime.conversation import Conversation
 from metronome.serve.realtime.reply import Reply
 from metronome.serve.realtime.session import HELD_REASON
@@ -25,6 +27,8 @@ class Owner:
         self.conversation = Conversation()
         self.events: list = []
         self.closed_replies: list[Reply] = []
+        self.observed: list = []
+        self.clock_s = 0.0
 
     def emit(self, event) -> None:
         self.events.append(event)
@@ -34,6 +38,15 @@ class Owner:
 
     def observe_lm(self, seconds: float) -> None:
         pass
+
+    def observe_reply(self, reply: Reply) -> None:
+        self.observed.append(reply.playback)
+
+    def now_s(self) -> float:
+        return self.clock_s
+
+    text_pace_tokens_per_s = 10.0
+    stop_token_ids = frozenset({0})
 
     def reply_closed(self, reply: Reply) -> None:
         self.closed_replies.append(reply)
@@ -106,3 +119,51 @@ def test_a_spoken_reply_cut_because_its_client_dropped_closes_cancelled():
     assert owner.closed_replies == [reply]
     details = owner.events[-1].response.status_details
     assert (details.type, details.reason) == ("cancelled", None)
+
+
+def _text_reply(owner: Owner, n: int = 2) -> Reply:
+    reply = Reply(owner, f"resp_{n}", f"item_{n}", None)
+    reply.open()
+    return reply
+
+
+def test_a_text_reply_streams_its_text_and_counts_the_gaps_its_reader_had():
+    """Each step's tokens go out as a delta at once; read at 10 tokens/s, the 2 tokens sent
+    at 0 s last to 0.2 s, so the next step at 0.5 s left the reader waiting 0.3 s."""
+    owner = Owner()
+    reply = _text_reply(owner)
+    reply.on_tokens([7, 4])  # "he" at 0 s
+    owner.clock_s = 0.1
+    reply.on_tokens([11])  # "l", in time (0.2 s buffered)
+    owner.clock_s = 0.6
+    reply.on_tokens([11, 14])  # "lo": 0.3 s after the reader ran dry
+    frame = _answered(reply, FrameStatus.OK)
+    frame.max_new_tokens = 64  # it stopped before its budget: completed
+    reply.answered(frame)
+    deltas = [e.delta for e in owner.events if e.type == "response.output_text.delta"]
+    assert deltas == ["he", "l", "lo"]
+    done = owner.events[-1].response
+    assert done.status == "completed" and done.output[0].content[0].text == "hello"
+    [playback] = owner.observed
+    assert playback.gap_ms == [pytest.approx(300.0)]
+    assert reply.pacing().gap_count == 1 and reply.pacing().pace_tokens_per_s == 10.0
+
+
+def test_a_reply_that_spent_its_budget_is_incomplete_for_max_output_tokens():
+    owner = Owner()
+    reply = _text_reply(owner)
+    reply.on_tokens([7, 4, 11, 11, 14])
+    frame = _answered(reply, FrameStatus.OK)
+    frame.paced, frame.max_new_tokens = True, 5  # a turn's reply, its budget all spent on
+    # text: the model had not stopped
+    reply.answered(frame)
+    details = owner.events[-1].response.status_details
+    assert (details.type, details.reason) == ("incomplete", "max_output_tokens")
+
+    stopped = _text_reply(owner, 3)
+    stopped.on_tokens([7, 4, 11, 11, 0])
+    frame = _answered(stopped, FrameStatus.OK)
+    frame.token_ids, frame.max_new_tokens = [7, 4, 11, 11, 0], 5  # its last token a stop
+    frame.paced = True
+    stopped.answered(frame)
+    assert owner.events[-1].response.status == "completed"

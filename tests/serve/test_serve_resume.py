@@ -31,8 +31,8 @@ pytestmark = pytest.mark.model
 
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Name a river there."]
 # Unhurried: answers are compared token for token, and a late one would be cut short.
-CONFIG = ServerConfig(**TEXT_SERVER,
-                      mode="turn", admission="off", pool_tokens=8192, response_tokens=12,
+CONFIG = ServerConfig(**(TEXT_SERVER | {"max_response_tokens": 12}),
+                      mode="turn", admission="off", pool_tokens=8192,
                       resume_grace_s=30.0, deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
 
 

@@ -119,8 +119,8 @@ def test_the_heard_part_of_a_spoken_reply():
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    config = ServerConfig(**TEXT_SERVER, mode="turn", pool_tokens=8192, admission="off",
-                          response_tokens=24, policy="sinks_window:4:64",
+    config = ServerConfig(**(TEXT_SERVER | {"max_response_tokens": 24}), mode="turn",
+                          pool_tokens=8192, admission="off", policy="sinks_window:4:64",
                           max_pinned_tokens=128, max_window_tokens=256,
                           deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
     with ServerThread(config, smollm2, load_tokenizer()) as running:
@@ -262,7 +262,7 @@ def test_a_spoken_reply_is_cut_where_its_audio_stopped(smollm2):
     """Barge-in as the Agents SDK does it: the reply was played up to `audio_end_ms`; the
     item's transcript ends at the last whole word heard and the KV at its last token."""
     config = ServerConfig(audio_input="embeddings", server_vad=False, mode="turn",
-                          pool_tokens=4096, admission="off", response_tokens=24,
+                          pool_tokens=4096, admission="off", max_response_tokens=24,
                           deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
     tokenizer = load_tokenizer()
     with ServerThread(config, smollm2, tokenizer) as running, connect(running.ws_url) as ws:

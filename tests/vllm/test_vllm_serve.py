@@ -45,10 +45,10 @@ def text_turn(ws, text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server():
-    config = ServerConfig(**TEXT_SERVER,
+    config = ServerConfig(**(TEXT_SERVER | {"max_response_tokens": 8}),
                           engine="vllm", vllm_mode="eager", pool_tokens=POOL_TOKENS, policy=BOUND,
                           mode="turn",
-                          deadline_fraction=3.0, response_tokens=8)
+                          deadline_fraction=3.0)
     with served(config) as url:
         yield url
 

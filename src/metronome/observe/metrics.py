@@ -54,6 +54,9 @@ SESSION_CHECKPOINT_BYTES = "metronome_session_checkpoint_bytes"
 SESSION_CHECKPOINT_SECONDS = "metronome_session_checkpoint_seconds"
 SESSION_AWAY_SECONDS = "metronome_session_away_seconds"
 VOICE_STAGE_SECONDS = "metronome_voice_stage_seconds"
+REPLY_GAPS = "metronome_reply_gaps_total"
+REPLY_GAP_SECONDS = "metronome_reply_gap_seconds"
+REPLIES = "metronome_replies_total"
 
 # Statuses whose series exist from the start (at 0), so rate() works before the first event.
 # Other status values are accepted and get their own series.
@@ -90,6 +93,17 @@ class Metrics:
         self._declare_frame_metrics()
         self._declare_state_metrics()
         self._declare_resume_metrics()
+        self._reply_gaps = Counter(
+            REPLY_GAPS, "Times a reply's listener ran dry before its next piece arrived (a "
+            "spoken reply's audio played at real time; a text reply read at the server's "
+            "text pace): a gap the listener hears, never a reason to cut the reply.",
+            ["output"], registry=self.registry)
+        self._reply_gap_seconds = Histogram(
+            REPLY_GAP_SECONDS, "How long each gap in a reply lasted.", ["output"],
+            buckets=STAGE_BUCKETS_S, registry=self.registry)
+        self._replies_with_gaps = Counter(
+            REPLIES, "Replies closed, by output and whether any gap was heard.",
+            ["output", "gaps"], registry=self.registry)
         self._voice_stage = Histogram(
             VOICE_STAGE_SECONDS, "Time of each stage of a voice frame: encoder (one Whisper "
             "pass that ran: shed and skipped ones are not counted), lm (a response frame, "
@@ -192,6 +206,14 @@ class Metrics:
             SESSION_CHECKPOINT_SECONDS, "Engine-thread time to snapshot one checkpoint (it "
             "delays the next step by as much; serializing runs on a worker thread).",
             buckets=LATENCY_BUCKETS_S, registry=reg)
+
+    def observe_reply(self, gap_ms: list[float], spoken: bool) -> None:
+        """A reply closed with these gaps (`serve.realtime.pacing.Playback.gap_ms`)."""
+        output = "audio" if spoken else "text"
+        for ms in gap_ms:
+            self._reply_gaps.labels(output).inc()
+            self._reply_gap_seconds.labels(output).observe(ms / 1e3)
+        self._replies_with_gaps.labels(output, "yes" if gap_ms else "no").inc()
 
     def observe_voice_stage(self, stage: str, seconds: float) -> None:
         """One piece of a voice stage's work: `encoder` (a Whisper pass), `lm` (a reply's

@@ -7,7 +7,10 @@ frames) and three decisions, all on the loop's clock:
 * **Deadlines.** One frame per session is in flight at a time; the next goes in when the
   previous is answered. A frame is answered when its work is done (`ok`), when its deadline
   passes first (`late`, with what was ready), or at once when the engine reports its session
-  stalled on KV (`stalled_kv`: what real engines do silently). Input is never dropped: an
+  stalled on KV (`stalled_kv`: what real engines do silently). A paced frame (a turn's
+  reply: an output stream) is due at its first output and is never cut: it ends at its
+  budget or the model's stop, and its listener's pace says whether it kept ahead (its owner
+  counts the gaps, `serve.realtime.pacing`). Input is never dropped: an
   answered frame's unprocessed input stays in the stream and still goes to the engine (its
   generation cancelled), so the conversation's context stays whole. The one frame whose
   input goes is one its owner withdraws before it went in flight (`cancel`: a reply the
@@ -306,6 +309,8 @@ class Beat:
         profile = stream.profile
         frame.deadline_at_s = frame.arrival_s + profile.deadline_s
         frame.max_new_tokens = profile.output_tokens_for(frame.respond)
+        if frame.respond and frame.output_budget_tokens is not None:
+            frame.max_new_tokens = frame.output_budget_tokens  # its submitter's (a reply's)
 
     def cancel(self, frame: Frame, now_s: float, reason: str) -> bool:
         """Answer `frame` `cancelled` now: in flight, as at a deadline; waiting (or in flight
@@ -386,7 +391,8 @@ class Beat:
         # Frames go in flight in order with one deadline_s (a context's frames moved
         # together, `_context_in`), so a waiting frame's deadline never comes before the
         # in-flight frame's: only that one can be overtaken here.
-        if stream is not None and stream.in_flight is frame and at_s == frame.deadline_at_s:
+        if (stream is not None and stream.in_flight is frame and at_s == frame.deadline_at_s
+                and not frame.paced):  # a paced frame's first output is late: no cut
             prepared_late = frame.submitted_s is not None and (
                 frame.submitted_s >= frame.deadline_at_s)
             self._answer(stream, frame, FrameStatus.LATE, now_s,
@@ -567,6 +573,8 @@ class Beat:
             flight.start_s = out.started_s
         if flight is not None and stream.consumed_tokens >= flight.span[1]:
             flight.token_ids += new_ids
+            if new_ids and flight.first_output_s is None:
+                flight.first_output_s = out.finished_s
             if new_ids:
                 self._tell_owner(stream, lambda owner: owner.on_tokens(flight, new_ids))
         elif stream.last_answered is not None and new_ids:

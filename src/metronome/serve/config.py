@@ -85,8 +85,14 @@ class ServerConfig(BaseModel):
                                    "2 cores, and the reply's tokens)")
     output_tokens_per_frame: int = Field(OUTPUT_TOKENS_PER_FRAME, ge=1,
                                          description="duplex: tokens per frame")
-    response_tokens: int = Field(16, ge=1, description="turn: tokens of one reply (stops "
-                                 "early at EOS)")
+    max_response_tokens: int = Field(256, ge=1, description="turn: the most tokens of one "
+                                     "reply (a client's max_output_tokens, \"inf\" unless "
+                                     "it says, is honoured up to this); a reply ends at the "
+                                     "model's stop or its budget, never at a deadline")
+    text_pace_tokens_per_s: float = Field(8.0, gt=0, description="turn: the reading pace a "
+                                          "text reply is measured against (~6 words/s, a "
+                                          "fast reader): text sent slower than this leaves "
+                                          "its reader waiting, a gap")
     mode: SessionMode = Field(SessionMode.TURN, description="default session mode: turn (a "
                               "reply per turn, what Realtime clients expect) | duplex (output "
                               "every frame, Moshi-like; a session may choose with "
@@ -322,7 +328,7 @@ class ServerConfig(BaseModel):
             frame_period_s=self.frame_period_s,
             deadline_fraction=fraction,
             max_output_tokens_per_frame=(
-                self.output_tokens_per_frame if duplex else self.response_tokens
+                self.output_tokens_per_frame if duplex else self.max_response_tokens
             ),
             mode=mode,
             policy=ResidencyPolicy.parse(self.policy),

@@ -59,7 +59,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         for chunk in (SMALL, cfg.prefill_chunk_tokens):
             servers[chunk] = Server.start([
                 "--dtype", cfg.dtype, "--mode", "turn", "--admission", "off",
-                "--response-tokens", "8", "--pool-tokens", str(4 * cfg.prompt_tokens + 4096),
+                "--max-response-tokens", "8", "--pool-tokens", str(4 * cfg.prompt_tokens + 4096),
                 "--max-message-bytes", str(max(1 << 16, 8 * size)), "--max-queued-input-tokens",
                 str(2 * size), "--max-text-chars", str(max(8192, len(text))),
                 "--frame-period-s", "6", "--deadline-fraction", "10",  # 60 s to answer

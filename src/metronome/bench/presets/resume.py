@@ -93,8 +93,8 @@ class Resume:
 def servers(model, tokenizer, store_kind: str):
     """One server alone and two sharing a checkpoint store; and the store's reader."""
     config = ServerConfig(mode="turn", audio_input="embeddings", output_audio=False,
-                          server_vad=False, admission="off", pool_tokens=8192, response_tokens=8,
-                          resume_grace_s=30.0)
+                          server_vad=False, admission="off", pool_tokens=8192,
+                          max_response_tokens=8, resume_grace_s=30.0)
     if store_kind == "memory":
         from metronome.serve.resume.checkpoint import MemoryCheckpointStore
 

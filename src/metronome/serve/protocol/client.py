@@ -144,7 +144,8 @@ class ResponseAudioOutputIn(Strict):
 
 class ResponseParamsIn(Strict):
     """`response.create`'s `response`: `instructions` is served (a system message just before
-    the reply), the rest is accepted and not acted on, except an out-of-band response
+    the reply), and `max_output_tokens` (this reply's budget), the rest is accepted and not
+    acted on, except an out-of-band response
     (`conversation: "none"` or `input`), refused by name."""
 
     instructions: str | None = None

@@ -11,12 +11,13 @@ What each field does here (the README's protocol table says the same):
   `audio.input.format` (PCM16 at a served rate), `truncation` (the session's KV bound within
   the server's ceilings: `serve.realtime.bound`), `audio.input.turn_detection` (`server_vad`;
   `semantic_vad` is served as `server_vad` with its `create_response` and
-  `interrupt_response`: no turn-end model is served), the `metronome` extension (mode);
+  `interrupt_response`: no turn-end model is served), `max_output_tokens` (a turn's reply's
+  budget, 1-4096 or "inf", within the server's `--max-response-tokens`; `response.create`'s
+  overrides it for one reply), the `metronome` extension (mode);
 - accepted, not honored (the effective value in `session.updated` says so, and the server logs
   it once per session): `noise_reduction` (no denoiser is served: null), the voice and speed
   of `audio.output` (one voice is served), `tools`,
   `tool_choice`, `parallel_tool_calls` (the served model calls no tools: `[]`, `"none"`),
-  `max_output_tokens` (the server's per-response budget is the profile's: that number),
   `tracing`, `prompt`,
   `include`, `reasoning` (null).
 """
@@ -205,8 +206,8 @@ class SessionIn(Strict):
         the server has a voice (audio output is served), `hears`: it transcribes audio."""
         fields: list[str] = [name for name in ("tools", "tool_choice", "parallel_tool_calls",
                                                "tracing",
-                                    "prompt", "include", "reasoning",
-                                    "max_output_tokens") if name in self.model_fields_set]
+                                    "prompt", "include", "reasoning") if name in
+                                  self.model_fields_set]
         if self.output_modalities and "audio" in self.output_modalities and not speaks:
             fields.append("output_modalities (audio)")
         audio = self.audio
@@ -285,7 +286,9 @@ class SessionOut(BaseModel):
     instructions: str | None = None
     output_modalities: list[Literal["text", "audio"]] = ["text"]
     audio: AudioOut
-    max_output_tokens: int  # the server's per-response budget
+    # a turn's reply's budget as the session set it ("inf": the server's --max-response-tokens);
+    # a duplex session's: the tokens of each frame's output
+    max_output_tokens: int | Literal["inf"]
     tools: list = []
     tool_choice: Literal["none"] = "none"
     # the session's KV bound (serve.realtime.bound): "auto" (the server's), "disabled", or a

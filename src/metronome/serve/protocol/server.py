@@ -154,11 +154,15 @@ class InputAudioBufferCleared(ServerEvent):
     type: Literal["input_audio_buffer.cleared"] = "input_audio_buffer.cleared"
 
 
+StatusReason = Literal["turn_detected", "client_cancelled", "max_output_tokens"]
+
+
 class StatusDetails(BaseModel):
     type: Literal["completed", "cancelled", "incomplete", "failed"]
-    # cancelled: `turn_detected` (server VAD) or `client_cancelled` (response.cancel); a late
+    # cancelled: `turn_detected` (server VAD) or `client_cancelled` (response.cancel);
+    # incomplete: `max_output_tokens` (its budget ran out before the model stopped); a late
     # frame is `incomplete` with no reason of OpenAI's (its `metronome.frame` says "late")
-    reason: Literal["turn_detected", "client_cancelled"] | None = None
+    reason: StatusReason | None = None
     error: dict[str, str] | None = None  # failed: {type, code, message}
 
 
@@ -311,6 +315,25 @@ class MetronomeFrame(ServerEvent):
     type: Literal["metronome.frame"] = "metronome.frame"
     response_id: str | None
     frame: FrameOut
+
+
+class ReplyOut(BaseModel):
+    """A reply as its listener had it (`serve.realtime.pacing`), on the server's clock."""
+
+    first_output_ms: float | None  # from the reply's request (response.create, or the end
+    # of the turn that made it) to its first text or audio sent; None: it sent none
+    output_tokens: int
+    played_ms: float  # the audio sent (spoken), or the text's reading time at the pace
+    pace_tokens_per_s: float | None  # a text reply's reading pace (None: spoken)
+    gap_count: int  # times the listener ran dry before the next piece arrived
+    gap_ms: float  # how long, in all
+    max_gap_ms: float
+
+
+class MetronomeReply(ServerEvent):
+    type: Literal["metronome.reply"] = "metronome.reply"
+    response_id: str
+    reply: ReplyOut
 
 
 # ---- metronome.* extensions ----------------------------------------------------------

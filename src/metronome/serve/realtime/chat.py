@@ -31,6 +31,10 @@ class ChatText:
     def __init__(self, tokenizer) -> None:  # a tokenizers.Tokenizer
         self.tokenizer = tokenizer
         self.response_prefix_ids: list[int] = tokenizer.encode("<|im_start|>assistant\n").ids
+        # what ends a reply: the message's end, or the text's (what the model stops at)
+        self.stop_token_ids = frozenset(
+            i for i in (tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+            if i is not None)
 
     def item_ids(self, role: str, text: str) -> list[int]:
         """The text's tokens, framed (costly: ~2 us per byte; the encoder thread's work)."""

@@ -79,14 +79,17 @@ class Intake:
     # ---- frames ------------------------------------------------------------------------------
     def queue(self, kind: FrameKind, prepare: Prepare, num_tokens: int, respond: bool = False,
               audio_end_ms: float | None = None, reply: Reply | None = None,
-              on_prepared: Callable[[], None] | None = None) -> Frame[Reply]:
+              on_prepared: Callable[[], None] | None = None,
+              output_budget_tokens: int | None = None, paced: bool = False) -> Frame[Reply]:
         """A frame accepted now, counted at `num_tokens` (the most its input can make; the
         caller checked the room), its input `prepare`d on the stage, then submitted;
         `reply`: the reply it answers (None: a duplex frame's is opened once its input is
-        ready); `on_prepared`: run on the loop once its input is ready."""
+        ready); `on_prepared`: run on the loop once its input is ready;
+        `output_budget_tokens`, `paced`: a turn's reply's (`Frame`)."""
         self.started = True
         frame: Frame[Reply] = Frame(self.stream.id, self.now_s(), respond, kind, reply,
-                                    audio_end_ms, input_tokens=num_tokens)
+                                    audio_end_ms, input_tokens=num_tokens,
+                                    output_budget_tokens=output_budget_tokens, paced=paced)
         self.beat.accept(self.stream, frame)
         self.stage.run(prepare).add_done_callback(
             lambda done: self._prepared(done, frame, on_prepared))

@@ -4,15 +4,17 @@ here through its ids, `ResponseIds`).
 
 A frame that asked for output is one response. It opens (`response_opened`) when it is
 created: `response.created`, its assistant item added (`response.output_item.added`,
-`conversation.item.added`) and its text part (`response.content_part.added`). When the beat
-answers its frame it closes (`result_events`): its text (`response.output_text.delta`, if
-any, then `.done`), the part, the item (`response.output_item.done`,
-`conversation.item.done`) and `response.done` with the response's status, from the frame's
-(ok: completed; late: incomplete; cancelled: cancelled, with `turn_detected` or
-`client_cancelled` when one of those cancelled it; any other: failed, the frame's status as
-the error code). `metronome.frame` (the frame's status and server-side timing) goes in
-between, to a client that opted in. A frame without output (turn-mode prefill) is its
-`metronome.frame` alone.
+`conversation.item.added`) and its text part (`response.content_part.added`). Its text
+streams as the model writes it (`response.output_text.delta`, the reply's own). When the beat
+answers its frame it closes (`result_events`): `response.output_text.done`, the part, the
+item (`response.output_item.done`, `conversation.item.done`) and `response.done` with the
+response's status, from the frame's (ok: completed, or incomplete with
+`max_output_tokens` when its budget ran out before the model stopped; late: incomplete;
+cancelled: cancelled, with `turn_detected` or `client_cancelled` when one of those cancelled
+it; any other: failed, the frame's status as the error code). `metronome.frame` (the frame's
+status and server-side timing) goes in between, to a client that opted in, and
+`metronome.reply` (its first output and its gaps: `serve.realtime.pacing`) just before
+`response.done`. A frame without output (turn-mode prefill) is its `metronome.frame` alone.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from metronome.stream import Frame, FrameStatus
 
 TURN_DETECTED: Final = "turn_detected"  # a response cancelled because the user spoke (OpenAI's)
 CLIENT_CANCELLED: Final = "client_cancelled"  # cancelled by `response.cancel` (OpenAI's)
+MAX_OUTPUT_TOKENS: Final = "max_output_tokens"  # incomplete: its budget ran out (OpenAI's)
 ResponseStatus = Literal["completed", "incomplete", "cancelled", "failed"]
 ItemStatus = Literal["completed", "incomplete", "in_progress"]
 
@@ -68,22 +71,22 @@ def response_opened(response: ResponseIds, spoken: bool = False) -> list[p.Serve
 
 
 def result_events(frame: Frame[Any], response: ResponseIds | None, text: str, extensions: bool,
-                  spoken: bool = False) -> list[p.ServerEvent]:
+                  spoken: bool = False, budget_spent: bool = False,
+                  pacing: se.ReplyOut | None = None) -> list[p.ServerEvent]:
     """The events of one frame's result, in the order they go out; `response`: the reply it
-    answers (None: a frame without output); `text`: its output, decoded; `extensions`: the
-    client opted in to `metronome.*` events; `spoken`: its response is being spoken, so it
-    closes later (`spoken_close_events`), not here."""
+    answers (None: a frame without output); `text`: its output, decoded (its deltas went out
+    as it was written); `extensions`: the client opted in to `metronome.*` events; `spoken`:
+    its response is being spoken, so it closes later (`spoken_close_events`), not here;
+    `budget_spent`: its output budget ran out before the model stopped; `pacing`: its
+    listener's account (`metronome.reply`)."""
     events: list[p.ServerEvent] = []
-    if response is not None and text and not spoken:
-        events.append(se.ResponseOutputTextDelta(response_id=response.response_id,
-                                                 item_id=response.item_id, delta=text))
     if extensions:
         events.append(se.MetronomeFrame(
             response_id=response.response_id if response else None,
             frame=_frame_out(frame)))
     if response is None or spoken:
         return events
-    status = _RESPONSE_STATUS.get(frame.status, "failed")
+    status = _status(frame, None, budget_spent)
     item = assistant_item(response, "completed" if status == "completed" else "incomplete", text)
     rid, item_id = response.response_id, response.item_id
     events += [
@@ -91,21 +94,36 @@ def result_events(frame: Frame[Any], response: ResponseIds | None, text: str, ex
         se.ResponseContentPartDone(response_id=rid, item_id=item_id, part=se.PartOut(text=text)),
         se.ResponseOutputItemDone(response_id=rid, item=item),
         se.ConversationItemDone(previous_item_id=response.previous_item_id, item=item),
-        se.ResponseDone(response=_response_out(frame, response, status, item)),
     ]
+    if extensions and pacing is not None:
+        events.append(se.MetronomeReply(response_id=rid, reply=pacing))
+    events.append(se.ResponseDone(response=_response_out(frame, response, status, item,
+                                                         budget_spent=budget_spent)))
     return events
 
 
+def _status(frame: Frame[Any], cancelled_reason: str | None,
+            budget_spent: bool) -> ResponseStatus:
+    if cancelled_reason:
+        return "cancelled"
+    status = _RESPONSE_STATUS.get(frame.status, "failed")
+    return "incomplete" if status == "completed" and budget_spent else status
+
+
 def spoken_close_events(frame: Frame[Any], response: ResponseIds, transcript: str,
-                        cancelled_reason: str | None) -> list[p.ServerEvent]:
+                        cancelled_reason: str | None, budget_spent: bool = False,
+                        pacing: se.ReplyOut | None = None) -> list[p.ServerEvent]:
     """A spoken response's closing events, once its last sentence went out (or a cancel
-    stopped it: `cancelled_reason`, then the response is `cancelled`)."""
-    status: ResponseStatus = "cancelled" if cancelled_reason else _RESPONSE_STATUS.get(
-        frame.status, "failed")
+    stopped it: `cancelled_reason`, then the response is `cancelled`); `pacing`: its
+    listener's account, for a client that opted in (`metronome.reply`)."""
+    status = _status(frame, cancelled_reason, budget_spent)
     rid, item_id = response.response_id, response.item_id
     item = assistant_item(response, "completed" if status == "completed" else "incomplete",
                           transcript, spoken=True)
-    done = _response_out(frame, response, status, item, cancelled_reason, spoken=True)
+    done = _response_out(frame, response, status, item, cancelled_reason, spoken=True,
+                         budget_spent=budget_spent)
+    extension: list[p.ServerEvent] = [] if pacing is None else [
+        se.MetronomeReply(response_id=rid, reply=pacing)]
     return [
         se.ResponseOutputAudioDone(response_id=rid, item_id=item_id),
         se.ResponseOutputAudioTranscriptDone(response_id=rid, item_id=item_id,
@@ -114,6 +132,7 @@ def spoken_close_events(frame: Frame[Any], response: ResponseIds, transcript: st
                                    part=se.AudioPartOut(transcript=transcript)),
         se.ResponseOutputItemDone(response_id=rid, item=item),
         se.ConversationItemDone(previous_item_id=response.previous_item_id, item=item),
+        *extension,
         se.ResponseDone(response=done),
     ]
 
@@ -141,10 +160,12 @@ def _frame_out(frame: Frame[Any]) -> se.FrameOut:
 
 def _response_out(frame: Frame[Any], response: ResponseIds, status: ResponseStatus,
                   item: se.ItemOut, cancelled_reason: str | None = None,
-                  spoken: bool = False) -> se.ResponseOut:
+                  spoken: bool = False, budget_spent: bool = False) -> se.ResponseOut:
     reason = cancelled_reason
     if status == "cancelled" and frame.reason in (TURN_DETECTED, CLIENT_CANCELLED):
         reason = reason or frame.reason
+    if status == "incomplete" and budget_spent:
+        reason = MAX_OUTPUT_TOKENS
     error = None
     if status == "failed":
         error = {"type": p.ErrorType.SERVER.value, "code": str(frame.status),
@@ -161,12 +182,10 @@ def _response_out(frame: Frame[Any], response: ResponseIds, status: ResponseStat
     )
 
 
-def _openai_reason(reason: str | None) -> Literal["turn_detected", "client_cancelled"] | None:
-    """A cancelled response's reason as OpenAI names one; any other (the session closed, its
-    client dropped and it is held for a resume) is told by none (the `metronome.frame` of
-    its frame has it)."""
-    if reason == TURN_DETECTED:
-        return TURN_DETECTED
-    if reason == CLIENT_CANCELLED:
-        return CLIENT_CANCELLED
+def _openai_reason(reason: str | None) -> se.StatusReason | None:
+    """A response's reason as OpenAI names one (cancelled: by a turn or the client;
+    incomplete: its `max_output_tokens`); any other (the session closed, its client dropped
+    and it is held for a resume) is told by none (the `metronome.frame` of its frame has it)."""
+    if reason in (TURN_DETECTED, CLIENT_CANCELLED, MAX_OUTPUT_TOKENS):
+        return reason  # type: ignore[return-value]
     return None

@@ -10,11 +10,19 @@ the beat) and its voice is done (`on_voice_done`; at once for a reply that is no
 Its events are rendered here (`serve.realtime.rendering`); its owner (the session) hears
 `reply_closed` after the last one.
 
-    text reply      answered ─► text, its item done, response.done
+    text reply      each step's tokens ─► decoded ─► output_text.delta
+                    answered ─► the rest, its item done, response.done
     spoken reply    each step's tokens ─► decoded ─► the voice (sentences, on the speak
                     stage) ─► on_said: output_audio_transcript.delta + output_audio.delta
                     answered ─► the rest flushed to the voice; the voice done ─►
                     output_audio.done ... response.done
+
+**Length and pace.** A turn's reply is as long as its budget (`max_output_tokens`, within
+the server's `--max-response-tokens`) or the model's stop: its frame is paced (the beat
+never cuts it at a deadline; its deadline is its first output's). What it sends is played by
+its listener (`Playback`: audio at real time, text at the server's reading pace); a piece
+sent after the listener ran dry is a gap, counted here and told at its close (the metrics,
+and `metronome.reply` to a client that opted in).
 
 `cancel` (`response.cancel`, a barge-in) cancels its frame in the beat (now, or once its
 input arrives); a reply whose frame was answered and whose voice still speaks stops at once.
@@ -42,6 +50,7 @@ from metronome.serve import protocol as p
 from metronome.serve.protocol import ClientError, ErrorCode
 from metronome.serve.protocol import server as se
 from metronome.serve.realtime.conversation import Conversation
+from metronome.serve.realtime.pacing import Playback
 from metronome.serve.realtime.rendering import (
     assistant_item,
     response_opened,
@@ -81,6 +90,20 @@ class ReplyOwner(Protocol):
     def observe_lm(self, seconds: float) -> None:
         """A spoken reply's frame took `seconds` of the engine (the `lm` voice stage)."""
 
+    def observe_reply(self, reply: Reply) -> None:
+        """`reply` closed: its listener's account (`reply.playback`) for the metrics."""
+
+    def now_s(self) -> float:
+        """The server's clock."""
+
+    @property
+    def text_pace_tokens_per_s(self) -> float:
+        """The reading pace a text reply is played at (`Playback`)."""
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens the model stops a reply with."""
+
     def reply_closed(self, reply: Reply) -> None:
         """`reply`'s last event went out."""
 
@@ -108,6 +131,8 @@ class Reply:
         # by the session's close)
         self.answered_frame: Frame[Reply] | None = None  # its frame, once answered
         self.closed = False
+        self.text = ""  # a text reply's text, as streamed
+        self.playback = Playback()  # its listener
 
     @classmethod
     def saved_reply(cls, owner: ReplyOwner, saved: dict) -> Reply:
@@ -129,9 +154,22 @@ class Reply:
             self.owner.emit(event)
 
     def on_tokens(self, token_ids: list[int]) -> None:
-        """A step's tokens of its frame: a spoken reply's voice hears them now."""
+        """A step's tokens of its frame: a spoken reply's voice hears them now; a text
+        reply's client reads them now (played at the reading pace)."""
+        text = self.owner.text_of(token_ids, flush=False)
         if self.voice is not None:
-            self.voice.push(self.owner.text_of(token_ids, flush=False))
+            self.voice.push(text)
+            return
+        self._stream_text(text, len(token_ids))
+
+    def _stream_text(self, text: str, num_tokens: int) -> None:
+        owner = self.owner
+        if text:
+            owner.emit(se.ResponseOutputTextDelta(response_id=self.response_id,
+                                                  item_id=self.item_id, delta=text))
+            self.text += text
+        if num_tokens:
+            self.playback.add(owner.now_s(), num_tokens / owner.text_pace_tokens_per_s)
 
     def answered(self, frame: Frame[Reply]) -> None:
         """The beat answered its frame: its text is all written. A text reply closes now;
@@ -139,8 +177,10 @@ class Reply:
         self.answered_frame = frame
         owner, voice = self.owner, self.voice
         if voice is None:
-            text = owner.text_of(frame.token_ids, flush=frame.kind == "response")
-            self._close(result_events(frame, self, text, owner.extensions))
+            self._stream_text(owner.text_of([], flush=frame.kind == "response"), 0)
+            self._close(result_events(frame, self, self.text, owner.extensions,
+                                      budget_spent=self.budget_spent(frame),
+                                      pacing=self.pacing()))
             return
         if frame.start_s is not None:
             owner.observe_lm(frame.finish_s - frame.start_s)
@@ -171,11 +211,34 @@ class Reply:
         """Its frame is answered and only its voice is still at work."""
         return self.voice is not None and self.voice.finishing
 
+    def budget_spent(self, frame: Frame[Reply]) -> bool:
+        """Its output budget ran out before the model stopped (`incomplete`,
+        `max_output_tokens`): a paced reply's only (a duplex frame's budget is its frame's)."""
+        ids = frame.token_ids
+        return (frame.paced and frame.status is FrameStatus.OK
+                and 0 < frame.max_new_tokens <= len(ids)
+                and ids[-1] not in self.owner.stop_token_ids)
+
+    def pacing(self) -> se.ReplyOut:
+        """Its listener's account so far (`metronome.reply`)."""
+        playback, frame = self.playback, self.answered_frame
+        first_ms = None
+        if playback.started_s is not None and frame is not None:
+            first_ms = (playback.started_s - frame.arrival_s) * 1e3
+        return se.ReplyOut(
+            first_output_ms=first_ms, output_tokens=0 if frame is None else len(frame.token_ids),
+            played_ms=playback.played_s * 1e3,
+            pace_tokens_per_s=None if self.voice is not None
+            else self.owner.text_pace_tokens_per_s,
+            gap_count=playback.gap_count, gap_ms=playback.total_gap_ms,
+            max_gap_ms=max(playback.gap_ms, default=0.0))
+
     def _close(self, events: list[p.ServerEvent]) -> None:
         """Its closing events out (its item's final form kept in the conversation); the
         owner hears it is over."""
         assert not self.closed, self.response_id
         owner = self.owner
+        owner.observe_reply(self)
         for event in events:
             if isinstance(event, se.ResponseOutputItemDone):
                 owner.conversation.update(event.item)
@@ -201,12 +264,16 @@ class Reply:
                                              delta=base64.b64encode(pcm[start:start + step])
                                              .decode()))
         self.audio_bytes += len(pcm)
-        self.said.append((sentence, len(pcm) / (2 * voice.rate_hz) * 1000))
+        audio_ms = len(pcm) / (2 * voice.rate_hz) * 1000
+        self.said.append((sentence, audio_ms))
+        self.playback.add(self.owner.now_s(), audio_ms / 1000)
 
     def on_voice_done(self) -> None:
         frame = self.answered_frame
         assert frame is not None, "a voice is done only once its frame was answered"
-        self._close(spoken_close_events(frame, self, self.spoken, self.cancel_reason))
+        self._close(spoken_close_events(
+            frame, self, self.spoken, self.cancel_reason, self.budget_spent(frame),
+            self.pacing() if self.owner.extensions else None))
 
     def on_voice_failed(self) -> None:
         self.owner.on_failure()

@@ -62,7 +62,7 @@ from metronome.serve.realtime.input_buffer import InputBuffer, no_text
 from metronome.serve.realtime.intake import Intake, token_tensor
 from metronome.serve.realtime.rendering import CLIENT_CANCELLED, TURN_DETECTED, result_events
 from metronome.serve.realtime.reply import Reply
-from metronome.serve.realtime.settings import SessionSettings
+from metronome.serve.realtime.settings import SessionSettings, checked_max_output_tokens
 from metronome.serve.voice.hearing import Hearing
 from metronome.serve.voice.pipeline import OUTPUT_RATE_HZ, VoiceStages
 from metronome.serve.voice.speaking import Speaking
@@ -384,11 +384,15 @@ class RealtimeSession:
         # (audio appended and committed just before, as clients do, must not refuse it)
         ids = chat.response_prefix_ids
         self.intake.check_input_room(len(ids), "response", ErrorCode.TOO_MANY_PENDING)
+        budget = self.settings.reply_budget_tokens(self.host.config, None if (
+            params.max_output_tokens is None) else checked_max_output_tokens(
+            params.max_output_tokens, "response.max_output_tokens"))
         reply = self._open_reply(params.metadata,
                                  spoken=self.settings.speak and self.host.stages.speaks)
         self.reply = reply
         reply.frame = self.intake.queue("response", lambda: token_tensor(ids), len(ids),
-                                        respond=True, reply=reply)
+                                        respond=True, reply=reply, output_budget_tokens=budget,
+                                        paced=self.settings.mode is SessionMode.TURN)
 
     def _open_reply(self, metadata: dict[str, str] | None = None,
                     spoken: bool = False) -> Reply:
@@ -545,6 +549,21 @@ class RealtimeSession:
 
     def observe_lm(self, seconds: float) -> None:
         self.host.metrics.observe_voice_stage("lm", seconds)
+
+    def observe_reply(self, reply: Reply) -> None:
+        self.host.metrics.observe_reply(reply.playback.gap_ms, spoken=reply.voice is not None)
+
+    def now_s(self) -> float:
+        return self.host.now_s()
+
+    @property
+    def text_pace_tokens_per_s(self) -> float:
+        return self.host.config.text_pace_tokens_per_s
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        chat = self.host.chat
+        return frozenset() if chat is None else chat.stop_token_ids
 
     # ---- a checkpoint ------------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ started) is the session's to say, since it knows what has been sent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from metronome.kv.residency import ResidencyPolicy
 from metronome.runtime.profile import SessionMode, SessionProfile
@@ -37,6 +38,15 @@ class SessionSettings:
     turns: p.ServerVad | None = None  # server VAD; None: the client commits
     speak: bool = False  # output_modalities ["audio"]: replies are spoken
     transcription: Transcription | None = None  # the client wants transcription events
+    max_output_tokens: int | Literal["inf"] = "inf"  # a reply's budget ("inf": the server's)
+
+    def reply_budget_tokens(self, config: ServerConfig,
+                            asked: int | Literal["inf"] | None = None) -> int:
+        """A turn's reply's budget: what `response.create` asked (`asked`), else the
+        session's, within the server's `max_response_tokens` ("inf": that ceiling)."""
+        budget = self.max_output_tokens if asked is None else asked
+        ceiling = config.max_response_tokens
+        return ceiling if budget == "inf" else min(budget, ceiling)
 
     @classmethod
     def defaults(cls, config: ServerConfig, speaks: bool = False) -> SessionSettings:
@@ -51,7 +61,8 @@ class SessionSettings:
         return {"mode": self.mode.value, "sample_rate_hz": self.sample_rate_hz,
                 "turns": None if self.turns is None else self.turns.model_dump(mode="json"),
                 "speak": self.speak, "transcription": None if self.transcription is None
-                else self.transcription.model_dump(mode="json")}
+                else self.transcription.model_dump(mode="json"),
+                "max_output_tokens": self.max_output_tokens}
 
     @classmethod
     def load(cls, saved: dict) -> SessionSettings:
@@ -60,7 +71,7 @@ class SessionSettings:
                    None if turns is None else p.ServerVad.model_validate(turns),
                    saved.get("speak", False),
                    None if transcription is None else Transcription.model_validate(
-                       transcription))
+                       transcription), saved.get("max_output_tokens", "inf"))
 
     def updated(self, update: p.SessionIn, config: ServerConfig,
                 has_tokenizer: bool, speaks: bool = False,
@@ -102,7 +113,11 @@ class SessionSettings:
             raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer, so "
                               "server VAD cannot create text responses: set create_response "
                               "to false", "session.audio.input.turn_detection.create_response")
-        return SessionSettings(mode, rate_hz, turns, speak, transcription)
+        max_output_tokens = self.max_output_tokens
+        if update.max_output_tokens is not None:
+            max_output_tokens = checked_max_output_tokens(update.max_output_tokens,
+                                                          "session.max_output_tokens")
+        return SessionSettings(mode, rate_hz, turns, speak, transcription, max_output_tokens)
 
     def describe(self, session_id: str, model_name: str, profile: SessionProfile,
                  policy: ResidencyPolicy, token_rate_hz: float, instructions: str | None,
@@ -120,7 +135,8 @@ class SessionSettings:
                 turn_detection=self.turns, transcription=self.transcription),
                 output=AudioOutputOut(format=AudioFormatOut(rate=OUTPUT_RATE_HZ),
                                       voice=VOICE_NAME) if self.speak else None),
-            max_output_tokens=profile.max_output_tokens_per_frame,
+            max_output_tokens=(profile.max_output_tokens_per_frame
+                               if self.mode is SessionMode.DUPLEX else self.max_output_tokens),
             metronome=None if not extensions else MetronomeSessionOut(
                 mode=self.mode.value, frame_period_s=profile.frame_period_s,
                 deadline_s=profile.deadline_s,
@@ -128,3 +144,14 @@ class SessionSettings:
                 policy=str(policy), token_rate_hz=token_rate_hz, resume=resume,
             ),
         )
+
+
+MAX_OUTPUT_TOKENS = 4096  # OpenAI's ceiling for a response's max_output_tokens
+
+
+def checked_max_output_tokens(value: int | Literal["inf"], param: str) -> int | Literal["inf"]:
+    """`max_output_tokens` as OpenAI takes it: 1 to 4096, or "inf"."""
+    if value != "inf" and not 1 <= value <= MAX_OUTPUT_TOKENS:
+        raise ClientError(ErrorCode.INVALID_VALUE, f"max_output_tokens must be 1 to "
+                          f"{MAX_OUTPUT_TOKENS} or \"inf\", got {value}", param)
+    return value
