@@ -141,6 +141,9 @@ def test_the_console_hears_a_question_and_speaks_its_reply(smollm2, tmp_path):
     assert "capital of france" in " ".join(words(user)), state["userTranscripts"]
     assert state["errors"] == []
     assert state["audioDeltas"] > 0 and state["audioBase64"]
+    shown = state["replies"][-1]  # its time to first audio and its gaps, as the page shows
+    assert shown["ttfa_ms"] is not None and 0 < shown["ttfa_ms"] < REPLY_TIMEOUT_S * 1e3
+    assert shown["gap_count"] >= 0 and shown["output_tokens"] > 0, shown
     said = words(state["assistantTranscripts"][-1]["text"])
     assert said, state["assistantTranscripts"]
     spoken = set(heard(state["audioBase64"]))

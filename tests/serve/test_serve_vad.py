@@ -168,9 +168,10 @@ def test_speaking_over_the_reply_cancels_it(server):
     assert done[0]["status"] == "cancelled"
     assert done[0]["status_details"] == {"type": "cancelled", "reason": "turn_detected",
                                          "error": None}
-    # the next turn's reply runs to its end; on a loaded machine (CI) it may end at its
-    # deadline instead (measured: "incomplete" at 2 s), which is not what this test is about
-    assert done[1]["status"] == "completed" or done[1]["status_details"]["reason"] == "deadline"
+    # the next turn's reply runs to its end: the model's stop, or its budget (no deadline
+    # cuts a turn's reply)
+    assert done[1]["status"] == "completed" or (
+        done[1]["status_details"]["reason"] == "max_output_tokens")
     kinds = [e["type"] for e in events]
     second_start = [i for i, k in enumerate(kinds) if k == "input_audio_buffer.speech_started"][1]
     assert second_start < kinds.index("response.done")  # the speech came first, then the cancel

@@ -255,7 +255,8 @@ def _speech_run(script) -> list:
             return future
 
         stage = SimpleNamespace(run_model=run_model, observe=lambda seconds: None)
-        reply = ToldReply(SimpleNamespace(emit=events.append), "resp_1", "item_1", None)
+        reply = ToldReply(SimpleNamespace(emit=events.append, now_s=lambda: 0.0), "resp_1",
+                          "item_1", None)
         reply.voice = voice = Speaking(stage, 24000, reply)
         speech = SimpleNamespace(push=voice.push, cancel=reply.stop_voice,
                                  finish=lambda on_done: voice.finish())

@@ -7,13 +7,17 @@ it as `input_audio_buffer.append` every ~100 ms; the session asks for server VAD
 transcription and spoken replies. Reply audio (`response.output_audio.delta`) is scheduled
 back to back through Web Audio and cut when the user speaks again (`speech_started`:
 barge-in). It shows both sides' transcripts as they arrive, each frame's status and latency
-(`metronome.frame`), the session's resident KV against its bound (`GET /v1/status`, once a
-second) and errors in red. With an API key, open `/console#key=<key>`: the key stays in the
+(`metronome.frame`), each reply's time to first audio (from the end of the user's speech,
+`speech_stopped`, to the reply's first audio delta, on the browser's clock) and its gaps
+(`metronome.reply`: where the listener's buffer ran dry), the session's resident KV against
+its bound (`GET /v1/status`, once a second) and errors in red. The instructions box sets the
+session's instructions (`session.update`) when the session starts and on Apply. With an API
+key, open `/console#key=<key>`: the key stays in the
 browser and goes out as the WebSocket subprotocol `openai-insecure-api-key.<key>` and as a
 bearer header on the status polls. `?autostart=1` starts on load (no click).
 
-`window.consoleState` holds what arrived (transcripts, audio deltas, frames, errors) for a
-test to read.
+`window.consoleState` holds what arrived (transcripts, audio deltas, frames, replies with
+their time to first audio and gaps, errors) for a test to read.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ CONSOLE_HTML = """<!doctype html>
 <button id="toggle">Start</button><span id="state">idle</span>
 <section>KV <span id="kv"><div id="kvfill"></div></span> <span id="kvtext">-</span></section>
 <section>frames <span id="strip"></span> <span id="lastframe"></span></section>
+<section>replies <span id="replies">-</span></section>
+<section><textarea id="instructions" rows="2" cols="60"
+  placeholder="instructions, e.g. Answer in detail."></textarea>
+<button id="apply">Apply</button></section>
 <div id="errors"></div>
 <section id="log"></section>
 <script>
@@ -58,7 +66,9 @@ const key = new URLSearchParams(location.hash.slice(1)).get("key");
 const autostart = new URLSearchParams(location.search).get("autostart") === "1";
 const RATE = 24000, CHUNK = RATE / 10;  // 100 ms of 24 kHz samples per append
 const S = window.consoleState = {userTranscripts: [], assistantTranscripts: [],
-  audioDeltas: 0, audioBase64: [], errors: [], frames: [], sessionId: null, running: false};
+  audioDeltas: 0, audioBase64: [], errors: [], frames: [], replies: [], sessionId: null,
+  running: false};
+let speechStoppedAt = null, replyStart = null;  // the browser's clock (performance.now)
 const $ = id => document.getElementById(id);
 let ws = null, ctx = null, mic = null, tap = null, pending = [], carry = new Float32Array(0),
   pos = 0, playAt = 0, playing = [], poller = null;
@@ -131,6 +141,20 @@ function frame(f) {
   $("lastframe").textContent = "last: " + span.title;
 }
 
+function replied(r, id) {  // metronome.reply: the reply's gaps, with its time to first audio
+  const row = {id, ttfa_ms: replyStart && replyStart.id === id ? replyStart.ttfa_ms : null,
+    gap_count: r.gap_count, gap_ms: r.gap_ms, output_tokens: r.output_tokens};
+  S.replies.push(row);
+  $("replies").textContent = S.replies.slice(-5).map(x =>
+    (x.ttfa_ms === null ? "-" : x.ttfa_ms.toFixed(0) + " ms") + " to first audio, " +
+    x.gap_count + " gaps (" + x.gap_ms.toFixed(0) + " ms), " + x.output_tokens + " tokens"
+  ).join(" | ");
+}
+function instruct() {
+  const text = $("instructions").value.trim();
+  if (text) send({type: "session.update", session: {type: "realtime", instructions: text}});
+}
+
 function onEvent(ev) {
   const t = ev.type;
   if (t === "session.created") S.sessionId = ev.session.id;
@@ -139,7 +163,9 @@ function onEvent(ev) {
     bargeIn(); $("state").textContent = "hearing";
     show(entry(S.userTranscripts, ev.item_id, "user"), "you");  // its row, before the reply's
   }
-  else if (t === "input_audio_buffer.speech_stopped") $("state").textContent = "thinking";
+  else if (t === "input_audio_buffer.speech_stopped") {
+    $("state").textContent = "thinking"; speechStoppedAt = performance.now();
+  }
   else if (t === "conversation.item.input_audio_transcription.delta") {
     const e = entry(S.userTranscripts, ev.item_id, "user"); e.text += ev.delta; show(e, "you");
   } else if (t === "conversation.item.input_audio_transcription.completed") {
@@ -151,6 +177,8 @@ function onEvent(ev) {
     const e = entry(S.assistantTranscripts, ev.response_id, "assistant");
     e.text += ev.delta; show(e, "assistant");
   } else if (t === "response.output_audio.delta") {
+    if (!replyStart || replyStart.id !== ev.response_id) replyStart = {id: ev.response_id,
+      ttfa_ms: speechStoppedAt === null ? null : performance.now() - speechStoppedAt};
     S.audioDeltas++; S.audioBase64.push(ev.delta); play(ev.delta);
     $("state").textContent = "speaking";
   } else if (t === "response.done") {
@@ -158,6 +186,7 @@ function onEvent(ev) {
     e.done = true; e.status = ev.response.status; show(e, "assistant");
     $("state").textContent = "listening";
   } else if (t === "metronome.frame") frame(ev.frame);
+  else if (t === "metronome.reply") replied(ev.reply, ev.response_id);
 }
 
 async function pollKv() {
@@ -197,6 +226,7 @@ async function start() {
         audio: {input: {format: {type: "audio/pcm", rate: RATE},
                         transcription: {model: "whisper-1"}, turn_detection: {type: "server_vad"}},
                 output: {format: {type: "audio/pcm", rate: RATE}}}}});
+      instruct();
       tap.port.onmessage = m => onMic(m.data);
       $("state").textContent = ctx.state === "running" ? "listening" :
         "click anywhere to let the page use audio";
@@ -215,6 +245,7 @@ function stop() {
   pos = 0;
 }
 $("toggle").onclick = () => S.running ? stop() : start();
+$("apply").onclick = instruct;
 document.addEventListener("click", () => {  // autoplay policy: audio starts on a gesture
   if (ctx && ctx.state === "suspended")
     ctx.resume().then(() => { $("state").textContent = "listening"; });
