@@ -252,7 +252,9 @@ class Beat:
 
     def _arm(self, frame: Frame) -> None:
         """Answer `frame` at its deadline if it is in flight then (a deadline moved later by
-        `_context_in` makes the earlier call stale)."""
+        `_context_in` makes the earlier call stale); a paced frame is never cut: no timer."""
+        if frame.paced:
+            return
         at_s = frame.deadline_at_s
         self.timer.call_at(at_s, lambda t: self._on_deadline(frame, t, at_s))
 
@@ -391,8 +393,7 @@ class Beat:
         # Frames go in flight in order with one deadline_s (a context's frames moved
         # together, `_context_in`), so a waiting frame's deadline never comes before the
         # in-flight frame's: only that one can be overtaken here.
-        if (stream is not None and stream.in_flight is frame and at_s == frame.deadline_at_s
-                and not frame.paced):  # a paced frame's first output is late: no cut
+        if stream is not None and stream.in_flight is frame and at_s == frame.deadline_at_s:
             prepared_late = frame.submitted_s is not None and (
                 frame.submitted_s >= frame.deadline_at_s)
             self._answer(stream, frame, FrameStatus.LATE, now_s,
@@ -573,9 +574,9 @@ class Beat:
             flight.start_s = out.started_s
         if flight is not None and stream.consumed_tokens >= flight.span[1]:
             flight.token_ids += new_ids
-            if new_ids and flight.first_output_s is None:
-                flight.first_output_s = out.finished_s
             if new_ids:
+                if flight.first_output_s is None:
+                    flight.first_output_s = out.finished_s
                 self._tell_owner(stream, lambda owner: owner.on_tokens(flight, new_ids))
         elif stream.last_answered is not None and new_ids:
             stream.last_answered.late_token_ids += new_ids

@@ -78,7 +78,7 @@ def result_events(frame: Frame[Any], response: ResponseIds | None, text: str, ex
     as it was written); `extensions`: the client opted in to `metronome.*` events; `spoken`:
     its response is being spoken, so it closes later (`spoken_close_events`), not here;
     `budget_spent`: its output budget ran out before the model stopped; `pacing`: its
-    listener's account (`metronome.reply`)."""
+    listener's account, for a client that opted in (`metronome.reply`)."""
     events: list[p.ServerEvent] = []
     if extensions:
         events.append(se.MetronomeFrame(
@@ -95,7 +95,7 @@ def result_events(frame: Frame[Any], response: ResponseIds | None, text: str, ex
         se.ResponseOutputItemDone(response_id=rid, item=item),
         se.ConversationItemDone(previous_item_id=response.previous_item_id, item=item),
     ]
-    if extensions and pacing is not None:
+    if pacing is not None:
         events.append(se.MetronomeReply(response_id=rid, reply=pacing))
     events.append(se.ResponseDone(response=_response_out(frame, response, status, item,
                                                          budget_spent=budget_spent)))

@@ -180,7 +180,7 @@ class Reply:
             self._stream_text(owner.text_of([], flush=frame.kind == "response"), 0)
             self._close(result_events(frame, self, self.text, owner.extensions,
                                       budget_spent=self.budget_spent(frame),
-                                      pacing=self.pacing()))
+                                      pacing=self.pacing() if owner.extensions else None))
             return
         if frame.start_s is not None:
             owner.observe_lm(frame.finish_s - frame.start_s)

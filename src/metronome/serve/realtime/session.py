@@ -384,8 +384,7 @@ class RealtimeSession:
         # (audio appended and committed just before, as clients do, must not refuse it)
         ids = chat.response_prefix_ids
         self.intake.check_input_room(len(ids), "response", ErrorCode.TOO_MANY_PENDING)
-        budget = self.settings.reply_budget_tokens(self.host.config, None if (
-            params.max_output_tokens is None) else checked_max_output_tokens(
+        budget = self.settings.reply_budget_tokens(self.host.config, checked_max_output_tokens(
             params.max_output_tokens, "response.max_output_tokens"))
         reply = self._open_reply(params.metadata,
                                  spoken=self.settings.speak and self.host.stages.speaks)

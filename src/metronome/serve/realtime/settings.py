@@ -113,11 +113,9 @@ class SessionSettings:
             raise ClientError(ErrorCode.TEXT_UNSUPPORTED, "this model has no tokenizer, so "
                               "server VAD cannot create text responses: set create_response "
                               "to false", "session.audio.input.turn_detection.create_response")
-        max_output_tokens = self.max_output_tokens
-        if update.max_output_tokens is not None:
-            max_output_tokens = checked_max_output_tokens(update.max_output_tokens,
-                                                          "session.max_output_tokens")
-        return SessionSettings(mode, rate_hz, turns, speak, transcription, max_output_tokens)
+        asked = checked_max_output_tokens(update.max_output_tokens, "session.max_output_tokens")
+        return SessionSettings(mode, rate_hz, turns, speak, transcription,
+                               self.max_output_tokens if asked is None else asked)
 
     def describe(self, session_id: str, model_name: str, profile: SessionProfile,
                  policy: ResidencyPolicy, token_rate_hz: float, instructions: str | None,
@@ -149,9 +147,10 @@ class SessionSettings:
 MAX_OUTPUT_TOKENS = 4096  # OpenAI's ceiling for a response's max_output_tokens
 
 
-def checked_max_output_tokens(value: int | Literal["inf"], param: str) -> int | Literal["inf"]:
-    """`max_output_tokens` as OpenAI takes it: 1 to 4096, or "inf"."""
-    if value != "inf" and not 1 <= value <= MAX_OUTPUT_TOKENS:
+def checked_max_output_tokens(value: int | Literal["inf"] | None,
+                              param: str) -> int | Literal["inf"] | None:
+    """`max_output_tokens` as OpenAI takes it: 1 to 4096, or "inf" (None: not given)."""
+    if value is not None and value != "inf" and not 1 <= value <= MAX_OUTPUT_TOKENS:
         raise ClientError(ErrorCode.INVALID_VALUE, f"max_output_tokens must be 1 to "
                           f"{MAX_OUTPUT_TOKENS} or \"inf\", got {value}", param)
     return value
