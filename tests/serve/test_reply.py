@@ -61,9 +61,9 @@ class OneCharVoice:
 
 
 def _spoken_reply(loop: asyncio.AbstractEventLoop, owner: Owner) -> Reply:
-    def run_model(work):
+    def run_model(work, due_s):
         future = loop.create_future()
-        loop.call_soon(lambda: future.set_result(work(OneCharVoice())))
+        loop.call_soon(lambda: future.done() or future.set_result(work(OneCharVoice())))
         return future
 
     stage = SimpleNamespace(run_model=run_model, observe=lambda seconds: None)

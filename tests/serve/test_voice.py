@@ -249,9 +249,9 @@ def _speech_run(script) -> list:
     async def main():
         loop = asyncio.get_running_loop()
 
-        def run_model(work):
+        def run_model(work, due_s):
             future = loop.create_future()
-            loop.call_soon(lambda: future.set_result(work(CountingVoice())))
+            loop.call_soon(lambda: future.done() or future.set_result(work(CountingVoice())))
             return future
 
         stage = SimpleNamespace(run_model=run_model, observe=lambda seconds: None)

@@ -278,6 +278,16 @@ class Reply:
     def on_voice_failed(self) -> None:
         self.owner.on_failure()
 
+    def sentence_due_s(self, queued_audio_s: float) -> float:
+        """Its listener runs dry `queued_audio_s` after what it was sent runs out; before its
+        first audio, its first audio is due now: at its frame's arrival (the speak stage's
+        order, `Speaking`)."""
+        playback = self.playback
+        if playback.started_s is not None:
+            return playback.ends_at_s + queued_audio_s
+        frame = self.frame
+        return (self.owner.now_s() if frame is None else frame.arrival_s) + queued_audio_s
+
     # ---- truncate ----------------------------------------------------------------------------
     @property
     def audio_ms(self) -> float:

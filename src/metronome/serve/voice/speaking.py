@@ -6,9 +6,16 @@ session, its ONNX Runtime on 2 threads that yield; never the loop or the engine 
 comes back to the loop in order as the sentence and its PCM16 (`SpeechListener.on_said`). So
 the first audio goes out while the model still writes the next sentence. `finish` (the
 reply's frame is answered) flushes the rest; once the last sentence is out, the listener
-hears `on_voice_done`. `cancel` (barge-in, `response.cancel`) stops it at once: what is
-still being spoken is dropped when it comes back, and the listener hears `on_voice_done`
-once it was finished.
+hears `on_voice_done`. `cancel` (barge-in, `response.cancel`) stops it at once: sentences
+queued on the stage are dropped unspoken, what is being spoken is dropped when it comes back,
+and the listener hears `on_voice_done` once it was finished.
+
+**By deadline.** Every session's replies share the one speak thread, and the model writes
+far faster than anyone listens, so a long reply queues many sentences at once. Each sentence
+goes to the stage with the time its listener would run dry without it
+(`SpeechListener.sentence_due_s`, from the audio sent and the queued sentences' length at
+`SPOKEN_CHARS_PER_S`), so a reply whose listener has seconds left yields to a neighbour's
+first sentence; a reply's own deadlines never decrease, so its sentences stay in order.
 
 Text and PCM only: what they become on the wire is the reply's (`serve.realtime.reply`).
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Protocol
 
@@ -24,6 +32,13 @@ from metronome.audio.voice import Sentences, Voice
 from metronome.serve.voice.stage import Stage
 
 log = logging.getLogger(__name__)
+
+# Piper's joe-medium speaks 15-20 characters a second (measured: 14.6-20.4 over five
+# sentences, 6.5 for a one-word one); the faster end makes the deadline earlier, not later
+SPOKEN_CHARS_PER_S = 18.0
+# ... and synthesizes at 12-18x real time on one of these cores: a sentence must start
+# this much of its own playing time before it is due
+SYNTHESIS_REALTIME_FACTOR = 12.0
 
 
 class SpeechListener(Protocol):
@@ -38,6 +53,11 @@ class SpeechListener(Protocol):
     def on_voice_failed(self) -> None:
         """Speaking a sentence raised (logged): the reply cannot go on."""
 
+    def sentence_due_s(self, queued_audio_s: float) -> float:
+        """When the listener runs dry if the next piece comes after `queued_audio_s` of audio
+        still being spoken (the loop's clock): its first audio's due time plus that, before
+        any audio went out."""
+
 
 class Speaking:
     def __init__(self, stage: Stage[Voice], rate_hz: int, listener: SpeechListener) -> None:
@@ -48,7 +68,8 @@ class Speaking:
         self.text = ""  # everything the model wrote
         self.cancelled = False
         self._finished = False
-        self._pending = 0  # sentences on the stage
+        self._pending: dict[asyncio.Future[bytes], float] = {}  # on the stage: audio s est.
+        self._last_due_s = -math.inf
         self._told_done = False
 
     def push(self, text: str) -> None:
@@ -69,8 +90,10 @@ class Speaking:
         self._maybe_done()
 
     def cancel(self) -> None:
-        """Stop at once: nothing more is said."""
+        """Stop at once: nothing more is said (sentences not begun never run)."""
         self.cancelled = True
+        for future in list(self._pending):
+            future.cancel()  # its callback (`_said`) comes on the loop
         self._maybe_done()
 
     @property
@@ -83,8 +106,11 @@ class Speaking:
         return self._finished and (self.cancelled or not self._pending)
 
     def _say(self, sentence: str) -> None:
-        self._pending += 1
         rate_hz = self.rate_hz
+        audio_s = len(sentence) / SPOKEN_CHARS_PER_S
+        due_s = max(self._last_due_s, self.listener.sentence_due_s(sum(self._pending.values()))
+                    - audio_s / SYNTHESIS_REALTIME_FACTOR)
+        self._last_due_s = due_s
 
         def speak(voice: Voice) -> bytes:  # on the stage
             start = time.perf_counter()
@@ -92,10 +118,12 @@ class Speaking:
             self.stage.observe(time.perf_counter() - start)
             return pcm
 
-        self.stage.run_model(speak).add_done_callback(lambda done: self._said(sentence, done))
+        future = self.stage.run_model(speak, due_s)
+        self._pending[future] = audio_s
+        future.add_done_callback(lambda done: self._said(sentence, done))
 
     def _said(self, sentence: str, done: asyncio.Future[bytes]) -> None:
-        self._pending -= 1
+        del self._pending[done]
         if done.cancelled() or self.cancelled:
             self._maybe_done()
             return

@@ -3,7 +3,12 @@
 A stage runs every session's work of its kind on its one thread, in the order it was asked
 (`run`), and its futures resolve on the loop in that order, so each session's stateful
 stream (a transcript, a VAD stream, a reply's voice) sees its pieces in sequence and no
-model runs on the loop or on the engine's thread. Its model is loaded on its own thread:
+model runs on the loop or on the engine's thread. Work with a deadline (`run_model`'s
+`due_s`: a reply's sentence, due when its listener would run dry) goes by deadline instead,
+earliest first (ties in call order), so a reply whose listener has seconds of audio left
+yields the thread to one about to run dry or not yet begun; each session keeps its own
+pieces in order by giving them deadlines that never decrease. Queued work whose future is
+cancelled (a reply the user spoke over) never runs. Its model is loaded on its own thread:
 at once (`load`: the server's start pays for it, with one warm-up run), or by the first
 work that needs it (`lazy`). The thread starts when the stage is made: an executor starts
 its thread on its first submit, on the caller's thread, and the loop paid 1-4 ms of CPU
@@ -13,9 +18,13 @@ for that on a session's first audio.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import math
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from metronome.observe.metrics import Metrics
 from metronome.runtime.cores import single_threaded
@@ -41,6 +50,10 @@ class Stage(Generic[M]):
         self._executor.submit(lambda: None).result()  # its thread starts now
         self._load = load
         self._model: M | None = None
+        # work by deadline: (due_s, call number, work, its future); one executor task each
+        self._due: list[tuple[float, int, Callable[[M], Any], asyncio.Future[Any]]] = []
+        self._due_lock = threading.Lock()
+        self._calls = itertools.count()
         if load is not None and not lazy:
             self._model = self._executor.submit(load).result()
 
@@ -54,9 +67,37 @@ class Stage(Generic[M]):
         the loop, in call order."""
         return self._loop.run_in_executor(self._executor, work)
 
-    def run_model(self, work: Callable[[M], T]) -> asyncio.Future[T]:
-        """`work` with the stage's model (loaded first if it is lazy and not yet loaded)."""
-        return self._loop.run_in_executor(self._executor, lambda: work(self._loaded()))
+    def run_model(self, work: Callable[[M], T], due_s: float = -math.inf) -> asyncio.Future[T]:
+        """`work` with the stage's model (loaded first if it is lazy and not yet loaded), in
+        call order, or, with `due_s` (the loop's clock), before any queued work due later.
+        Cancel the future to drop the work if it has not begun."""
+        if due_s == -math.inf:
+            return self._loop.run_in_executor(self._executor, lambda: work(self._loaded()))
+        future: asyncio.Future[T] = self._loop.create_future()
+        with self._due_lock:
+            heapq.heappush(self._due, (due_s, next(self._calls), work, future))
+        self._executor.submit(self._run_earliest)  # each task runs the earliest queued then
+        return future
+
+    @property
+    def queued_due(self) -> int:
+        """Work with a deadline queued and not begun."""
+        return len(self._due)
+
+    def _run_earliest(self) -> None:
+        """On the stage's thread: the earliest-due work queued (skipped if cancelled)."""
+        with self._due_lock:
+            if not self._due:  # closed
+                return
+            _, _, work, future = heapq.heappop(self._due)
+        if future.cancelled():
+            return
+        try:
+            result = work(self._loaded())
+        except BaseException as error:  # told to its future, as run_in_executor does
+            self._loop.call_soon_threadsafe(_settle, future, None, error)
+            return
+        self._loop.call_soon_threadsafe(_settle, future, result, None)
 
     def observe(self, seconds: float) -> None:
         """One piece of this stage's work took `seconds` (any thread)."""
@@ -64,6 +105,8 @@ class Stage(Generic[M]):
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._due_lock:  # its sessions are closed: nobody waits for that work
+            self._due.clear()
 
     def _loaded(self) -> M:
         """On the stage's thread: its model, loaded by its first user."""
@@ -71,3 +114,13 @@ class Stage(Generic[M]):
             assert self._load is not None, f"the {self.name} stage has no model"
             self._model = self._load()
         return self._model
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """On the loop: a deadline work's outcome, unless its future was cancelled meanwhile."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
