@@ -136,3 +136,25 @@ def test_a_steered_interval_over_target_holds_and_under_target_grows():
     assert (aimd.update(over), slow.update(over), slow.slow_start) == (8, 8, True)
     under = IntervalSample([0.3] * 10, 0, 0, active_sessions=8, steered=True)
     assert aimd.update(under) == 9 and slow.update(under) > 8
+
+
+def test_a_listener_that_ran_dry_is_a_miss_even_in_an_interval_with_no_frame():
+    """A turn server's signal is mostly its replies: an interval where a reply's listener ran
+    dry (and no frame finished) cuts the cap as a late frame would; without it, no signal."""
+    limit = AIMDLimit(initial_cap=8)
+    assert limit.update(IntervalSample([], 0, 0, 8)) == 8
+    assert limit.update(IntervalSample([], 0, 0, 8, output_gaps=1)) == 7  # x0.9
+    slow = SlowStartLimit(initial_cap=8)
+    assert slow.update(IntervalSample([0.1] * 10, 0, 0, 8, output_gaps=2)) == 7
+
+
+def test_the_controller_counts_output_gaps_into_its_interval_and_starts_over():
+    from metronome.admission.controller import AdmissionController
+
+    controller = AdmissionController(AIMDLimit(initial_cap=8), lambda: 8, interval_s=1.0)
+    controller.on_output_gap(0.25)
+    controller.on_output_gap(0.5)
+    assert controller.end_interval(1.0) == 7
+    assert controller.history[-1].output_gaps == 2
+    assert controller.end_interval(2.0) == 7  # nothing new: no signal, the cap holds
+    assert controller.history[-1].output_gaps == 0

@@ -28,6 +28,7 @@ class Owner:
         self.events: list = []
         self.closed_replies: list[Reply] = []
         self.observed: list = []
+        self.gaps_s: list[float] = []  # told as each happened (admission's signal)
         self.clock_s = 0.0
 
     def emit(self, event) -> None:
@@ -44,6 +45,9 @@ class Owner:
 
     def now_s(self) -> float:
         return self.clock_s
+
+    def observe_output_gap(self, gap_s: float) -> None:
+        self.gaps_s.append(gap_s)
 
     text_pace_tokens_per_s = 10.0
     stop_token_ids = frozenset({0})
@@ -136,7 +140,9 @@ def test_a_text_reply_streams_its_text_and_counts_the_gaps_its_reader_had():
     owner.clock_s = 0.1
     reply.on_tokens([11])  # "l", in time (0.2 s buffered)
     owner.clock_s = 0.6
+    assert owner.gaps_s == []
     reply.on_tokens([11, 14])  # "lo": 0.3 s after the reader ran dry
+    assert owner.gaps_s == [pytest.approx(0.3)]  # told at once, not at the reply's end
     frame = _answered(reply, FrameStatus.OK)
     frame.max_new_tokens = 64  # it stopped before its budget: completed
     reply.answered(frame)

@@ -65,6 +65,7 @@ class CapSample:
     memory_ceiling: int | None = None
     self_paced_work_share: float | None = None  # of the engine's work; None: no self-paced
     steered: bool = False  # that share was out of proportion: over target, the cap held
+    output_gaps: int = 0  # replies' listeners that ran dry (each a miss)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class AdmissionController:
     _misses: int = 0
     _stalled: int = 0
     _self_paced: int = 0
+    _output_gaps: int = 0
     _active_sum: int = 0  # active sessions summed over the interval's signal frames
     _work_tokens: Counter = field(default_factory=Counter)  # session id -> input positions
 
@@ -132,6 +134,13 @@ class AdmissionController:
         self._misses += not result.deadline_met
         self._stalled += result.status is FrameStatus.STALLED_KV
 
+    def on_output_gap(self, gap_s: float) -> None:
+        """A reply's listener ran dry for `gap_s` (`serve.realtime.pacing`): the output
+        stream's deadline was missed, a miss of the interval as a late frame's is (a reply
+        is paced by the server alone, so no client's pace excuses it)."""
+        assert gap_s > 0, gap_s
+        self._output_gaps += 1
+
     def on_step(self, out: StepOutput) -> None:
         """Count each session's engine work this interval: input positions processed (its
         input and its fed-back output tokens)."""
@@ -165,16 +174,19 @@ class AdmissionController:
         work_share, steered = self._steered()
         sample = IntervalSample(self._fractions, self._misses, self._stalled,
                                 self.active_sessions(),
-                                self._active_sum / frames if frames else None, steered)
+                                self._active_sum / frames if frames else None, steered,
+                                self._output_gaps)
         q = self.limit.percentile
         cap = self.limit.update(sample)
         record = CapSample(now_s, cap, sample.active_sessions, sample.percentile(q), q,
                            sample.num_frames, sample.deadline_misses, sample.stalled_frames,
-                           self._self_paced, self.memory_ceiling, work_share, steered)
+                           self._self_paced, self.memory_ceiling, work_share, steered,
+                           self._output_gaps)
         self.history.append(record)
         if self.on_update is not None:
             self.on_update(record)
         self._fractions, self._misses, self._stalled, self._self_paced = [], 0, 0, 0
+        self._output_gaps = 0
         self._active_sum = 0
         self.pacing.forget_before(now_s - self.interval_s, keep=self._work_tokens.keys())
         self._work_tokens = Counter()

@@ -47,6 +47,14 @@ class IntervalSample:
     # most of its engine work was a few self-paced sessions' (`admission.controller`): its
     # latency says how far their input went, not how many sessions fit
     steered: bool = False
+    # replies' listeners that ran dry (`serve.realtime.pacing`): an output stream's missed
+    # deadlines, each a miss as a frame's is
+    output_gaps: int = 0
+
+    @property
+    def signals(self) -> bool:
+        """It saw a frame finish or a listener run dry: something to act on."""
+        return bool(self.latency_fractions) or self.output_gaps > 0
 
     @property
     def load(self) -> float:
@@ -103,12 +111,12 @@ class AIMDLimit:
         return self._cap
 
     def over_target(self, sample: IntervalSample) -> bool:
-        if sample.deadline_misses or sample.stalled_frames:
+        if sample.deadline_misses or sample.stalled_frames or sample.output_gaps:
             return True
         return sample.percentile(self.percentile) > self.target_fraction
 
     def update(self, sample: IntervalSample) -> int:
-        if sample.num_frames == 0:
+        if not sample.signals:
             return self._cap
         if self.over_target(sample):
             if sample.steered:
@@ -177,7 +185,7 @@ class SlowStartLimit(AIMDLimit):
         self._lowest_fraction: float | None = None  # p0: the lowest latency seen
 
     def update(self, sample: IntervalSample) -> int:
-        if sample.num_frames == 0:
+        if not sample.signals:
             return self._return_to_rest()
         if self.over_target(sample):
             if sample.steered:  # no sign of how many sessions fit: slow start goes on
@@ -207,7 +215,8 @@ class SlowStartLimit(AIMDLimit):
         return self._cap
 
     def severe(self, sample: IntervalSample) -> bool:
-        return sample.deadline_misses >= self.severe_miss_fraction * sample.num_frames
+        misses = sample.deadline_misses + sample.output_gaps
+        return misses >= self.severe_miss_fraction * (sample.num_frames + sample.output_gaps)
 
     def predicted_growth(self, p: float) -> float:
         """N* over the measured load, as the interval's latency `p` predicts (at most

@@ -126,6 +126,10 @@ class Serving:
     def now_s(self) -> float:
         return self.driver.now_s()
 
+    def observe_output_gap(self, gap_s: float) -> None:
+        """A reply's listener ran dry: a miss in admission's interval (`on_output_gap`)."""
+        self.controller.on_output_gap(gap_s)
+
     # ---- admission and session lifecycle ---------------------------------------------------
     async def open(self, connection: Client) -> tuple[RealtimeSession, Callable[[], None]]:
         """The session a new connection serves, and what to do once it is accepted: the one

@@ -96,6 +96,9 @@ class ReplyOwner(Protocol):
     def now_s(self) -> float:
         """The server's clock."""
 
+    def observe_output_gap(self, gap_s: float) -> None:
+        """Its listener just ran dry for `gap_s` (admission's signal)."""
+
     @property
     def text_pace_tokens_per_s(self) -> float:
         """The reading pace a text reply is played at (`Playback`)."""
@@ -169,7 +172,7 @@ class Reply:
                                                   item_id=self.item_id, delta=text))
             self.text += text
         if num_tokens:
-            self.playback.add(owner.now_s(), num_tokens / owner.text_pace_tokens_per_s)
+            self._played(num_tokens / owner.text_pace_tokens_per_s)
 
     def answered(self, frame: Frame[Reply]) -> None:
         """The beat answered its frame: its text is all written. A text reply closes now;
@@ -266,7 +269,13 @@ class Reply:
         self.audio_bytes += len(pcm)
         audio_ms = len(pcm) / (2 * voice.rate_hz) * 1000
         self.said.append((sentence, audio_ms))
-        self.playback.add(self.owner.now_s(), audio_ms / 1000)
+        self._played(audio_ms / 1000)
+
+    def _played(self, duration_s: float) -> None:
+        """A piece of `duration_s` of playing time sent now; a gap it ends is told now."""
+        gap_s = self.playback.add(self.owner.now_s(), duration_s)
+        if gap_s > 0:
+            self.owner.observe_output_gap(gap_s)
 
     def on_voice_done(self) -> None:
         frame = self.answered_frame

@@ -126,6 +126,9 @@ class Host(Protocol):
 
     def now_s(self) -> float: ...
 
+    def observe_output_gap(self, gap_s: float) -> None:
+        """A reply's listener ran dry for `gap_s` (admission's signal)."""
+
     def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
 
 
@@ -554,6 +557,9 @@ class RealtimeSession:
 
     def now_s(self) -> float:
         return self.host.now_s()
+
+    def observe_output_gap(self, gap_s: float) -> None:
+        self.host.observe_output_gap(gap_s)
 
     @property
     def text_pace_tokens_per_s(self) -> float:
