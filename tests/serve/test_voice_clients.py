@@ -1,8 +1,11 @@
 """The voice-agent clients, each with its *default* audio configuration, against the server
 started with no flags (`metronome serve`: turn mode, server VAD, Whisper, Piper): the official
 `openai` SDK, the OpenAI Agents SDK's `RealtimeRunner` and LiveKit's OpenAI realtime plugin.
-Each speaks one question from a WAV at real-time pace and must get the reply's audio and its
-transcript back with zero error events (and nothing its own schema check rejects)."""
+Each speaks one question asking for a long answer, at real-time pace, and must get a reply of
+more than 100 tokens (the server's default ceiling is 256), all of it spoken: its audio, and
+a transcript that is the whole reply, with zero error events (and nothing its own schema
+check rejects). A reply ends at the model's stop or its budget (`incomplete`,
+`max_output_tokens`, OpenAI's reason), never at a deadline."""
 
 from __future__ import annotations
 
@@ -25,7 +28,22 @@ from tests.served import served
 pytestmark = pytest.mark.model
 RATE_HZ = 24000
 CHUNK_BYTES = 2 * RATE_HZ // 10  # 100 ms
-TIMEOUT_S = 90.0
+TIMEOUT_S = 150.0
+LONG_REPLY_TOKENS = 100  # a reply longer than this: far past the old 16-token one
+SPOKEN_CHARS_PER_S = 25.0  # faster than Piper ever speaks (15-20): audio at least this long
+
+
+def ended_as_a_reply_may(response: dict) -> bool:
+    """`completed`, or `incomplete` at its budget; never cut by the server."""
+    details = response.get("status_details") or {}
+    return response["status"] == "completed" or (
+        response["status"] == "incomplete" and details.get("reason") == "max_output_tokens")
+
+
+def long_reply_tokens(text: str) -> int:
+    from metronome.model.weights import load_tokenizer
+
+    return len(load_tokenizer().encode(text))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +55,7 @@ def url():
 @pytest.fixture(scope="module")
 def question() -> bytes:
     """1 s quiet, the spoken question, 1.5 s quiet (server VAD ends the turn in it)."""
-    speech = Voice().speak("What is the capital of France?", RATE_HZ, exact=True)
+    speech = Voice().speak("Tell me about Paris in detail.", RATE_HZ, exact=True)
     return bytes(2 * RATE_HZ) + speech + bytes(3 * RATE_HZ)
 
 
@@ -69,9 +87,11 @@ def test_the_openai_sdk_with_its_defaults_hears_a_spoken_answer(url, question):
                      if e.type == "response.output_audio.delta")
     transcript = "".join(e.delta for e in events
                          if e.type == "response.output_audio_transcript.delta")
-    assert len(audio) > RATE_HZ // 2 and transcript  # some speech and what it says
-    assert events[-1].response.status == "completed"
-    assert events[-1].response.output[0].content[0].transcript == transcript
+    done = events[-1].response
+    assert ended_as_a_reply_may(done.model_dump()), done
+    assert done.usage.output_tokens > LONG_REPLY_TOKENS, done.usage
+    assert done.output[0].content[0].transcript == transcript  # all of it was spoken
+    assert len(audio) / (2 * RATE_HZ) > len(transcript) / SPOKEN_CHARS_PER_S
 
 
 def test_the_agents_sdk_with_its_defaults_hears_a_spoken_answer(url, question, caplog):
@@ -114,11 +134,13 @@ def test_the_agents_sdk_with_its_defaults_hears_a_spoken_answer(url, question, c
     assert audio_events > 0
     heard = [e for e in raw
              if e.get("type") == "conversation.item.input_audio_transcription.completed"]
-    assert heard and "capital" in heard[0]["transcript"].lower()  # the SDK asks for it
+    assert heard and "paris" in heard[0]["transcript"].lower()  # the SDK asks for it
     transcript = "".join(e["delta"] for e in raw
                          if e.get("type") == "response.output_audio_transcript.delta")
-    assert transcript, kinds
-    assert raw[-1]["response"]["status"] == "completed"
+    done = raw[-1]["response"]
+    assert ended_as_a_reply_may(done), kinds
+    assert done["usage"]["output_tokens"] > LONG_REPLY_TOKENS, done["usage"]
+    assert done["output"][0]["content"][0]["transcript"] == transcript
 
 
 def test_livekit_with_its_defaults_hears_a_spoken_answer(url, question, caplog):
@@ -161,5 +183,8 @@ def test_livekit_with_its_defaults_hears_a_spoken_answer(url, question, caplog):
     with caplog.at_level(logging.WARNING, logger="livekit.agents"):
         text, frames = asyncio.run(main())
     errors += [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert not errors, errors
-    assert frames > 0 and text  # the reply spoken, and its transcript
+    # the plugin reports a reply that ran to its budget (`incomplete`, `max_output_tokens`)
+    # as an error, as it does OpenAI's; nothing else may go wrong
+    assert not [e for e in errors if "response incomplete: max_output_tokens" not in e], errors
+    assert frames > 0  # the reply spoken
+    assert long_reply_tokens(text) > LONG_REPLY_TOKENS, text  # and its transcript: long
