@@ -176,3 +176,34 @@ def test_set_policy_grows_shrinks_and_refuses_unbounded_after_a_slide(tiny_model
     engine.submit(young, [1] * 20)
     run(engine, young)
     engine.set_policy(young, ResidencyPolicy.unbounded())  # nothing slid yet: exact
+
+
+def test_the_memory_ceiling_counts_the_longest_reply_the_horizon_holds(tiny_model):
+    """A reply of R tokens keeps the window where it began until input is read, and that
+    input's chunk is written before it lets go: the session's peak is its bound, one chunk
+    and R tokens (`blocks_per_session` with `max_reply_tokens`), past what the chunk's
+    allowance alone covers, so the ceiling sized without R would admit sessions that stall."""
+    from dataclasses import replace
+
+    from metronome.engine.engine import blocks_per_session
+
+    engine = make_engine(tiny_model)
+    pool, allocate, used = engine.pool, engine.pool.allocate, [0]
+
+    def allocate_and_note(num_blocks: int):  # the peak is mid-step: blocks before a slide
+        got = allocate(num_blocks)
+        used[0] = max(used[0], engine.pool_stats().used_blocks)
+        return got
+
+    pool.allocate = allocate_and_note  # type: ignore[method-assign]
+    open_one(engine, "s")  # the one session: the pool's used blocks are its blocks
+    engine.submit("s", PROMPT, max_new_tokens=30)
+    for input_ids, budget in ((None, 0), (TURN * 2, 4)):
+        if input_ids is not None:
+            engine.submit("s", input_ids, max_new_tokens=budget)
+        while engine.sessions["s"].has_work:
+            engine.step()
+    peak = used[0]
+    with_reply = replace(engine.config, max_reply_tokens=30)
+    assert blocks_per_session(POLICY, engine.config) < peak  # the old count: too few
+    assert peak <= blocks_per_session(POLICY, with_reply), peak

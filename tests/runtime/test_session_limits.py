@@ -112,10 +112,14 @@ def test_blocks_per_session_is_the_peak_a_table_reaches():
 
 def test_a_pool_too_small_for_one_session_is_refused_at_start():
     with pytest.raises(ValueError, match=r"a KV pool of 16 blocks of 16 tokens \(256 tokens\) "
-                       r"cannot hold one sinks_window:4:512@absolute session: it needs 38 "
-                       r"blocks \(34 for its sinks and window, 4 more while a 64-token chunk"):
+                       r"cannot hold one sinks_window:4:512@absolute session: it needs 54 "
+                       r"blocks \(34 for its sinks and window, 20 more while a 64-token chunk "
+                       r"is written after a 256-token reply held for a rewind\)"):
         ServerConfig(pool_tokens=256)
-    assert ServerConfig(pool_tokens=608).pool_tokens == 608  # exactly one session's peak
+    assert ServerConfig(pool_tokens=864).pool_tokens == 864  # exactly one session's peak
+    with pytest.raises(ValueError, match="it needs 54 blocks"):
+        ServerConfig(pool_tokens=848)
+    assert ServerConfig(pool_tokens=624, max_response_tokens=16).pool_tokens == 624  # 39
     ServerConfig(pool_tokens=256, policy="unbounded")  # no bound, no per-session size
 
 

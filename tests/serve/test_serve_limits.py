@@ -15,6 +15,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
+from metronome.engine.engine import blocks_per_session
+from metronome.kv.residency import ResidencyPolicy
 from metronome.model.weights import load_tokenizer
 from metronome.serve.config import ServerConfig
 from metronome.serve.connection import Connection
@@ -80,7 +82,10 @@ def test_degrade_policy_bounds_a_session_at_the_wall_and_tells_its_client(smollm
             assert listed[first_id]["policy"] == "sinks_window:4:64@absolute"
             health = httpx.get(server.url + "/healthz").json()
             assert metric(server, "metronome_kv_pressure_bounded_sessions_total") == 1
-    assert health["admission"]["memory_ceiling"] == 32 // 10  # sized by the degrade bound
+    # sized by the degrade bound, with its 16-token replies held for a rewind (11 blocks)
+    degraded = ResidencyPolicy.parse("sinks_window:4:64")
+    assert health["admission"]["memory_ceiling"] == 32 // blocks_per_session(
+        degraded, config.engine_config()) == 2
 
 
 # ---- the event loop's time per message, for the worst text messages ----------------------------

@@ -50,6 +50,11 @@ class EngineConfig:
     # A session's chunk in a step of long prefills only, when the pool can spare the blocks
     # (`engine.chunking`); at most max_chunk_tokens: never larger.
     max_prefill_chunk_tokens: int = 256
+    # The longest reply a session samples before it reads input again (a server's
+    # `--max-response-tokens`): its rewind horizon holds the blocks the window slid past
+    # during it, so a session's peak is its bound plus that reply and one chunk
+    # (`blocks_per_session`); 0: replies short enough for the chunk's allowance to cover.
+    max_reply_tokens: int = 0
     # Server limits on what sessions may ask for:
     allow_unbounded: bool = True
     max_window_tokens: int = 8192
@@ -79,6 +84,8 @@ class EngineConfig:
                      "max_prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_reply_tokens < 0:
+            raise ValueError(f"max_reply_tokens must be >= 0, got {self.max_reply_tokens}")
         if self.max_step_tokens < self.max_chunk_tokens:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be >= "
                              f"max_chunk_tokens ({self.max_chunk_tokens})")
@@ -110,9 +117,12 @@ def check_policy_limits(policy: ResidencyPolicy, config: EngineConfig) -> None:
 
 def blocks_per_session(policy: ResidencyPolicy, config: EngineConfig) -> int | None:
     """Most blocks one session under `policy` holds at once in an engine of `config`: its
-    bound, plus the blocks of one full chunk written before the step slides the window
-    (None: unbounded, no bound)."""
-    return policy.max_blocks(config.block_size, config.max_chunk_tokens)
+    bound, plus the blocks of one full chunk written before the step slides the window, plus
+    its latest reply's (`max_reply_tokens`: the rewind horizon keeps the window where the
+    reply began until input is read, and that input's chunk is written before it lets go;
+    None: unbounded, no bound)."""
+    return policy.max_blocks(config.block_size,
+                             config.max_chunk_tokens + config.max_reply_tokens)
 
 
 def memory_ceiling(policy: ResidencyPolicy, config: EngineConfig, num_blocks: int) -> int | None:
@@ -134,7 +144,9 @@ def check_pool_fits(policy: ResidencyPolicy, config: EngineConfig, num_blocks: i
         f"a KV pool of {num_blocks} blocks of {block} tokens ({num_blocks * block} tokens) "
         f"cannot hold one {policy} session: it needs {per_session} blocks ({steady} for its "
         f"sinks and window, {per_session - steady} more while a {config.max_chunk_tokens}-"
-        f"token chunk is written), so a pool of at least {per_session * block} tokens")
+        f"token chunk is written" + (f" after a {config.max_reply_tokens}-token reply held "
+                                     f"for a rewind" if config.max_reply_tokens else "")
+        + f"), so a pool of at least {per_session * block} tokens")
 
 
 ENGINE_PATHS = ("fast", "reference")

@@ -341,6 +341,9 @@ class ServerConfig(BaseModel):
         return EngineConfig(block_size=self.block_size, pool_tokens=self.pool_tokens,
                             pressure_policy=pressure,
                             max_prefill_chunk_tokens=self.prefill_chunk_tokens,
+                            # a turn's reply, or a duplex frame's answer: held for a rewind
+                            max_reply_tokens=max(self.max_response_tokens,
+                                                 self.output_tokens_per_frame),
                             max_window_tokens=self.max_window_tokens,
                             max_sink_tokens=self.max_pinned_tokens)
 
