@@ -294,6 +294,58 @@ def test_a_spoken_reply_is_cut_where_its_audio_stopped(smollm2):
 
 
 @pytest.mark.model
+def test_a_long_reply_cancelled_mid_way_is_cut_where_heard_across_window_slides(smollm2):
+    """A reply of up to 200 tokens under a 32-token window: the window slides twice or more
+    during it before the user speaks up, yet the rewind horizon holds where it began, so a barge-in (`response.cancel`
+    while it is still spoken, then a truncate where playback stopped, as the Agents SDK does)
+    leaves the KV at the last heard token: the kept tokens are the reply's first ones, the
+    table ends right after them, and the session held no more blocks than the memory
+    ceiling counts for it (`blocks_per_session` with the server's reply length)."""
+    from metronome.engine.engine import blocks_per_session
+
+    policy = ResidencyPolicy.parse("sinks_window:4:32")
+    config = ServerConfig(audio_input="embeddings", server_vad=False, mode="turn",
+                          policy=str(policy), pool_tokens=4096, admission="off",
+                          max_response_tokens=200,
+                          deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
+    tokenizer = load_tokenizer()
+    with ServerThread(config, smollm2, tokenizer) as running, connect(running.ws_url) as ws:
+        sid = recv(ws)["session"]["id"]
+        send(ws, type="conversation.item.create", item={
+            "type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Tell me about the city of Paris in detail."}]})
+        recv_until(ws, "conversation.item.done")
+        send(ws, type="response.create")
+        events, audio_bytes = [], 0
+        session = engine_session(running, sid)
+        # 2 s of its audio sent and two windows written: the user speaks up
+        while audio_bytes < 2 * 24000 * 2 or len(session.reply) <= 64:
+            events.append(event := recv(ws, timeout_s=60))
+            assert event["type"] not in ("error", "response.done"), event
+            if event["type"] == "response.output_audio.delta":
+                audio_bytes += len(event["delta"]) * 3 // 4
+        send(ws, type="response.cancel")
+        events += recv_until(ws, "response.done", timeout_s=60)
+        done = events[-1]["response"]
+        assert done["status"] == "cancelled", done["status_details"]
+        reply, start = list(session.reply), session.table.hold_from
+        assert 64 < len(reply) <= 200 and start is not None  # cut mid-way, still held
+        assert policy.window_start(session.table.num_tokens, 16) > start  # it slid past
+        item_id = done["output"][0]["id"]
+        send(ws, type="conversation.item.truncate", item_id=item_id, content_index=0,
+             audio_end_ms=1500)  # heard: the first 1.5 s
+        assert recv(ws)["type"] == "conversation.item.truncated"
+        send(ws, type="conversation.item.retrieve", item_id=item_id)
+        cut = recv(ws)["item"]["content"][0]["transcript"]
+        kept = len(session.reply)
+        assert 0 < kept < 40 and session.reply == reply[:kept], (kept, len(reply))
+        assert cut == tokenizer.decode(reply[:kept])
+        assert session.table.num_tokens == start + kept - 1 and session.carry == reply[kept - 1]
+        peak = blocks_per_session(policy, running.app.state.serving.engine.config)
+        assert running.app.state.serving.engine.session_blocks(sid) <= peak
+
+
+@pytest.mark.model
 def test_instructions_stay_pinned_through_ten_windows_of_conversation(server):
     """After 10 x W tokens the pinned blocks still hold the instructions' KV bit for bit as
     the session wrote it, while the window slid ten times over; and that KV is the one a fresh
