@@ -296,9 +296,9 @@ def test_a_spoken_reply_is_cut_where_its_audio_stopped(smollm2):
 @pytest.mark.model
 def test_a_long_reply_cancelled_mid_way_is_cut_where_heard_across_window_slides(smollm2):
     """A reply of up to 200 tokens under a 32-token window: the window slides twice or more
-    during it before the user speaks up, yet the rewind horizon holds where it began, so a barge-in (`response.cancel`
-    while it is still spoken, then a truncate where playback stopped, as the Agents SDK does)
-    leaves the KV at the last heard token: the kept tokens are the reply's first ones, the
+    during it before the user speaks up, yet the rewind horizon holds where it began, so a
+    barge-in (`response.cancel` while it is still spoken, then a truncate where playback
+    stopped, as the Agents SDK does) leaves the KV at the last heard token: the kept tokens are the reply's first ones, the
     table ends right after them, and the session held no more blocks than the memory
     ceiling counts for it (`blocks_per_session` with the server's reply length)."""
     from metronome.engine.engine import blocks_per_session
