@@ -298,9 +298,10 @@ def test_a_long_reply_cancelled_mid_way_is_cut_where_heard_across_window_slides(
     """A reply of up to 200 tokens under a 32-token window: the window slides twice or more
     during it before the user speaks up, yet the rewind horizon holds where it began, so a
     barge-in (`response.cancel` while it is still spoken, then a truncate where playback
-    stopped, as the Agents SDK does) leaves the KV at the last heard token: the kept tokens are the reply's first ones, the
-    table ends right after them, and the session held no more blocks than the memory
-    ceiling counts for it (`blocks_per_session` with the server's reply length)."""
+    stopped, as the Agents SDK does) leaves the KV at the last heard token: the kept tokens
+    are the reply's first ones, the table ends right after them, and the session held no more
+    blocks than the memory ceiling counts for it (`blocks_per_session` with the server's
+    reply length)."""
     from metronome.engine.engine import blocks_per_session
 
     policy = ResidencyPolicy.parse("sinks_window:4:32")
