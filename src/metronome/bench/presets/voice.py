@@ -9,6 +9,17 @@ in the audio sent, to the first `response.output_audio.delta`) and from `speech_
 each N; the same with `--audio-input embeddings --no-output-audio` (the stand-in encoder and
 text: time to the reply's text) for contrast. Derived number: the largest N whose p95 time
 to first audio is within `budget_ms`.
+
+`--answers long` asks for long spoken answers instead ("Tell me about Paris in detail."):
+each reply runs to the model's stop or the server's `--max-response-tokens`, and each
+session listens to it as a person does: its microphone keeps sending silence at real time
+until the reply's audio would have finished playing, then it asks the next question. The
+reply's audio is played, on the client, at real time from its first delta (`Playback`,
+the server's own listener model, here on the client's clock): a delta that arrives after
+what came before has run out is a **gap** the listener hears. Per N: replies completed
+(the model's stop, or its budget: `incomplete` for `max_output_tokens`), output tokens,
+gaps per reply (count, ms, the p95 of a reply's total), time to first audio. The goal: no
+gaps at any N where the time-to-first-audio budget holds.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from metronome.load.client import Connection
 from metronome.load.speech import SENTENCES, SPEECH_DIR, read_wav, resample
 from metronome.results.context import RunContext
 from metronome.results.report import Plot, Report, Table, derived
+from metronome.serve.realtime.pacing import Playback
 from metronome.stats import percentile
 
 NAME = "voice"
@@ -44,6 +56,10 @@ RATE_HZ = 24000
 CHUNK_S = 0.1
 QUESTIONS = ["What is the capital of France?", "How far is the moon from the earth?",
              "What colour is the sky on a clear day?", "Name a large animal that lives in Africa."]
+LONG_QUESTIONS = ["Tell me about Paris in detail.",
+                  "Describe the moon and how people reached it.",
+                  "Explain how a river is formed, step by step.",
+                  "Tell me the history of the city of Rome."]
 ALSA_CLIPS = {"Front_Center": "front center", "Front_Left": "front left",
               "Front_Right": "front right", "Rear_Center": "rear center",
               "Rear_Left": "rear left", "Rear_Right": "rear right",
@@ -69,6 +85,9 @@ class Config(Knobs):
     silence_duration_ms: int = knob(500, "server VAD's silence that ends a turn (OpenAI's)")
     whisper_threads: int = knob(1, "threads of one Whisper pass")
     repeats: int = knob(3, "timed repeats of each stage measurement")
+    answers: str = knob("short", "short | long: questions with one-sentence answers, or "
+                        "asking for long spoken ones (listened to in full; gaps counted)")
+    stages_too: bool = knob(True, "measure the stages in this process first")
 
     SMOKE = dict(sessions=(1,), turns=1, arms=("voice",), repeats=1)
 
@@ -169,18 +188,27 @@ def stages(ctx: RunContext, cfg: Config) -> dict:
 
 
 # ---- sessions against the server ---------------------------------------------------------------
-def question_audio() -> list[bytes]:
+def question_audio(long: bool = False) -> list[bytes]:
     from metronome.audio.voice import Voice
 
     voice = Voice()
-    return [voice.speak(q, RATE_HZ) for q in QUESTIONS]
+    return [voice.speak(q, RATE_HZ) for q in (LONG_QUESTIONS if long else QUESTIONS)]
+
+
+def ended_as_a_reply_may(response: dict) -> bool:
+    """The model stopped, or its budget ran out (`incomplete`, `max_output_tokens`): never
+    cut by the server."""
+    details = response.get("status_details") or {}
+    return response["status"] == "completed" or (
+        response["status"] == "incomplete" and details.get("reason") == "max_output_tokens")
 
 
 async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, offset_s: float,
-                        silence_ms: int) -> list[dict]:
-    """One session: `turns` questions at real-time pace (1 s quiet before each, 2 s after);
-    per turn, when its speech ended (the last speech chunk sent), when server VAD stopped it,
-    and when the first reply output arrived."""
+                        silence_ms: int, listen: bool = False) -> list[dict]:
+    """One session: `turns` questions at real-time pace (1 s quiet before each, 2 s after;
+    `listen`: then silence until the reply's audio has played); per turn, when its speech
+    ended (the last speech chunk sent), when server VAD stopped it, when the first reply
+    output arrived, and the gaps its audio had, played at real time on arrival."""
     await asyncio.sleep(offset_s)
     conn = await Connection.open(url, extensions=False)
     vad = {"type": "server_vad", "silence_duration_ms": silence_ms}
@@ -189,19 +217,24 @@ async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, 
     await conn.update({"type": "realtime", "audio": {"input": audio_in}})
     chunk = int(2 * RATE_HZ * CHUNK_S)
     speech_ends, turns_out, errors = [], [], []
+    heard = asyncio.Event()  # `listen`: the latest reply's audio has played to its end
+    loop = asyncio.get_running_loop()
 
     async def speak():
         quiet = bytes(2 * RATE_HZ)
         next_at = time.monotonic()
         for turn in range(turns):
             pcm = quiet + questions[turn % len(questions)]
+            heard.clear()
             for start in range(0, len(pcm), chunk):
                 await conn.append(pcm[start:start + chunk])
                 next_at += CHUNK_S
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             speech_ends.append(time.monotonic())
-            for _ in range(int(2.0 / CHUNK_S)):
+            quiet_chunks = 0
+            while quiet_chunks < int(2.0 / CHUNK_S) or (listen and not heard.is_set()):
                 await conn.append(bytes(chunk))
+                quiet_chunks += 1
                 next_at += CHUNK_S
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
@@ -211,7 +244,7 @@ async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, 
     output = ("response.output_audio.delta" if arm in SPOKEN
               else "response.output_text.delta")
     try:
-        async with asyncio.timeout(turns * 15 + 30):
+        async with asyncio.timeout(turns * (150 if listen else 15) + 30):
             async for event in conn:
                 kind, now = event["type"], time.monotonic()
                 if kind == "error":
@@ -220,12 +253,22 @@ async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, 
                     stopped_at = now
                 elif kind == "response.created":
                     current = {"speech_end": speech_ends[-1] if speech_ends else None,
-                               "stopped": stopped_at, "first_output": None}
-                elif kind == output and current is not None and current["first_output"] is None:
-                    current["first_output"] = now
+                               "stopped": stopped_at, "first_output": None,
+                               "playback": Playback()}
+                elif kind == output and current is not None:
+                    if current["first_output"] is None:
+                        current["first_output"] = now
+                    if kind == "response.output_audio.delta":  # PCM16 mono at RATE_HZ
+                        current["playback"].add(now, len(event["delta"]) * 3 / 4 / (2 * RATE_HZ))
                 elif kind == "response.done" and current is not None:
-                    current["status"] = event["response"]["status"]
+                    response = event["response"]
+                    current["status"] = response["status"]
+                    current["whole"] = ended_as_a_reply_may(response)
+                    current["output_tokens"] = (response.get("usage") or {}).get(
+                        "output_tokens")
                     turns_out.append(current)
+                    ends_in_s = max(0.0, current["playback"].ends_at_s - now)
+                    loop.call_later(ends_in_s, heard.set)
                     current = None
                     if len(turns_out) >= turns and sender.done():
                         break
@@ -236,12 +279,17 @@ async def voice_session(url: str, arm: str, questions: list[bytes], turns: int, 
     rows = []
     for turn in turns_out:
         first, end, stopped = turn["first_output"], turn["speech_end"], turn["stopped"]
-        rows.append({"status": turn["status"], "errors": len(errors), "codes": errors,
+        playback = turn["playback"]
+        rows.append({"status": turn["status"], "whole": turn["whole"],
+                     "errors": len(errors), "codes": errors,
                      "ttfa_ms": None if None in (first, end) else 1e3 * (first - end),
                      "from_stop_ms": None if None in (first, stopped) else
-                     1e3 * (first - stopped)})
-    return rows or [{"status": "none", "errors": len(errors), "codes": errors, "ttfa_ms": None,
-                     "from_stop_ms": None}]
+                     1e3 * (first - stopped),
+                     "output_tokens": turn["output_tokens"], "played_s": playback.played_s,
+                     "gaps": playback.gap_count, "gap_ms": playback.total_gap_ms})
+    return rows or [{"status": "none", "whole": False, "errors": len(errors), "codes": errors,
+                     "ttfa_ms": None, "from_stop_ms": None, "output_tokens": None,
+                     "played_s": 0.0, "gaps": 0, "gap_ms": 0.0}]
 
 
 def stage_totals(url: str) -> dict[str, tuple[float, float]]:
@@ -276,7 +324,8 @@ def pct(values: list[float | None], q: float) -> float | None:
 
 
 def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
-    questions, rows = question_audio(), []
+    long = cfg.answers == "long"
+    questions, rows = question_audio(long), []
     with ctx.progress("arms x sessions", len(cfg.arms) * len(cfg.sessions)) as advance:
         for arm in cfg.arms:
             with Server.start(["--model", "bundled", "--admission", "off", "--log-level",
@@ -289,17 +338,28 @@ def sessions(ctx: RunContext, cfg: Config) -> list[dict]:
                     async def run_all(offsets=offsets, arm=arm, url=server.ws_url):
                         return await asyncio.gather(*(
                             voice_session(url, arm, questions, cfg.turns, off,
-                                          cfg.silence_duration_ms) for off in offsets))
+                                          cfg.silence_duration_ms, long) for off in offsets))
 
                     before = stage_totals(server.url)
                     by_session = asyncio.run(run_all())
                     turns = [t for session in by_session for t in session]
                     stage_ms = stage_means_ms(before, stage_totals(server.url))
                     ttfa = [t["ttfa_ms"] for t in turns]
+                    replied = [t for t in turns if t["status"] != "none"]
+                    tokens = [t["output_tokens"] for t in replied if t["output_tokens"]]
                     rows.append({
                         "arm": arm, "sessions": n, "turns_spoken": n * cfg.turns,
-                        "replies": sum(t["status"] != "none" for t in turns),
+                        "replies": len(replied),
                         "completed": sum(t["status"] == "completed" for t in turns),
+                        "whole": sum(t["whole"] for t in turns),
+                        "output_tokens_mean": statistics.mean(tokens) if tokens else None,
+                        "played_s_mean": statistics.mean(t["played_s"] for t in replied)
+                        if replied else None,
+                        "gaps_per_reply": statistics.mean(t["gaps"] for t in replied)
+                        if replied else None,
+                        "replies_with_gaps": sum(t["gaps"] > 0 for t in replied),
+                        "gap_ms_p95": pct([t["gap_ms"] for t in replied], 95),
+                        "gap_ms_max": max((t["gap_ms"] for t in replied), default=None),
                         "errors": max(t["errors"] for t in turns),
                         "error_codes": dict(Counter(c for session_turns in by_session
                                                     for c in session_turns[0]["codes"])),
@@ -316,11 +376,13 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     ctx.record(**served_facts("bundled"), speech_models="Whisper tiny.en int8 (CTranslate2), "
                "Piper en_US joe medium (ONNX Runtime)", cpu_count=os.cpu_count(),
                apt=shutil.which("apt-get") is not None)
-    result = {"config": asdict(cfg), "stages": stages(ctx, cfg),
+    if cfg.answers not in ("short", "long"):
+        raise ValueError(f"answers must be short or long, got {cfg.answers!r}")
+    result = {"config": asdict(cfg), "stages": stages(ctx, cfg) if cfg.stages_too else None,
               "sessions": sessions(ctx, cfg)}
     held = [r["sessions"] for r in result["sessions"] if r["arm"] == "voice"
             and r["ttfa_p95_ms"] is not None and r["ttfa_p95_ms"] <= cfg.budget_ms
-            and r["replies"] == r["turns_spoken"]]
+            and r["replies"] == r["turns_spoken"] and r["whole"] == r["replies"]]
     result["derived"] = derived(f"largest N of voice sessions with p95 time to first audio "
                                 f"<= {cfg.budget_ms:g} ms (0: none)", max(held, default=0))
     return REPORT.finish(ctx, result)
@@ -335,5 +397,7 @@ REPORT = Report("Voice: the cost of hearing (Whisper) and speaking (Piper)", spe
     Table("Sessions: time to first output (audio for voice, text for embeddings+text)",
           "sessions")),
     plots=(Plot("{stem}.png", "sessions", x="sessions", ys=("ttfa_p50_ms", "ttfa_p95_ms"),
-                series="arm"),))
+                series="arm"),
+           Plot("{stem}_gaps.png", "sessions", x="sessions",
+                ys=("gaps_per_reply", "gap_ms_p95", "whole"), series="arm")))
 report = REPORT.markdown
