@@ -60,6 +60,15 @@ def test_word_error_rate_counts_edits_over_the_reference():
     assert voice.wer("a b c", "a c") == 1 / 3 and voice.wer("a", "a b c") == 2.0
 
 
+def test_a_long_answer_counts_whole_when_the_model_stopped_or_its_budget_ran_out():
+    assert voice.ended_as_a_reply_may({"status": "completed"})
+    assert voice.ended_as_a_reply_may({"status": "incomplete", "status_details": {
+        "type": "incomplete", "reason": "max_output_tokens"}})
+    assert not voice.ended_as_a_reply_may({"status": "incomplete", "status_details": {
+        "type": "incomplete", "reason": "turn_detected"}})
+    assert not voice.ended_as_a_reply_may({"status": "cancelled", "status_details": None})
+
+
 @pytest.mark.model
 def test_the_ear_by_window_against_thirty_seconds(tmp_path):
     res, text = smoke(ear, tmp_path)

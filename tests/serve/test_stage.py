@@ -11,6 +11,8 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from metronome.observe.metrics import Metrics
 from metronome.serve.realtime.reply import Reply
 from metronome.serve.voice.speaking import Speaking
@@ -94,21 +96,24 @@ class Owner:
         self.events.append(event)
 
 
-def test_a_reply_with_seconds_buffered_yields_the_speaker_to_a_neighbours_first_sentence():
+@pytest.mark.parametrize("by_deadline", [True, False])
+def test_a_reply_with_seconds_buffered_yields_the_speaker_to_a_neighbours_first_sentence(
+        by_deadline):
     """Reply A has sent 10 s of audio and queues three more sentences; reply B (its frame
     arrived now) then queues its first. A's listener has 10 s left, so B's sentence is
     spoken first of all (in call order it would wait for all of A's), and A's sentences keep
-    their order."""
+    their order. `--speak-order arrival` (`by_deadline` False) speaks in call order, as
+    before."""
 
     async def main() -> list[str]:
         voice = Voice()
         stage, gate = await _held_stage(voice)
         owner = Owner()
         a = Reply(owner, "resp_a", "item_a", None)  # type: ignore[arg-type]
-        a.voice = Speaking(stage, 24000, a)
+        a.voice = Speaking(stage, 24000, a, by_deadline)
         a.playback.add(owner.now - 1.0, 11.0)  # 10 s still to play
         b = Reply(owner, "resp_b", "item_b", None)  # type: ignore[arg-type]
-        b.voice = Speaking(stage, 24000, b)
+        b.voice = Speaking(stage, 24000, b, by_deadline)
         b.frame = SimpleNamespace(arrival_s=owner.now)  # type: ignore[assignment]
         a.voice.push("A one is here. A two is here. A three is here. ")
         b.voice.push("B one is here. ")
@@ -119,8 +124,9 @@ def test_a_reply_with_seconds_buffered_yields_the_speaker_to_a_neighbours_first_
         stage.close()
         return voice.spoken
 
-    assert asyncio.run(main()) == ["B one is here.", "A one is here.", "A two is here.",
-                                   "A three is here."]
+    a_sentences = ["A one is here.", "A two is here.", "A three is here."]
+    assert asyncio.run(main()) == (["B one is here.", *a_sentences] if by_deadline
+                                   else [*a_sentences, "B one is here."])
 
 
 def test_a_cancelled_voice_drops_its_queued_sentences_unspoken():

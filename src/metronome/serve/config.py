@@ -93,6 +93,10 @@ class ServerConfig(BaseModel):
                                           "text reply is measured against (~6 words/s, a "
                                           "fast reader): text sent slower than this leaves "
                                           "its reader waiting, a gap")
+    speak_order: Literal["deadline", "arrival"] = Field(
+        "deadline", description="the speak stage's order: deadline (each sentence when its "
+        "reply's listener would run dry: a reply far ahead yields to one about to run dry) "
+        "or arrival (first asked, first spoken: as before, for comparison)")
     mode: SessionMode = Field(SessionMode.TURN, description="default session mode: turn (a "
                               "reply per turn, what Realtime clients expect) | duplex (output "
                               "every frame, Moshi-like; a session may choose with "

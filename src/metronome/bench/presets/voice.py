@@ -70,10 +70,12 @@ ARMS = {  # the serve flags of each arm (after the bench launcher's text-server 
     # as before the ear (`metronome bench ear`): every Whisper pass hears 30 s
     # the ear as it was: every pass 30 s, the turn's last pass at its commit
     "voice, 30 s passes": [*VOICE, "--whisper-window-s", "30", "--hear-ahead-pause-ms", "0"],
+    # the speak stage as before issue 51: first asked, first spoken
+    "voice, speak in arrival order": [*VOICE, "--speak-order", "arrival"],
     "embeddings+text": ["--mode", "turn", "--audio-input", "embeddings", "--no-output-audio",
                         "--server-vad"],
 }
-SPOKEN = ("voice", "voice, 30 s passes")  # the arms that answer in audio
+SPOKEN = ("voice", "voice, 30 s passes", "voice, speak in arrival order")  # answer in audio
 
 
 @dataclass(frozen=True)

@@ -401,7 +401,8 @@ class RealtimeSession:
         reply = Reply(self, p.new_id("resp"), p.new_id("item"), self.conversation.last_item_id,
                       metadata)
         if spoken:
-            reply.voice = Speaking(self.host.stages.speak, OUTPUT_RATE_HZ, reply)
+            reply.voice = Speaking(self.host.stages.speak, OUTPUT_RATE_HZ, reply,
+                                   by_deadline=self.host.config.speak_order == "deadline")
         reply.open()
         return reply
 

@@ -60,7 +60,10 @@ class SpeechListener(Protocol):
 
 
 class Speaking:
-    def __init__(self, stage: Stage[Voice], rate_hz: int, listener: SpeechListener) -> None:
+    def __init__(self, stage: Stage[Voice], rate_hz: int, listener: SpeechListener,
+                 by_deadline: bool = True) -> None:
+        """`by_deadline` False: its sentences go in call order (`--speak-order arrival`)."""
+        self.by_deadline = by_deadline
         self.stage = stage
         self.rate_hz = rate_hz
         self.listener = listener
@@ -111,6 +114,8 @@ class Speaking:
         due_s = max(self._last_due_s, self.listener.sentence_due_s(sum(self._pending.values()))
                     - audio_s / SYNTHESIS_REALTIME_FACTOR)
         self._last_due_s = due_s
+        if not self.by_deadline:
+            due_s = -math.inf  # the stage's call order
 
         def speak(voice: Voice) -> bytes:  # on the stage
             start = time.perf_counter()
