@@ -131,13 +131,26 @@ def send(ws, **event) -> None:
     ws.send(json.dumps(event))
 
 
-def turn(ws, text: str) -> list[dict]:
-    """A user text item, then a response: the events up to its `response.done`."""
+def ask(ws, text: str) -> list[dict]:
+    """A user text item, then `response.create` once it is in: the events up to its
+    `conversation.item.done`."""
     send(ws, type="conversation.item.create", item={
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
     events = recv_until(ws, "conversation.item.done")
     send(ws, type="response.create")
-    return events + recv_until(ws, "response.done", timeout_s=60)
+    return events
+
+
+def turn(ws, text: str) -> list[dict]:
+    """A user text item, then a response: the events up to its `response.done`."""
+    return ask(ws, text) + recv_until(ws, "response.done", timeout_s=60)
+
+
+def spoken_server(**overrides) -> ServerConfig:
+    """A turn server that speaks its replies, fed text (no Whisper, no VAD), unhurried."""
+    return ServerConfig(**{"audio_input": "embeddings", "server_vad": False, "mode": "turn",
+                           "pool_tokens": 4096, "admission": "off",
+                           "deadline_fraction": UNHURRIED_DEADLINE_FRACTION} | overrides)
 
 
 def engine_session(server, session_id: str):
@@ -261,18 +274,11 @@ def test_instructions_changed_mid_session_are_re_pinned(server):
 def test_a_spoken_reply_is_cut_where_its_audio_stopped(smollm2):
     """Barge-in as the Agents SDK does it: the reply was played up to `audio_end_ms`; the
     item's transcript ends at the last whole word heard and the KV at its last token."""
-    config = ServerConfig(audio_input="embeddings", server_vad=False, mode="turn",
-                          pool_tokens=4096, admission="off", max_response_tokens=24,
-                          deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
+    config = spoken_server(max_response_tokens=24)
     tokenizer = load_tokenizer()
     with ServerThread(config, smollm2, tokenizer) as running, connect(running.ws_url) as ws:
         sid = recv(ws)["session"]["id"]
-        send(ws, type="conversation.item.create", item={
-            "type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "Tell me about the city of Paris."}]})
-        recv_until(ws, "conversation.item.done")
-        send(ws, type="response.create")
-        events = recv_until(ws, "response.done", timeout_s=60)
+        events = turn(ws, "Tell me about the city of Paris.")
         done = events[-1]["response"]
         transcript = done["output"][0]["content"][0]["transcript"]
         audio_bytes = sum(len(e["delta"]) * 3 // 4 for e in events
@@ -305,18 +311,11 @@ def test_a_long_reply_cancelled_mid_way_is_cut_where_heard_across_window_slides(
     from metronome.engine.engine import blocks_per_session
 
     policy = ResidencyPolicy.parse("sinks_window:4:32")
-    config = ServerConfig(audio_input="embeddings", server_vad=False, mode="turn",
-                          policy=str(policy), pool_tokens=4096, admission="off",
-                          max_response_tokens=200,
-                          deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
+    config = spoken_server(policy=str(policy), max_response_tokens=200)
     tokenizer = load_tokenizer()
     with ServerThread(config, smollm2, tokenizer) as running, connect(running.ws_url) as ws:
         sid = recv(ws)["session"]["id"]
-        send(ws, type="conversation.item.create", item={
-            "type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "Tell me about the city of Paris in detail."}]})
-        recv_until(ws, "conversation.item.done")
-        send(ws, type="response.create")
+        ask(ws, "Tell me about the city of Paris in detail.")
         events, audio_bytes = [], 0
         session = engine_session(running, sid)
         # 2 s of its audio sent and two windows written: the user speaks up

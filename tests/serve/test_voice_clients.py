@@ -22,6 +22,7 @@ from livekit.plugins.openai.realtime import RealtimeModel
 from openai import AsyncOpenAI
 
 from metronome.audio.voice import Voice
+from metronome.bench.presets.voice import ended_as_a_reply_may
 from metronome.serve.config import ServerConfig
 from tests.served import served
 
@@ -31,13 +32,6 @@ CHUNK_BYTES = 2 * RATE_HZ // 10  # 100 ms
 TIMEOUT_S = 150.0
 LONG_REPLY_TOKENS = 100  # a reply longer than this: far past the old 16-token one
 SPOKEN_CHARS_PER_S = 25.0  # faster than Piper ever speaks (15-20): audio at least this long
-
-
-def ended_as_a_reply_may(response: dict) -> bool:
-    """`completed`, or `incomplete` at its budget; never cut by the server."""
-    details = response.get("status_details") or {}
-    return response["status"] == "completed" or (
-        response["status"] == "incomplete" and details.get("reason") == "max_output_tokens")
 
 
 def long_reply_tokens(text: str) -> int:

@@ -111,11 +111,7 @@ class Speaking:
     def _say(self, sentence: str) -> None:
         rate_hz = self.rate_hz
         audio_s = len(sentence) / SPOKEN_CHARS_PER_S
-        due_s = max(self._last_due_s, self.listener.sentence_due_s(sum(self._pending.values()))
-                    - audio_s / SYNTHESIS_REALTIME_FACTOR)
-        self._last_due_s = due_s
-        if not self.by_deadline:
-            due_s = -math.inf  # the stage's call order
+        due_s = self._due_s(audio_s) if self.by_deadline else -math.inf  # -inf: call order
 
         def speak(voice: Voice) -> bytes:  # on the stage
             start = time.perf_counter()
@@ -126,6 +122,15 @@ class Speaking:
         future = self.stage.run_model(speak, due_s)
         self._pending[future] = audio_s
         future.add_done_callback(lambda done: self._said(sentence, done))
+
+    def _due_s(self, audio_s: float) -> float:
+        """When a sentence of ~`audio_s` must start: its listener runs dry after the audio
+        sent and the sentences still on the stage, less its own synthesis; never before this
+        reply's previous sentence."""
+        queued_s = sum(self._pending.values())
+        self._last_due_s = max(self._last_due_s, self.listener.sentence_due_s(queued_s)
+                               - audio_s / SYNTHESIS_REALTIME_FACTOR)
+        return self._last_due_s
 
     def _said(self, sentence: str, done: asyncio.Future[bytes]) -> None:
         del self._pending[done]
