@@ -136,6 +136,7 @@ def test_a_text_reply_streams_its_text_and_counts_the_gaps_its_reader_had():
     at 0 s last to 0.2 s, so the next step at 0.5 s left the reader waiting 0.3 s."""
     owner = Owner()
     reply = _text_reply(owner)
+    reply.frame = _queued(reply, paced=True)  # a turn's reply, as the session queues it
     reply.on_tokens([7, 4])  # "he" at 0 s
     owner.clock_s = 0.1
     reply.on_tokens([11])  # "l", in time (0.2 s buffered)
@@ -153,6 +154,26 @@ def test_a_text_reply_streams_its_text_and_counts_the_gaps_its_reader_had():
     [playback] = owner.observed
     assert playback.gap_ms == [pytest.approx(300.0)]
     assert reply.pacing().gap_count == 1 and reply.pacing().pace_tokens_per_s == 10.0
+
+
+def test_a_duplex_frames_gaps_are_counted_but_not_told_to_admission():
+    """A duplex frame is not paced: it is judged by its deadline (its result is admission's
+    signal already, where a self-paced client is excused); its reader's gaps are its own
+    account only."""
+    owner = Owner()
+    reply = _text_reply(owner)
+    reply.frame = _queued(reply, paced=False)
+    reply.on_tokens([7, 4])
+    owner.clock_s = 0.6
+    reply.on_tokens([11])  # 0.4 s after the reader ran dry
+    assert owner.gaps_s == []
+    assert reply.playback.gap_ms == [pytest.approx(400.0)]
+
+
+def _queued(reply: Reply, paced: bool) -> Frame[Reply]:
+    frame: Frame[Reply] = Frame("sess_1", 0.0, True, "response", reply, index=0)
+    frame.paced = paced
+    return frame
 
 
 def test_a_reply_that_spent_its_budget_is_incomplete_for_max_output_tokens():

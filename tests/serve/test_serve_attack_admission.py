@@ -246,11 +246,13 @@ def report(history: list[CapSample], attack_at_s: float, left_at_s: float,
     calm_late = sum(len(s.late_frames) for s in calm)
     print(f"cap before the attack {pre_attack_cap}; during it "
           f"{caps(attack_at_s, left_at_s)}; after it {caps(left_at_s, float('inf'))}")
-    intervals = [(s.cap, s.active_sessions, s.frames, s.misses, s.self_paced,
-                  s.self_paced_work_share and round(s.self_paced_work_share, 2), s.steered)
+    intervals = [(s.cap, s.active_sessions, s.frames,
+                  s.latency_fraction and round(s.latency_fraction, 2), s.misses, s.output_gaps,
+                  s.self_paced, s.self_paced_work_share and round(s.self_paced_work_share, 2),
+                  s.steered)
                  for s in history]
-    print(f"per interval (cap, active, frames, misses, self-paced, their work share, steered): "
-          f"{intervals}")
+    print(f"per interval (cap, active, frames, p95 latency / deadline, misses, output gaps, "
+          f"self-paced, their work share, steered): {intervals}")
     print(f"new users admitted {sum(joined)}/{len(joined)}: {joined}")
     print(f"audio attacker: {audio.sent} chunks sent, {len(audio.frames)} frames answered, "
           f"{len(audio.late_frames)} late, {audio.error_codes.count('input_audio_buffer_overflow')}"

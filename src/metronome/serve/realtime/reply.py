@@ -272,9 +272,15 @@ class Reply:
         self._played(audio_ms / 1000)
 
     def _played(self, duration_s: float) -> None:
-        """A piece of `duration_s` of playing time sent now; a gap it ends is told now."""
+        """A piece of `duration_s` of playing time sent now; a gap it ends is told now, if
+        its frame is paced (a turn's reply: the server alone sets its pace). A duplex frame
+        is judged by its own deadline, as every frame is: its result is already admission's
+        signal, and a client flooding its own input is excused there (`admission.pacing`);
+        its gaps told too would count its lateness twice and past that excuse (a text flood
+        in duplex mode cut the cap 8 -> 5 after it left, the attack-admission test)."""
         gap_s = self.playback.add(self.owner.now_s(), duration_s)
-        if gap_s > 0:
+        frame = self.frame
+        if gap_s > 0 and frame is not None and frame.paced:
             self.owner.observe_output_gap(gap_s)
 
     def on_voice_done(self) -> None:
