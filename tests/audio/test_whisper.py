@@ -12,6 +12,7 @@ import pytest
 from metronome.audio.whisper import (
     MAX_TOKENS_PER_S,
     MIN_MAX_TOKENS,
+    SEGMENT_MAX_S,
     WHISPER_RATE_HZ,
     WINDOW_S,
     StreamingTranscript,
@@ -121,3 +122,44 @@ def test_a_pass_heard_ahead_at_a_pause_is_the_turns_last_when_the_pause_ends_it(
     assert passes == {False: 1, True: 0}
     assert heard[True] == heard[False] and [w.strip(".").lower() for w in heard[True]] == [
         w.strip(".").lower() for w in LONG.split()], heard
+
+
+@pytest.mark.model
+def test_a_long_turn_is_heard_in_settled_segments_each_pass_bounded():
+    """A 40 s turn without a pause (sentences 150 ms apart, under VAD's 500 ms), pushed in
+    1 s frames: no pass hears more than `SEGMENT_MAX_S` and a frame (the 30 s reference
+    re-heard the whole turn, and past 30 s lost its start), the turn is settled in segments
+    cut at quiet moments, and its words are the text's within 10 % (Whisper tiny.en on the
+    whole of each sentence alone: 0-5 %)."""
+    from metronome.audio.voice import Voice
+    from metronome.bench.presets.talkers import PARAGRAPH
+    from metronome.bench.presets.voice import wer
+
+    voice = Voice()
+    breath = np.zeros(int(0.15 * WHISPER_RATE_HZ), np.float32)
+    pieces, said = [], []
+    while sum(len(p) for p in pieces) < 40 * WHISPER_RATE_HZ:
+        sentence = PARAGRAPH[len(said)]
+        pieces += [np.frombuffer(voice.speak(sentence, WHISPER_RATE_HZ, exact=True), "<i2")
+                   .astype(np.float32) / 32768, breath]
+        said.append(sentence)
+    audio = np.concatenate(pieces)
+    whisper = Whisper(window_s=WINDOW_S)
+    heard_s: list[float] = []
+    words_of = whisper.words
+
+    def timed_words(samples: np.ndarray) -> list[str]:
+        heard_s.append(len(samples) / WHISPER_RATE_HZ)
+        return words_of(samples)
+
+    whisper.words = timed_words  # type: ignore[method-assign]
+    transcript = StreamingTranscript(whisper, WHISPER_RATE_HZ)
+    words: list[str] = []
+    frame = WHISPER_RATE_HZ
+    for end in range(frame, len(audio) + frame, frame):
+        piece = audio[end - frame:end]
+        words += transcript.push(piece, 1000 * min(end, len(audio)) / WHISPER_RATE_HZ,
+                                 end >= len(audio))
+    assert max(heard_s) <= SEGMENT_MAX_S + 1.0, heard_s
+    assert transcript.cuts >= 40 // SEGMENT_MAX_S, transcript.cuts
+    assert wer(" ".join(said), " ".join(words)) <= 0.10, " ".join(words)

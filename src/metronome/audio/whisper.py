@@ -17,6 +17,18 @@ So when the user stops, most of the turn's words are already in the session's KV
 final pass commits the rest. A pass that would only repeat one already queued behind it is
 skipped (`push(..., pass_now=False)`): under load the transcript commits less often, it never
 falls further behind than one pass.
+
+A turn of any length costs the same per second: once the audio not settled yet (the turn's
+*segment*) is longer than `SEGMENT_MAX_S`, it is cut at its quietest moment (`quietest_cut`:
+the lowest energy over 30 ms, a word boundary or a stop's closure in continuous speech) at
+least `CUT_KEEP_S` before its end; the part before the cut is heard to its end by one pass,
+as a turn's end is (its words committed, those two passes agreed on standing), and never heard
+again; the segment goes on from the cut (with any agreed words that lay past the cut as its
+first, committed already: the passes hear no word times, so they are counted off). So no
+pass hears more than `SEGMENT_MAX_S` plus a frame (within the 10 s window: a pass's cost does
+not grow with the turn), and a turn's words keep arriving however long it runs. A cut is not
+speculative: it runs even when partial passes are shed, so a stage that is behind never lets
+a segment grow.
 """
 
 from __future__ import annotations
@@ -34,6 +46,10 @@ WHISPER_RATE_HZ = 16000
 WHISPER_MAX_S = 30.0  # one pass hears at most this much: a longer turn keeps its last 30 s
 ROLLING_S = 3.0  # audio kept before speech is detected (VAD reports a frame or so late)
 HEARD_THE_END_MS = 150.0  # a pass that heard this far past the speech's end heard it all
+SEGMENT_MAX_S = 8.0  # a turn's unsettled audio longer than this is cut and its head settled
+CUT_KEEP_S = 2.0  # ... at least this much before its end (the words still being said) ...
+CUT_FROM_S = 3.0  # ... and at least this far into it (a head long enough to hear well)
+CUT_WINDOW_S = 0.03  # the energy window the quietest moment is found with
 
 
 WINDOW_S = 10.0  # a pass hears max(clip, this): the smallest window measured to keep WER
@@ -167,12 +183,15 @@ class StreamingTranscript:
 
     whisper: Whisper
     sample_rate_hz: int
-    committed: list[str] = field(default_factory=list)  # this turn's, final
+    committed: list[str] = field(default_factory=list)  # this segment's, final
     passes: int = 0  # Whisper passes run (the rest were shed or not needed)
+    cuts: int = 0  # segments settled inside a turn (`SEGMENT_MAX_S`)
     _previous: list[str] = field(default_factory=list)  # the last pass's words
     _audio: list[np.ndarray] = field(default_factory=list)  # this turn's, at 16 kHz
     _resampler: StreamingResampler | None = None
     _previous_end_ms: float | None = None  # where the last pass's audio ended
+    _carried: int = 0  # the segment's first committed words, agreed before its cut: counted
+    # off, not compared (heard again without what came before the cut, they may differ)
 
     def __post_init__(self) -> None:
         if self.sample_rate_hz != WHISPER_RATE_HZ:
@@ -196,6 +215,9 @@ class StreamingTranscript:
         keep_from_ms = end_ms - ROLLING_S * 1000 if speech_from_ms is None else speech_from_ms
         audio = _kept(self._audio, end_ms, keep_from_ms)
         self._audio = [audio]
+        if not final and speech_from_ms is not None and len(audio) > (
+                SEGMENT_MAX_S * WHISPER_RATE_HZ):
+            return self._cut(audio)
         if not final and (speech_from_ms is None or not pass_now):
             return []
         done = len(self.committed)
@@ -211,15 +233,33 @@ class StreamingTranscript:
         if final:
             new = words[done:]  # committed words stand, even where this pass revised them
             self.committed, self._previous, self._audio = [], [], []
-            self._previous_end_ms = None
+            self._carried, self._previous_end_ms = 0, None
             return new
         agreed = _common_prefix(words, self._previous)
         self._previous = words
-        if len(agreed) <= done or [normalise_word(w) for w in agreed[:done]] != [
-                normalise_word(w) for w in self.committed]:
+        carried = self._carried
+        if len(agreed) <= done or [normalise_word(w) for w in agreed[carried:done]] != [
+                normalise_word(w) for w in self.committed[carried:]]:
             return []
         new = agreed[done:]
         self.committed += new
+        return new
+
+    def _cut(self, audio: np.ndarray) -> list[str]:
+        """Settle the segment's head: cut `audio` (the segment) at its quietest moment, hear
+        the head to its end (its words past those committed are committed: the head is done,
+        as a turn's end is) and go on with the rest as the segment."""
+        cut = quietest_cut(audio)
+        words = self.whisper.words(audio[:cut])
+        self.passes += 1
+        self.cuts += 1
+        done = len(self.committed)
+        new = words[done:]
+        # words two passes agreed on may lie past the cut: they stand, as the next segment's
+        # first (its passes hear them again and commit only what follows)
+        self.committed, self._previous, self._audio = (self.committed[len(words):], [],
+                                                       [audio[cut:]])
+        self._carried, self._previous_end_ms = len(self.committed), None
         return new
 
     def hear_ahead(self, samples: np.ndarray, end_ms: float, speech_from_ms: float) -> None:
@@ -237,6 +277,18 @@ class StreamingTranscript:
         self._previous = self.whisper.words(audio)
         self._previous_end_ms = end_ms
         self.passes += 1
+
+
+def quietest_cut(audio: np.ndarray) -> int:
+    """The sample to cut 16 kHz speech at: the middle of its quietest `CUT_WINDOW_S` (mean
+    square energy) between `CUT_FROM_S` from its start and `CUT_KEEP_S` before its end."""
+    window = int(CUT_WINDOW_S * WHISPER_RATE_HZ)
+    first = int(CUT_FROM_S * WHISPER_RATE_HZ)
+    last = len(audio) - int(CUT_KEEP_S * WHISPER_RATE_HZ)
+    assert last - first >= window, f"{len(audio)} samples are too few to cut"
+    running = np.concatenate(([0.0], np.cumsum(np.square(audio[first:last], dtype=np.float64))))
+    energy = running[window:] - running[:-window]  # each window's, from each start
+    return first + int(np.argmin(energy)) + window // 2
 
 
 def _kept(pieces: list[np.ndarray], end_ms: float, keep_from_ms: float) -> np.ndarray:
