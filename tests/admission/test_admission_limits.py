@@ -158,3 +158,18 @@ def test_the_controller_counts_output_gaps_into_its_interval_and_starts_over():
     assert controller.history[-1].output_gaps == 2
     assert controller.end_interval(2.0) == 7  # nothing new: no signal, the cap holds
     assert controller.history[-1].output_gaps == 0
+
+
+def test_input_the_server_fell_behind_on_is_a_miss_counted_into_its_interval():
+    """Real-time audio kept past a session's buffer bound (`serve.realtime.intake`): the
+    server is behind its input, a miss as a late frame is, even with no frame finished."""
+    from metronome.admission.controller import AdmissionController
+
+    assert AIMDLimit(initial_cap=8).update(IntervalSample([], 0, 0, 8, input_behind=1)) == 7
+    controller = AdmissionController(AIMDLimit(initial_cap=8), lambda: 8, interval_s=1.0)
+    for _ in range(3):
+        controller.on_input_behind()
+    assert controller.end_interval(1.0) == 7
+    assert controller.history[-1].input_behind == 3
+    assert controller.end_interval(2.0) == 7  # nothing new: no signal, the cap holds
+    assert controller.history[-1].input_behind == 0

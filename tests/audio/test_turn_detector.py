@@ -36,6 +36,25 @@ def run_rules(detector: TurnDetector, probabilities: list[float], chunk_ms: floa
 
 
 # ---- the turn rules -------------------------------------------------------------------------
+def test_speech_past_the_turn_limit_stops_there_and_goes_on_as_a_new_turn():
+    """10 ms chunks, a 50 ms limit: speech that never pauses stops at the limit (the turn is
+    answered there), starts again on its next chunk as speech that continues (no barge-in),
+    and stops at the limit again; a real silence after it is an ordinary stop."""
+    detector = TurnDetector(0.5, silence_duration_ms=30.0, max_turn_ms=50.0)
+    events = run_rules(detector, [0.9] * 12 + [0.0] * 4 + [0.9])
+    assert events == [
+        (0, SpeechStarted(0.0)),
+        (4, SpeechStopped(0.0, 50.0, at_limit=True)),
+        (5, SpeechStarted(50.0, continues=True)),
+        (9, SpeechStopped(50.0, 100.0, at_limit=True)),
+        (10, SpeechStarted(100.0, continues=True)),
+        (14, SpeechStopped(100.0, 120.0)),
+        (16, SpeechStarted(160.0)),  # after a silence: a new turn, which may barge in
+    ]
+    with pytest.raises(ValueError, match="max_turn_ms must be > 0"):
+        TurnDetector(0.5, 30.0, max_turn_ms=0.0)
+
+
 def test_speech_starts_at_the_first_chunk_over_the_threshold_and_stops_after_the_silence():
     # chunks of 10 ms; speech in chunks 2..4; silence of 30 ms confirms the stop
     events = run_rules(TurnDetector(0.5, silence_duration_ms=30),

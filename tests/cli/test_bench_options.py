@@ -47,7 +47,7 @@ def test_every_bench_lists_and_builds_its_options():
     assert listed.exit_code == 0 and all(name in listed.output for name in BENCHES)
     assert sorted(BENCHES) == ["admission", "cluster", "ear", "endless", "engine", "engine-paths",
                                "engine-vs-vllm", "instructions", "plan", "prompt", "resume",
-                               "runtime", "soak", "vad", "vllm", "voice"]
+                               "runtime", "soak", "talkers", "vad", "vllm", "voice"]
     for name in BENCHES:
         shown = runner.invoke(app, ["bench", name, "--help"])
         assert shown.exit_code == 0 and "--smoke" in shown.output, (name, shown.output)

@@ -66,6 +66,7 @@ class CapSample:
     self_paced_work_share: float | None = None  # of the engine's work; None: no self-paced
     steered: bool = False  # that share was out of proportion: over target, the cap held
     output_gaps: int = 0  # replies' listeners that ran dry (each a miss)
+    input_behind: int = 0  # real-time audio chunks kept past the buffer bound (each a miss)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class AdmissionController:
     _stalled: int = 0
     _self_paced: int = 0
     _output_gaps: int = 0
+    _input_behind: int = 0
     _active_sum: int = 0  # active sessions summed over the interval's signal frames
     _work_tokens: Counter = field(default_factory=Counter)  # session id -> input positions
 
@@ -141,6 +143,12 @@ class AdmissionController:
         assert gap_s > 0, gap_s
         self._output_gaps += 1
 
+    def on_input_behind(self) -> None:
+        """A chunk of audio sent at real time was kept past the session's buffer bound
+        (`serve.realtime.intake`): the server is behind its input, a miss of the interval
+        (the client's pace is not the cause: audio ahead of real time is refused instead)."""
+        self._input_behind += 1
+
     def on_step(self, out: StepOutput) -> None:
         """Count each session's engine work this interval: input positions processed (its
         input and its fed-back output tokens)."""
@@ -175,18 +183,18 @@ class AdmissionController:
         sample = IntervalSample(self._fractions, self._misses, self._stalled,
                                 self.active_sessions(),
                                 self._active_sum / frames if frames else None, steered,
-                                self._output_gaps)
+                                self._output_gaps, self._input_behind)
         q = self.limit.percentile
         cap = self.limit.update(sample)
         record = CapSample(now_s, cap, sample.active_sessions, sample.percentile(q), q,
                            sample.num_frames, sample.deadline_misses, sample.stalled_frames,
                            self._self_paced, self.memory_ceiling, work_share, steered,
-                           self._output_gaps)
+                           self._output_gaps, self._input_behind)
         self.history.append(record)
         if self.on_update is not None:
             self.on_update(record)
         self._fractions, self._misses, self._stalled, self._self_paced = [], 0, 0, 0
-        self._output_gaps = 0
+        self._output_gaps = self._input_behind = 0
         self._active_sum = 0
         self.pacing.forget_before(now_s - self.interval_s, keep=self._work_tokens.keys())
         self._work_tokens = Counter()

@@ -50,11 +50,19 @@ class IntervalSample:
     # replies' listeners that ran dry (`serve.realtime.pacing`): an output stream's missed
     # deadlines, each a miss as a frame's is
     output_gaps: int = 0
+    # chunks of audio sent at real time kept past the buffer bound (`serve.realtime.intake`):
+    # the server is behind its input, each a miss as a late frame is
+    input_behind: int = 0
 
     @property
     def signals(self) -> bool:
-        """It saw a frame finish or a listener run dry: something to act on."""
-        return bool(self.latency_fractions) or self.output_gaps > 0
+        """It saw a frame finish, a listener run dry or input wait: something to act on."""
+        return bool(self.latency_fractions) or self.output_gaps > 0 or self.input_behind > 0
+
+    @property
+    def stream_misses(self) -> int:
+        """Misses of the sessions' streams outside frames: output gaps and input behind."""
+        return self.output_gaps + self.input_behind
 
     @property
     def load(self) -> float:
@@ -111,7 +119,7 @@ class AIMDLimit:
         return self._cap
 
     def over_target(self, sample: IntervalSample) -> bool:
-        if sample.deadline_misses or sample.stalled_frames or sample.output_gaps:
+        if sample.deadline_misses or sample.stalled_frames or sample.stream_misses:
             return True
         return sample.percentile(self.percentile) > self.target_fraction
 
@@ -215,8 +223,8 @@ class SlowStartLimit(AIMDLimit):
         return self._cap
 
     def severe(self, sample: IntervalSample) -> bool:
-        misses = sample.deadline_misses + sample.output_gaps
-        return misses >= self.severe_miss_fraction * (sample.num_frames + sample.output_gaps)
+        misses = sample.deadline_misses + sample.stream_misses
+        return misses >= self.severe_miss_fraction * (sample.num_frames + sample.stream_misses)
 
     def predicted_growth(self, p: float) -> float:
         """N* over the measured load, as the interval's latency `p` predicts (at most

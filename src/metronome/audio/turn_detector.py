@@ -15,6 +15,12 @@ The gap between the two thresholds is Silero's hysteresis (0.15 below the thresh
 at most half the threshold, so that a low threshold still has a silence below it): a
 probability wavering just under the threshold in the middle of a word does not end a turn.
 A stop is reported where speech ended, not where the silence was confirmed.
+
+A turn has a limit (`max_turn_ms`, if given): speech that has gone on that long without a
+stop stops there (`SpeechStopped.at_limit`: the turn is committed and answered, as
+OpenAI's server VAD would at a silence), and, if it goes on, starts again at once
+(`SpeechStarted.continues`: speech already under way, which does not barge in on the
+answer). A room with a television gets answers, not one endless turn.
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ STOP_MARGIN = 0.15  # Silero's: the stop threshold sits this far below the start
 @dataclass(frozen=True)
 class SpeechStarted:
     start_ms: float
+    continues: bool = False  # speech that went on past the turn limit: a new turn of it
 
 
 @dataclass(frozen=True)
 class SpeechStopped:
     start_ms: float
     end_ms: float
+    at_limit: bool = False  # stopped by the turn limit, speech still under way
 
 
 @dataclass(frozen=True)
@@ -48,11 +56,15 @@ TurnEvent = SpeechStarted | SpeechPaused | SpeechStopped
 
 class TurnDetector:
     def __init__(self, threshold: float, silence_duration_ms: float,
-                 pause_ms: float | None = None) -> None:
+                 pause_ms: float | None = None, max_turn_ms: float | None = None) -> None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         if silence_duration_ms < 0:
             raise ValueError(f"silence_duration_ms must be >= 0, got {silence_duration_ms}")
+        if max_turn_ms is not None and max_turn_ms <= 0:
+            raise ValueError(f"max_turn_ms must be > 0, got {max_turn_ms}")
+        self.max_turn_ms = max_turn_ms
+        self._continues = False  # the turn limit stopped speech that goes on
         self.threshold = threshold
         self.stop_threshold = threshold - min(STOP_MARGIN, threshold / 2)
         self.silence_duration_ms = silence_duration_ms
@@ -75,7 +87,12 @@ class TurnDetector:
             self._pause_told = False
             if self.speech_start_ms is None:
                 self.speech_start_ms = start_ms
-                return SpeechStarted(start_ms)
+                continues, self._continues = self._continues, False
+                return SpeechStarted(start_ms, continues)
+            if self.max_turn_ms is not None and end_ms - self.speech_start_ms >= self.max_turn_ms:
+                stopped = SpeechStopped(self.speech_start_ms, end_ms, at_limit=True)
+                self.speech_start_ms, self._continues = None, True
+                return stopped
             return None
         if self.speech_start_ms is None or probability >= self.stop_threshold:
             return None
@@ -86,5 +103,5 @@ class TurnDetector:
             self._pause_told = True
             return SpeechPaused(self.speech_start_ms, self._speech_end_ms)
         stopped = SpeechStopped(self.speech_start_ms, self._speech_end_ms)
-        self.speech_start_ms = None
+        self.speech_start_ms, self._continues = None, False
         return stopped

@@ -26,9 +26,10 @@ CHUNK_MS = CHUNK_SAMPLES * 1000 / SILERO_RATE_HZ  # 32 ms
 
 class VadStream:
     def __init__(self, sample_rate_hz: int, threshold: float, silence_duration_ms: float,
-                 origin_ms: float = 0.0, pause_ms: float | None = None) -> None:
+                 origin_ms: float = 0.0, pause_ms: float | None = None,
+                 max_turn_ms: float | None = None) -> None:
         self.origin_ms = origin_ms
-        self.detector = TurnDetector(threshold, silence_duration_ms, pause_ms)
+        self.detector = TurnDetector(threshold, silence_duration_ms, pause_ms, max_turn_ms)
         self._resampler = StreamingResampler(sample_rate_hz, SILERO_RATE_HZ)
         self._state = SileroState()
         self._partial = np.zeros(0, dtype=np.float32)  # 16 kHz samples short of a chunk

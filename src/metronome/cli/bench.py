@@ -36,6 +36,7 @@ BENCHES = {
     "vad": ("vad", False),
     "voice": ("voice", False),
     "ear": ("ear", False),
+    "talkers": ("talkers", False),
     "endless": ("endless", False),
     "instructions": ("instructions", False),
     "resume": ("resume", False),

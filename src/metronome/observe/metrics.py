@@ -54,6 +54,8 @@ SESSION_CHECKPOINT_BYTES = "metronome_session_checkpoint_bytes"
 SESSION_CHECKPOINT_SECONDS = "metronome_session_checkpoint_seconds"
 SESSION_AWAY_SECONDS = "metronome_session_away_seconds"
 VOICE_STAGE_SECONDS = "metronome_voice_stage_seconds"
+INPUT_BEHIND_CHUNKS = "metronome_input_behind_chunks_total"
+INPUT_BEHIND_STRETCHES = "metronome_input_behind_total"
 REPLY_GAPS = "metronome_reply_gaps_total"
 REPLY_GAP_SECONDS = "metronome_reply_gap_seconds"
 REPLIES = "metronome_replies_total"
@@ -93,6 +95,13 @@ class Metrics:
         self._declare_frame_metrics()
         self._declare_state_metrics()
         self._declare_resume_metrics()
+        self._input_behind_chunks = Counter(
+            INPUT_BEHIND_CHUNKS, "Chunks of audio a client sent at real time that the server "
+            "kept past --max-buffered-audio-s unanswered: the server was behind its input "
+            "(audio ahead of real time is refused instead).", registry=self.registry)
+        self._input_behind_stretches = Counter(
+            INPUT_BEHIND_STRETCHES, "Stretches a session's real-time audio waited past the "
+            "buffer bound (each told once as metronome.input.behind).", registry=self.registry)
         self._reply_gaps = Counter(
             REPLY_GAPS, "Times a reply's listener ran dry before its next piece arrived (a "
             "spoken reply's audio played at real time; a text reply read at the server's "
@@ -214,6 +223,13 @@ class Metrics:
             self._reply_gaps.labels(output).inc()
             self._reply_gap_seconds.labels(output).observe(ms / 1e3)
         self._replies_with_gaps.labels(output, "yes" if gap_ms else "no").inc()
+
+    def input_behind(self, first: bool) -> None:
+        """A chunk of a session's real-time audio was kept past its buffer bound (`first`: it
+        began a stretch behind)."""
+        self._input_behind_chunks.inc()
+        if first:
+            self._input_behind_stretches.inc()
 
     def observe_voice_stage(self, stage: str, seconds: float) -> None:
         """One piece of a voice stage's work: `encoder` (a Whisper pass), `lm` (a reply's

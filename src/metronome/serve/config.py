@@ -122,6 +122,10 @@ class ServerConfig(BaseModel):
         "Whisper pass at once, in the silence that may end the turn (server VAD's "
         "silence_duration_ms, 500 by default): a turn that ends there is heard one pass "
         "sooner; 0: off (the last pass runs at the commit)")
+    max_turn_s: float = Field(
+        120.0, gt=0, description="server VAD's turn limit: speech that goes on this long "
+        "without a pause is committed and answered there, and what follows is a new turn "
+        "that does not barge in on that answer (a television in the room gets answers)")
     sample_rates_hz: tuple[int, ...] = Field((16000, 24000, 48000),
                                              description="accepted audio/pcm rates")
     default_sample_rate_hz: int = Field(24000, description="input rate until a session "
@@ -140,7 +144,11 @@ class ServerConfig(BaseModel):
                                    "(520 KiB: the largest append the default buffer accepts, "
                                    "4 s of 48 kHz audio in base64, with room for its JSON)")
     max_buffered_audio_s: float = Field(4.0, gt=0, description="unanswered audio a session "
-                                        "may send; more is refused")
+                                        "may send ahead of real time; more is refused")
+    max_behind_audio_s: float = Field(
+        30.0, gt=0, description="unanswered audio kept for a client sending at real time "
+        "while the server is behind (told with metronome.notice server_behind, counted, "
+        "and seen by admission); only past this is its audio refused")
     max_text_chars: int = Field(8192, ge=1, description="longest text item")
     max_queued_input_tokens: int = Field(
         16384, ge=64, description="input tokens a session may have accepted but not yet "

@@ -130,6 +130,12 @@ class Serving:
         """A reply's listener ran dry: a miss in admission's interval (`on_output_gap`)."""
         self.controller.on_output_gap(gap_s)
 
+    def observe_input_behind(self, first: bool) -> None:
+        """A session's real-time audio was kept past its buffer bound: a miss in admission's
+        interval (`on_input_behind`), counted (`first`: a new stretch behind)."""
+        self.controller.on_input_behind()
+        self.metrics.input_behind(first)
+
     # ---- admission and session lifecycle ---------------------------------------------------
     async def open(self, connection: Client) -> tuple[RealtimeSession, Callable[[], None]]:
         """The session a new connection serves, and what to do once it is accepted: the one

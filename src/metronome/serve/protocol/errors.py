@@ -26,7 +26,8 @@ class ErrorCode(enum.StrEnum):
     SESSION_LOCKED = "session_locked"
     TEXT_TOO_LONG = "text_too_long"
     TEXT_UNSUPPORTED = "text_input_unsupported"
-    BUFFER_OVERFLOW = "input_audio_buffer_overflow"
+    BUFFER_OVERFLOW = "input_audio_buffer_overflow"  # audio sent faster than real time
+    SERVER_BEHIND = "server_behind"  # real-time audio past --max-behind-audio-s unanswered
     TOO_MANY_PENDING = "too_many_pending_frames"
     COMMIT_EMPTY = "input_audio_buffer_commit_empty"
     ACTIVE_RESPONSE = "conversation_already_has_active_response"

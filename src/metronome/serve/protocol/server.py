@@ -353,6 +353,21 @@ class MetronomeSessionBounded(ServerEvent):
     bound: BoundOut
 
 
+class BehindOut(BaseModel):
+    """The server fell behind a client sending audio at real time: its audio is kept."""
+
+    unanswered_audio_s: float  # the session's audio not answered yet, this chunk included
+    ahead_of_real_time_s: float  # how far the client's audio is ahead of the wall clock
+    kept_up_to_s: float  # audio kept for it until then (--max-behind-audio-s); past it refused
+
+
+class MetronomeInputBehind(ServerEvent):
+    """Once per stretch behind (told again after the server caught up)."""
+
+    type: Literal["metronome.input.behind"] = "metronome.input.behind"
+    behind: BehindOut
+
+
 class ResumedOut(BaseModel):
     away_s: float  # since the old connection dropped (0: it was taken over while open)
     replayed_events: int  # the missed events that follow, in order

@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from metronome.audio.whisper import SEGMENT_MAX_S
 from metronome.runtime.profile import SessionMode
 from metronome.serve import protocol as p
 from metronome.serve.protocol import ClientError, ErrorCode
@@ -192,9 +193,14 @@ class InputBuffer:
             piece = message.piece(heard.words, final)
             return token_tensor(chat.ids(piece) if piece else [])
 
-        max_tokens = HeardMessage.max_tokens(turn_bytes / self.framer.bytes_per_s)
+        # a frame commits words of its turn's segment at most (`StreamingTranscript`: a long
+        # turn is settled in segments), so a long turn's frames reserve no more than that
+        framer = self.framer
+        heard_s = min(turn_bytes, SEGMENT_MAX_S * framer.bytes_per_s + 2 * framer.frame_bytes)
+        max_tokens = HeardMessage.max_tokens(heard_s / framer.bytes_per_s)
         self.intake.queue("audio", hear, max_tokens, audio_end_ms=audio_end_ms,
-                          on_prepared=lambda: self._transcribed(*self.turn.heard(heard)))
+                          on_prepared=lambda: self._transcribed(*self.turn.heard(heard)),
+                          turn_end=final)
 
     def hear_ahead(self) -> None:
         """Server VAD heard a pause in the turn's speech: its last pass runs now on the hear
@@ -211,7 +217,7 @@ class InputBuffer:
             if hearing.hear_ahead(pcm, end_ms, speech_from_ms, queued_at_s):
                 stage.observe(time.perf_counter() - start)
 
-        stage.run(ahead).add_done_callback(_log_failure)
+        self.intake.on_stage(ahead, turn_end=True).add_done_callback(_log_failure)
 
     def _transcribed(self, item_id: str | None, delta: str, transcript: str | None) -> None:
         """The user's words as they are heard: transcription events for a client that asked,

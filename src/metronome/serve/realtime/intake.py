@@ -12,6 +12,12 @@ Every frame passes the hear stage's queue, text too, so frames reach the stream 
 the client sent them and no encoding or tokenizing runs on the loop. A frame arrives when
 it is queued (audio: when its last byte did), so preparing it counts in its latency.
 
+The stage is shared by every session and goes by deadline (`on_stage`): a session's work is
+due when it arrives, a turn's end (the pass that answers it, or the one heard ahead at a
+pause) `TURN_END_AHEAD_S` sooner, so it goes before other sessions' partial passes queued
+with it; a session's own work is due no sooner than its earlier work, so it stays in order.
+One talker's stream of passes thus cannot hold a neighbour's turn end behind it.
+
 The limits on the session's input, each checked before anything of it is accepted: a
 refusal is a `ClientError` with the numbers, and the input is refused whole (nothing of it
 lost, nothing half-done). The stream counts what the session has queued; the limits read it
@@ -21,7 +27,11 @@ and never count on their own:
 - queued input tokens: at most the profile's `max_queued_input_tokens` (`Stream.fits`),
   for text before it is tokenized by the most tokens it can make (`ChatText.max_item_tokens`);
 - audio: its unanswered frames, its partial frame and a new chunk within
-  `max_buffered_audio_s`, checked from the chunk's base64 length before it is decoded;
+  `max_buffered_audio_s`, checked from the chunk's base64 length before it is decoded --
+  for a client whose audio is ahead of real time (`RealTimePace`). A client sending at real
+  time is never refused there: the server fell behind, not the client, so its audio is kept
+  (up to `max_behind_audio_s`, a memory bound, then refused `server_behind`), the owner is
+  told (`input_behind`: a notice to the client, a metric, admission's signal);
 - text: at most `max_text_chars` characters a text.
 """
 
@@ -30,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -43,8 +53,10 @@ from metronome.serve.voice.stage import Stage
 from metronome.stream import Frame, FrameKind, Stream
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Prepare = Callable[[], torch.Tensor]  # a frame's input, made on the hear stage
+TURN_END_AHEAD_S = 2.0  # a turn's end goes before others' work that arrived this much sooner
 
 
 class IntakeOwner(Protocol):
@@ -60,11 +72,39 @@ class IntakeOwner(Protocol):
     def on_failure(self) -> None:
         """Preparing a frame's input raised (logged): the session cannot go on."""
 
+    def input_behind(self, unanswered_s: float, ahead_s: float, first: bool) -> None:
+        """A chunk of real-time audio was kept past `max_buffered_audio_s` unanswered: the
+        server is behind (`first`: the first chunk of this stretch behind)."""
+
+
+REAL_TIME_SLACK_S = 1.0  # audio this far ahead of the wall clock is still real time (chunking,
+# network jitter; OpenAI's SDKs send 20-100 ms chunks)
+MAX_CATCH_UP_S = 2.0  # audio sent after a quiet spell may catch up this much, no more
+
+
+class RealTimePace:
+    """How far a client's audio is ahead of real time: each chunk adds its duration, the wall
+    clock takes it away; credit for being behind (a client quiet for a while, as push-to-talk
+    ones are) is capped at `MAX_CATCH_UP_S`, so a burst after a pause is still seen."""
+
+    def __init__(self) -> None:
+        self._ahead_s = 0.0
+        self._at_s: float | None = None
+
+    def ahead_s(self, now_s: float, audio_s: float = 0.0) -> float:
+        """Ahead of real time once `audio_s` more arrives now (not recorded: `add`)."""
+        if self._at_s is None:
+            return audio_s
+        return max(self._ahead_s - (now_s - self._at_s), -MAX_CATCH_UP_S) + audio_s
+
+    def add(self, now_s: float, audio_s: float) -> None:
+        self._ahead_s, self._at_s = self.ahead_s(now_s, audio_s), now_s
+
 
 class Intake:
     def __init__(self, owner: IntakeOwner, beat: Beat, stage: Stage, now_s: Callable[[], float],
                  stream: Stream, frame_period_s: float, max_buffered_audio_s: float,
-                 max_text_chars: int) -> None:
+                 max_text_chars: int, max_behind_audio_s: float | None = None) -> None:
         self.owner = owner
         self.beat = beat
         self.stage = stage  # the hear stage: every frame's input is prepared there
@@ -72,26 +112,39 @@ class Intake:
         self.stream = stream
         self.frame_period_s = frame_period_s
         self.max_buffered_audio_s = max_buffered_audio_s
+        self.max_behind_audio_s = max(max_buffered_audio_s, max_behind_audio_s or 0.0)
         self.max_text_chars = max_text_chars
+        self.pace = RealTimePace()  # the client's audio against the wall clock
+        self.behind = False  # in a stretch of real-time audio kept past the buffer bound
         self.started = False  # input has reached the stream: mode and rate are fixed
         self._counted: asyncio.Future[None] | None = None  # `reading_paused`'s
+        self._due_s = -float("inf")  # the latest deadline its work was given on the stage
+
+    def on_stage(self, work: Callable[[], T], turn_end: bool = False) -> asyncio.Future[T]:
+        """`work` on the hear stage, due now (`turn_end`: `TURN_END_AHEAD_S` sooner), never
+        before the session's earlier work."""
+        ahead_s = TURN_END_AHEAD_S if turn_end else 0.0
+        self._due_s = max(self._due_s, self.now_s() - ahead_s)
+        return self.stage.run(work, self._due_s)
 
     # ---- frames ------------------------------------------------------------------------------
     def queue(self, kind: FrameKind, prepare: Prepare, num_tokens: int, respond: bool = False,
               audio_end_ms: float | None = None, reply: Reply | None = None,
               on_prepared: Callable[[], None] | None = None,
-              output_budget_tokens: int | None = None, paced: bool = False) -> Frame[Reply]:
+              output_budget_tokens: int | None = None, paced: bool = False,
+              turn_end: bool = False) -> Frame[Reply]:
         """A frame accepted now, counted at `num_tokens` (the most its input can make; the
         caller checked the room), its input `prepare`d on the stage, then submitted;
         `reply`: the reply it answers (None: a duplex frame's is opened once its input is
         ready); `on_prepared`: run on the loop once its input is ready;
-        `output_budget_tokens`, `paced`: a turn's reply's (`Frame`)."""
+        `output_budget_tokens`, `paced`: a turn's reply's (`Frame`); `turn_end`: its turn's
+        last audio (`on_stage`)."""
         self.started = True
         frame: Frame[Reply] = Frame(self.stream.id, self.now_s(), respond, kind, reply,
                                     audio_end_ms, input_tokens=num_tokens,
                                     output_budget_tokens=output_budget_tokens, paced=paced)
         self.beat.accept(self.stream, frame)
-        self.stage.run(prepare).add_done_callback(
+        self.on_stage(prepare, turn_end).add_done_callback(
             lambda done: self._prepared(done, frame, on_prepared))
         return frame
 
@@ -132,7 +185,7 @@ class Intake:
             return
         self.started = True
         self.beat.accept_context(self.stream, max_tokens)
-        self.stage.run(prepare).add_done_callback(
+        self.on_stage(prepare).add_done_callback(
             lambda done: self._context_prepared(done, max_tokens))
 
     def reading_paused(self) -> asyncio.Future[None] | None:
@@ -226,13 +279,33 @@ class Intake:
                           param)
 
     def check_audio_room(self, framer: AudioFramer, num_bytes: int) -> None:
-        """Room for `num_bytes` more of PCM audio: under the buffered-audio bound (unanswered
-        frames' audio, the framer's pending bytes, these) and in the queued-input bound."""
+        """Room for `num_bytes` more of PCM audio, arriving now: under the buffered-audio
+        bound (unanswered frames' audio, the framer's pending bytes, these) if the client is
+        ahead of real time, under `max_behind_audio_s` if it is not (the server is behind:
+        the owner is told), and in the queued-input bound. The chunk counts in the client's
+        pace whether it is taken or not (it was sent)."""
+        now_s, chunk_s = self.now_s(), num_bytes / framer.bytes_per_s
+        ahead_s = self.pace.ahead_s(now_s, chunk_s)
+        self.pace.add(now_s, chunk_s)
         buffered_s = self.unanswered_s + (framer.pending_bytes + num_bytes) / framer.bytes_per_s
-        if buffered_s > self.max_buffered_audio_s:
+        if buffered_s <= self.max_buffered_audio_s:
+            self.behind = False
+        elif ahead_s - chunk_s > REAL_TIME_SLACK_S:  # ahead before this chunk: any chunk
+            # size at real time is 0 s ahead before it
             raise ClientError(ErrorCode.BUFFER_OVERFLOW, f"audio is arriving faster than real "
-                              f"time: {buffered_s:.2f} s would be unanswered (limit "
-                              f"{self.max_buffered_audio_s} s); this chunk was dropped", "audio")
+                              f"time ({ahead_s:.1f} s ahead of it): {buffered_s:.2f} s would be "
+                              f"unanswered (limit {self.max_buffered_audio_s:g} s for audio "
+                              f"ahead of real time); this chunk was dropped: send audio at "
+                              f"the pace it plays", "audio")
+        elif buffered_s > self.max_behind_audio_s:
+            raise ClientError(ErrorCode.SERVER_BEHIND, f"the server is behind: {buffered_s:.1f}"
+                              f" s of this session's audio, sent at real time, would be "
+                              f"unanswered (the most it keeps: {self.max_behind_audio_s:g} s); "
+                              f"this chunk was dropped: the server is overloaded, not your "
+                              f"client", "audio")
+        else:
+            self.owner.input_behind(buffered_s, ahead_s, first=not self.behind)
+            self.behind = True
         self.check_input_room(framer.tokens(framer.pending_bytes + num_bytes), "audio",
                               ErrorCode.BUFFER_OVERFLOW, "audio")
 

@@ -129,6 +129,10 @@ class Host(Protocol):
     def observe_output_gap(self, gap_s: float) -> None:
         """A reply's listener ran dry for `gap_s` (admission's signal)."""
 
+    def observe_input_behind(self, first: bool) -> None:
+        """A session's real-time audio was kept past its buffer bound (admission's signal,
+        a metric; `first`: a new stretch behind)."""
+
     def frontend(self, sample_rate_hz: int) -> AudioFrontEnd: ...
 
 
@@ -178,7 +182,7 @@ class RealtimeSession:
             host.beat.adopt(stream)
         self.intake = Intake(self, host.beat, host.stages.hear, host.now_s, stream,
                              config.frame_period_s, config.max_buffered_audio_s,
-                             config.max_text_chars)
+                             config.max_text_chars, config.max_behind_audio_s)
         self.context = Context(self.id, self.intake, host.bound_limits, host.chat, settings)
         self.conversation = Conversation()
         self.buffer = InputBuffer(
@@ -248,6 +252,19 @@ class RealtimeSession:
     def on_failure(self) -> None:
         """A bug in this session: its connection ends it (1011), or its lease ends."""
         self.channel.fail()
+
+    def input_behind(self, unanswered_s: float, ahead_s: float, first: bool) -> None:
+        """The server fell behind this client's real-time audio (`Intake.check_audio_room`):
+        counted, admission's signal, and a client that opted in is told once a stretch."""
+        self.host.observe_input_behind(first)
+        if first:
+            log.warning("session %s: %.1f s of its real-time audio unanswered: the server is "
+                        "behind", self.id, unanswered_s)
+            if self.extensions:
+                self.emit(se.MetronomeInputBehind(behind=se.BehindOut(
+                    unanswered_audio_s=round(unanswered_s, 3),
+                    ahead_of_real_time_s=round(ahead_s, 3),
+                    kept_up_to_s=self.host.config.max_behind_audio_s)))
 
     # ---- client events -----------------------------------------------------------------------
     def receive(self, text: str) -> None:
@@ -436,7 +453,8 @@ class RealtimeSession:
         self.buffer.speech_item_id = None  # the item of speech the old detection heard
         self.turns = None if turns is None else TurnDetection(
             self.host.stages.detect, rate_hz, turns.threshold, turns.silence_duration_ms,
-            self.buffer.framer.received_ms, self.host.config.hear_ahead_pause_ms or None)
+            self.buffer.framer.received_ms, self.host.config.hear_ahead_pause_ms or None,
+            1000 * self.host.config.max_turn_s)
         self._turns_for = (turns, rate_hz)
 
     def _listen(self, pcm: bytes) -> None:
@@ -473,13 +491,14 @@ class RealtimeSession:
                                                            item_id=item_id))
                 if buffer.hearing is not None:  # the turn Whisper hears starts there
                     buffer.speech_from_ms = start_ms
-                if vad.interrupt_response and self.reply is not None:
-                    self.reply.cancel(TURN_DETECTED)
+                if vad.interrupt_response and self.reply is not None and not event.continues:
+                    self.reply.cancel(TURN_DETECTED)  # (speech past the turn limit answered
+                    # goes on: it does not barge in on its own answer)
             case SpeechPaused():  # the turn may end here: its last pass runs now
                 buffer.hear_ahead()
             case SpeechStopped():
                 item_id = buffer.speech_item_id or p.new_id("item")  # or a commit took it
-                end_ms = event.end_ms + vad.silence_duration_ms
+                end_ms = event.end_ms + (0 if event.at_limit else vad.silence_duration_ms)
                 self.emit(se.InputAudioBufferSpeechStopped(audio_end_ms=round(end_ms),
                                                            item_id=item_id))
                 if buffer.hearing is not None:  # before the silence that confirmed it
@@ -487,7 +506,10 @@ class RealtimeSession:
                 if not buffer.holds_audio:
                     return  # the client committed this speech already
                 buffer.commit(item_id)
-                if vad.create_response and self.settings.mode is SessionMode.TURN:
+                answering = event.at_limit and self.reply is not None  # the talk goes on
+                # past the limit again while its last answer plays: committed, answered next
+                if vad.create_response and self.settings.mode is SessionMode.TURN and (
+                        not answering):
                     self._respond_to_turn()
 
     def _respond_to_turn(self) -> None:

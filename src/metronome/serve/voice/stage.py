@@ -51,7 +51,7 @@ class Stage(Generic[M]):
         self._load = load
         self._model: M | None = None
         # work by deadline: (due_s, call number, work, its future); one executor task each
-        self._due: list[tuple[float, int, Callable[[M], Any], asyncio.Future[Any]]] = []
+        self._due: list[tuple[float, int, Callable[[], Any], asyncio.Future[Any]]] = []
         self._due_lock = threading.Lock()
         self._calls = itertools.count()
         if load is not None and not lazy:
@@ -62,22 +62,22 @@ class Stage(Generic[M]):
         """Its model, once loaded (None: not yet, or none)."""
         return self._model
 
-    def run(self, work: Callable[[], T]) -> asyncio.Future[T]:
-        """`work` on the stage's thread, after what was asked before; its future resolves on
-        the loop, in call order."""
-        return self._loop.run_in_executor(self._executor, work)
-
-    def run_model(self, work: Callable[[M], T], due_s: float = -math.inf) -> asyncio.Future[T]:
-        """`work` with the stage's model (loaded first if it is lazy and not yet loaded), in
-        call order, or, with `due_s` (the loop's clock), before any queued work due later.
+    def run(self, work: Callable[[], T], due_s: float = -math.inf) -> asyncio.Future[T]:
+        """`work` on the stage's thread, after what was asked before, or, with `due_s` (the
+        loop's clock), before any queued work due later; its future resolves on the loop.
         Cancel the future to drop the work if it has not begun."""
         if due_s == -math.inf:
-            return self._loop.run_in_executor(self._executor, lambda: work(self._loaded()))
+            return self._loop.run_in_executor(self._executor, work)
         future: asyncio.Future[T] = self._loop.create_future()
         with self._due_lock:
             heapq.heappush(self._due, (due_s, next(self._calls), work, future))
         self._executor.submit(self._run_earliest)  # each task runs the earliest queued then
         return future
+
+    def run_model(self, work: Callable[[M], T], due_s: float = -math.inf) -> asyncio.Future[T]:
+        """`work` with the stage's model (loaded first if it is lazy and not yet loaded), as
+        `run` runs work."""
+        return self.run(lambda: work(self._loaded()), due_s)
 
     @property
     def queued_due(self) -> int:
@@ -93,7 +93,7 @@ class Stage(Generic[M]):
         if future.cancelled():
             return
         try:
-            result = work(self._loaded())
+            result = work()
         except BaseException as error:  # told to its future, as run_in_executor does
             self._loop.call_soon_threadsafe(_settle, future, None, error)
             return

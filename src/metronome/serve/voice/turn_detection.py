@@ -25,13 +25,14 @@ from metronome.serve.voice.stage import Stage
 class TurnDetection:
     def __init__(self, stage: Stage[SileroVad], sample_rate_hz: int, threshold: float,
                  silence_duration_ms: float, origin_ms: float,
-                 pause_ms: float | None = None) -> None:
+                 pause_ms: float | None = None, max_turn_ms: float | None = None) -> None:
         """`pause_ms`: also tell a pause in speech this long (`SpeechPaused`: a session that
-        hears runs the turn's last pass there, ahead of the turn's end)."""
+        hears runs the turn's last pass there, ahead of the turn's end); `max_turn_ms`: the
+        turn limit (`audio.turn_detector`)."""
         self.sample_rate_hz = sample_rate_hz
         self._stage = stage
         self._stream = VadStream(sample_rate_hz, threshold, silence_duration_ms, origin_ms,
-                                 pause_ms)
+                                 pause_ms, max_turn_ms)
         self.stopped = False
 
     def push(self, pcm: bytes) -> asyncio.Future[list[TurnEvent]]:

@@ -1,0 +1,86 @@
+"""Hardening V's attacks on the default voice server (issue 52), with the bench's own
+scenarios (`metronome bench talkers`): a monologue longer than Whisper's 30 s and than any
+pass, heard and answered with nothing refused; two talkers that never pause beside a
+neighbour who asks a question: nobody refused, the neighbour answered, the talkers heard;
+server VAD's turn limit answering speech that never pauses without that speech barging in
+on the answer. Before (a2a4c5f): the 60 s monologue lost the middle of its transcript (word
+error 0.51; every pass re-heard the turn and past 30 s its start fell out of the window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from metronome.bench.presets.talkers import beside, monologue, speech
+from metronome.bench.presets.voice import question_audio
+from metronome.load.client import Connection
+from metronome.model.weights import load_tokenizer
+from metronome.serve.config import ServerConfig
+from metronome.serve.server import ServerThread
+from tests.host_speed import UNHURRIED_DEADLINE_FRACTION
+
+pytestmark = pytest.mark.model
+
+CONFIG = ServerConfig(pool_tokens=8192, admission="off",
+                      deadline_fraction=UNHURRIED_DEADLINE_FRACTION)
+TURN_LIMIT_S = 8.0  # the talkers' server: their turns end (and their words are told) in the run
+
+
+def test_a_40_s_monologue_alone_is_heard_whole_and_answered(smollm2):
+    with ServerThread(CONFIG, smollm2, load_tokenizer()) as server:
+        heard = asyncio.run(monologue(server.ws_url, 40.0))
+    assert heard["refused_chunks"] == 0, heard["error_codes"]
+    assert heard["whole"], heard["status"]
+    assert heard["wer"] <= 0.15, heard["transcript"]  # (the paragraph alone: 0.03 at 15 s)
+
+
+@pytest.fixture(scope="module")
+def limited(smollm2):
+    config = CONFIG.model_copy(update={"max_turn_s": TURN_LIMIT_S})
+    with ServerThread(config, smollm2, load_tokenizer()) as server:
+        yield server
+
+
+def test_two_talkers_that_never_pause_beside_a_neighbour_cost_nobody_their_words(limited):
+    loop_pcm, _ = speech(30.0)
+    row = asyncio.run(beside(limited.ws_url, 2, 1, loop_pcm, question_audio()[:1]))
+    assert row["refused_chunks"] == 0 and row["talkers_refused_chunks"] == 0, row
+    assert row["replies"] == row["completed"] == 1, row
+    # each talker's turn ended at the limit at least once: its words told
+    assert all(words >= 10 for words in row["talkers_words_heard"]), row
+
+
+def test_speech_past_the_turn_limit_is_answered_and_does_not_barge_in_on_its_answer(limited):
+    """20 s of speech without a pause: the turn is committed and answered at the limit, the
+    speech going on is a new turn, and the answer is not cancelled by it."""
+    pcm, _ = speech(20.0)
+
+    async def scenario(url: str) -> list[dict]:
+        conn = await Connection.open(url, extensions=False)
+        chunk, events = 4800, []
+
+        async def speak() -> None:
+            for start in range(0, len(pcm) + 2 * 48000, chunk):  # then 2 s of quiet
+                await conn.append(pcm[start:start + chunk] or bytes(chunk))
+                await asyncio.sleep(0.1)
+
+        sender = asyncio.create_task(speak())
+        async with asyncio.timeout(120):
+            async for event in conn:
+                events.append(event)
+                if event["type"] == "response.done":
+                    break
+        await sender
+        await conn.close()
+        return events
+
+    events = asyncio.run(scenario(limited.ws_url))
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds, [e for e in events if e["type"] == "error"]
+    stopped = [e for e in events if e["type"] == "input_audio_buffer.speech_stopped"]
+    assert stopped and stopped[0]["audio_end_ms"] <= 1000 * TURN_LIMIT_S + 500, stopped
+    assert kinds.count("input_audio_buffer.speech_started") >= 2  # the speech went on
+    done = events[-1]["response"]
+    assert done["status"] != "cancelled", done  # not barged in on by its own speech
