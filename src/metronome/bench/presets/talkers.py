@@ -71,7 +71,7 @@ class Config(Knobs):
     talkers: tuple[int, ...] = knob((0, 1, 2), "non-stop talkers beside the neighbour")
     turns: int = knob(3, "questions the neighbour asks")
     arms: tuple[str, ...] = knob(("voice",), " | ".join(ARMS))
-    talker_turn_limit_s: float = knob(20.0, "the server's --max-turn-s for the talkers "
+    talker_turn_limit_s: float = knob(10.0, "the server's --max-turn-s for the talkers "
                                       "(0: its default): a talker's turn is committed, and "
                                       "its words told, at the limit")
 
