@@ -86,3 +86,24 @@ def test_the_pace_forgives_a_quiet_spell_only_up_to_its_catch_up():
     assert pace.ahead_s(60.0) == pytest.approx(-MAX_CATCH_UP_S)  # a minute quiet: capped
     pace.add(60.0, 5.0)  # a 5 s burst after it is 3 s ahead, not 54 s behind
     assert pace.ahead_s(60.0) == pytest.approx(5.0 - MAX_CATCH_UP_S)
+
+
+def test_a_turns_end_goes_ahead_on_the_hear_stage_but_never_ahead_of_its_own_session():
+    """The hear stage goes by deadline (`Intake.on_stage`): a session's work is due when it
+    arrives, its turn's end `TURN_END_AHEAD_S` sooner (ahead of other sessions' partial
+    passes queued with it), and never sooner than its own earlier work."""
+    from metronome.serve.realtime.intake import TURN_END_AHEAD_S
+
+    dues: list[float] = []
+    stage = SimpleNamespace(run=lambda work, due_s: dues.append(due_s))
+    clock = [10.0]
+    talker = Intake(Owner(), None, stage, lambda: clock[0], Stream([0]),  # type: ignore[arg-type]
+                    frame_period_s=1.0, max_buffered_audio_s=4.0, max_text_chars=100)
+    neighbour = Intake(Owner(), None, stage, lambda: clock[0],  # type: ignore[arg-type]
+                       Stream([0]), frame_period_s=1.0, max_buffered_audio_s=4.0,  # type: ignore[arg-type]
+                       max_text_chars=100)
+    talker.on_stage(lambda: None)  # a partial pass at 10 s
+    clock[0] = 11.0
+    neighbour.on_stage(lambda: None, turn_end=True)  # a turn's end at 11 s: due 9 s
+    talker.on_stage(lambda: None, turn_end=True)  # its own turn's end: not before its 10 s
+    assert dues == [10.0, 11.0 - TURN_END_AHEAD_S, 10.0]

@@ -12,7 +12,8 @@ Protocol: OpenAI's Realtime API (GA). Every client event type and session field 
 `session.updated`. Server events are OpenAI's, in OpenAI's order (`serve.protocol.server`,
 `serve.realtime.rendering`). Extensions, for a client that opts in with `?metronome_events=true`:
 `session.metronome` (mode: `duplex` | `turn`, frame timing) and `metronome.frame` (every
-frame's status and server timing), `metronome.session.bounded`.
+frame's status and server timing), `metronome.session.bounded`, `metronome.reply`,
+`metronome.input.behind`.
 
 Modes. Duplex (default; Moshi, MiniCPM-o): every complete frame of appended audio is one
 response, no commit needed. Turn: audio frames only prefill; `response.create` asks for a

@@ -6,7 +6,9 @@ speech is long or never pauses (issue 52):
   speaking a paragraph, sentences joined by 150 ms, under server VAD's 500 ms), then quiet
   until the reply has been answered. Per length: chunks the server refused, the turn's
   transcript (`conversation.item.input_audio_transcription.completed`) and its word error
-  against the text, the reply's status, time to first audio from the end of speech.
+  against the text, the reply's status, time to first audio from the end of speech, and what
+  hearing it cost (the server's Whisper passes, from /metrics: encoder seconds per second
+  of speech, passes, mean pass).
 * **a neighbour beside non-stop talkers**: a session asking three short questions (the voice
   bench's), alone and beside 1 and 2 talkers that loop the paragraph at real time for the
   whole run and never pause. Per case: the neighbour's refused chunks, replies completed, time
@@ -32,6 +34,7 @@ from metronome.bench.presets.voice import (
     ended_as_a_reply_may,
     pct,
     question_audio,
+    stage_totals,
     voice_session,
     wer,
 )
@@ -71,9 +74,9 @@ class Config(Knobs):
     talkers: tuple[int, ...] = knob((0, 1, 2), "non-stop talkers beside the neighbour")
     turns: int = knob(3, "questions the neighbour asks")
     arms: tuple[str, ...] = knob(("voice",), " | ".join(ARMS))
-    talker_turn_limit_s: float = knob(10.0, "the server's --max-turn-s for the talkers "
-                                      "(0: its default): a talker's turn is committed, and "
-                                      "its words told, at the limit")
+    talker_turn_limit_s: float = knob(0.0, "the server's --max-turn-s for the talkers "
+                                      "(0: its default, 120 s): a talker's turn is "
+                                      "committed, its words told and answered, at the limit")
 
     SMOKE = dict(monologue_s=(8.0,), talkers=(0, 1), turns=1)
 
@@ -113,8 +116,8 @@ async def _stream(conn: Connection, pcm: bytes, stop: asyncio.Event | None = Non
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
 
-async def _open_voice(url: str) -> Connection:
-    conn = await Connection.open(url, extensions=False)
+async def _open_voice(url: str, extensions: bool = False) -> Connection:
+    conn = await Connection.open(url, extensions=extensions)
     await conn.update({"type": "realtime", "audio": {"input": {
         "turn_detection": {"type": "server_vad"}, "transcription": {"model": "whisper-1"}}}})
     return conn
@@ -165,18 +168,24 @@ async def monologue(url: str, seconds: float) -> dict:
 
 
 async def talker(url: str, pcm: bytes, stop: asyncio.Event) -> dict:
-    """Speech looped at real time until `stop`, never a pause: what it was refused and heard."""
-    conn = await _open_voice(url)
+    """Speech looped at real time until `stop`, never a pause: what it was refused and heard
+    (the tokens its heard words put in its KV, from its `metronome.frame` events, and the words
+    it is told it said, which come at a turn's commit: at the turn limit)."""
+    conn = await _open_voice(url, extensions=True)
     errors: Counter = Counter()
-    words = 0
+    words = tokens = behind = 0
 
     async def read() -> None:
-        nonlocal words
+        nonlocal words, tokens, behind
         async for event in conn:
             if event["type"] == "error":
                 errors[event["error"].get("code")] += 1
             elif event["type"] == "conversation.item.input_audio_transcription.delta":
                 words += len(event["delta"].split())
+            elif event["type"] == "metronome.frame" and event["response_id"] is None:
+                tokens += event["frame"]["num_input_tokens"]
+            elif event["type"] == "metronome.input.behind":
+                behind += 1
 
     reader = asyncio.create_task(read())
     await _stream(conn, pcm, stop, loop_audio=True)
@@ -184,7 +193,7 @@ async def talker(url: str, pcm: bytes, stop: asyncio.Event) -> dict:
     reader.cancel()
     await conn.close()
     return {"refused_chunks": sum(errors.values()), "error_codes": dict(errors),
-            "words_heard": words}
+            "words_heard": words, "tokens_heard": tokens, "behind_notices": behind}
 
 
 async def beside(url: str, talkers: int, turns: int, pcm: bytes,
@@ -204,7 +213,9 @@ async def beside(url: str, talkers: int, turns: int, pcm: bytes,
             "talkers_refused_chunks": sum(o["refused_chunks"] for o in others),
             "talkers_error_codes": dict(sum((Counter(o["error_codes"]) for o in others),
                                             Counter())),
-            "talkers_words_heard": [o["words_heard"] for o in others]}
+            "talkers_tokens_heard": [o["tokens_heard"] for o in others],
+            "talkers_words_told": [o["words_heard"] for o in others],
+            "talkers_behind_notices": sum(o["behind_notices"] for o in others)}
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
@@ -220,7 +231,15 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             serve = ["--model", "bundled", "--log-level", "warning", *ARMS[arm]]
             with Server.start(serve, timeout_s=300.0, threads=None) as server:
                 for seconds in cfg.monologue_s:
+                    before = stage_totals(server.url).get("encoder", (0.0, 0.0))
                     row = {"arm": arm, **asyncio.run(monologue(server.ws_url, seconds))}
+                    after = stage_totals(server.url).get("encoder", (0.0, 0.0))
+                    passes = after[1] - before[1]
+                    row |= {"whisper_passes": int(passes),
+                            "encoder_s_per_speech_s": round((after[0] - before[0])
+                                                            / row["speech_s"], 3),
+                            "pass_mean_ms": round(1e3 * (after[0] - before[0]) / passes)
+                            if passes else None}
                     monologues.append(row)
                     ctx.log(f"{arm}, a {seconds:g} s monologue: {row}")
                     advance()
