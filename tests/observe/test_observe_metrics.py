@@ -51,6 +51,7 @@ def test_every_metric_is_exposed_and_parses():
         "metronome_session_checkpoint_seconds", "metronome_session_migrations",
         "metronome_session_leases_refused", "metronome_voice_stage_seconds",
         "metronome_replies", "metronome_reply_gaps", "metronome_reply_gap_seconds",
+        "metronome_input_behind", "metronome_input_behind_chunks",
     }  # counters are families without `_total`; their samples carry it
     assert value(metrics, "metronome_frames_total", status="context_full") == 0.0
     for outcome in ("stored", "generating", "refused", "unbounded"):  # declared at 0

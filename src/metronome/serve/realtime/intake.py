@@ -77,8 +77,9 @@ class IntakeOwner(Protocol):
         server is behind (`first`: the first chunk of this stretch behind)."""
 
 
-REAL_TIME_SLACK_S = 1.0  # audio this far ahead of the wall clock is still real time (chunking,
-# network jitter; OpenAI's SDKs send 20-100 ms chunks)
+REAL_TIME_SLACK_S = 2.0  # audio this far ahead of the wall clock, its latest chunk included,
+# is still real time: chunks of up to ~1.5 s and network jitter (OpenAI's SDKs send 20-100 ms
+# chunks); one chunk larger than this is a burst, ahead by itself
 MAX_CATCH_UP_S = 2.0  # audio sent after a quiet spell may catch up this much, no more
 
 
@@ -290,8 +291,7 @@ class Intake:
         buffered_s = self.unanswered_s + (framer.pending_bytes + num_bytes) / framer.bytes_per_s
         if buffered_s <= self.max_buffered_audio_s:
             self.behind = False
-        elif ahead_s - chunk_s > REAL_TIME_SLACK_S:  # ahead before this chunk: any chunk
-            # size at real time is 0 s ahead before it
+        elif ahead_s > REAL_TIME_SLACK_S:
             raise ClientError(ErrorCode.BUFFER_OVERFLOW, f"audio is arriving faster than real "
                               f"time ({ahead_s:.1f} s ahead of it): {buffered_s:.2f} s would be "
                               f"unanswered (limit {self.max_buffered_audio_s:g} s for audio "
