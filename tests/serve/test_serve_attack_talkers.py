@@ -3,7 +3,9 @@ scenarios (`metronome bench talkers`): a monologue longer than Whisper's 30 s an
 pass, heard and answered with nothing refused; two talkers that never pause beside a
 neighbour who asks a question: nobody refused, the neighbour answered, the talkers heard;
 server VAD's turn limit answering speech that never pauses without that speech barging in
-on the answer. Before (7e7ce69, the same test): the 40 s monologue's transcript had a word
+on the answer; a talker saying what a looping Whisper writes ("Yes." over and over), cut by
+the loop guard and kept up with; a client that never reads its spoken answer, dropped with
+its session. Before (7e7ce69, the same test): the 40 s monologue's transcript had a word
 error of 0.32 (every pass re-heard the turn, and past 30 s its start fell out of the window:
 the middle was lost); after, the 60 s one of `metronome bench talkers` had 0.05.
 """
@@ -14,10 +16,17 @@ import asyncio
 import json
 import socket
 import time
+from collections import Counter
 
 import pytest
 
-from metronome.bench.presets.talkers import beside, monologue, speech
+from metronome.bench.presets.talkers import (
+    beside,
+    monologue,
+    open_voice,
+    speech,
+    stream_at_real_time,
+)
 from metronome.bench.presets.voice import question_audio
 from metronome.load.client import Connection
 from metronome.model.weights import load_tokenizer
@@ -126,3 +135,45 @@ def test_a_client_that_never_reads_while_spoken_to_is_dropped_with_its_session(s
             time.sleep(0.2)
         print(f"non-reader dropped {time.monotonic() - asked:.1f} s after asking")
         sock.close()
+
+
+def test_a_talker_whose_audio_makes_whisper_loop_is_cut_to_its_words_and_kept_up_with(
+        limited):
+    """One word said over and over for 16 s without a pause ("Yes." 150 ms apart): what a
+    looping Whisper writes, said for real. The loop guard keeps a phrase said three times or
+    more in a row once a pass (`audio.whisper.cut_loops`), so the transcript stays short
+    however long the talk; nothing is refused and the turn (at the 8 s limit) is answered."""
+    from metronome.audio.voice import Voice
+
+    yes = Voice().speak("Yes.", 24000, exact=True) + bytes(2 * int(24000 * 0.15))
+    pcm = yes * int(16 * 48000 / len(yes))
+    state = limited.app.state.serving
+    cut_before = state.stages.hear.model.loops_cut
+
+    async def scenario(url: str) -> tuple[Counter, list[str], dict]:
+        conn = await open_voice(url)
+        errors: Counter = Counter()
+        told: list[str] = []
+
+        async def read() -> dict:
+            async for event in conn:
+                if event["type"] == "error":
+                    errors[event["error"].get("code")] += 1
+                elif event["type"] == "conversation.item.input_audio_transcription.completed":
+                    told.append(event["transcript"])
+                elif event["type"] == "response.done":
+                    return event["response"]
+            return {}
+
+        reader = asyncio.create_task(read())
+        await stream_at_real_time(conn, pcm + bytes(2 * 48000))
+        async with asyncio.timeout(60):
+            done = await reader
+        await conn.close()
+        return errors, told, done
+
+    errors, told, done = asyncio.run(scenario(limited.ws_url))
+    assert not errors, errors
+    assert state.stages.hear.model.loops_cut > cut_before  # the guard fired
+    assert told and all(len(t.split()) <= 12 for t in told), told  # not 8 s of "Yes."
+    assert done.get("status") in ("completed", "incomplete"), done

@@ -97,7 +97,7 @@ def speech(seconds: float) -> tuple[bytes, str]:
     return pcm, " ".join(said)
 
 
-async def _stream(conn: Connection, pcm: bytes, stop: asyncio.Event | None = None,
+async def stream_at_real_time(conn: Connection, pcm: bytes, stop: asyncio.Event | None = None,
                   loop_audio: bool = False) -> None:
     """`pcm` at real time in CHUNK_S chunks (looped while `stop` is not set)."""
     chunk = int(2 * RATE_HZ * CHUNK_S)
@@ -116,7 +116,7 @@ async def _stream(conn: Connection, pcm: bytes, stop: asyncio.Event | None = Non
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
 
-async def _open_voice(url: str, extensions: bool = False) -> Connection:
+async def open_voice(url: str, extensions: bool = False) -> Connection:
     conn = await Connection.open(url, extensions=extensions)
     await conn.update({"type": "realtime", "audio": {"input": {
         "turn_detection": {"type": "server_vad"}, "transcription": {"model": "whisper-1"}}}})
@@ -126,7 +126,7 @@ async def _open_voice(url: str, extensions: bool = False) -> Connection:
 async def monologue(url: str, seconds: float) -> dict:
     """One person, alone, speaking `seconds` without a pause; quiet until the reply is done."""
     pcm, text = speech(seconds)
-    conn = await _open_voice(url)
+    conn = await open_voice(url)
     quiet = bytes(2 * RATE_HZ)
     errors: Counter = Counter()
     out: dict = {"speech_s": round(len(pcm) / (2 * RATE_HZ), 1), "transcript": None,
@@ -134,10 +134,10 @@ async def monologue(url: str, seconds: float) -> dict:
     ended = asyncio.Event()
 
     async def speak() -> None:
-        await _stream(conn, quiet + pcm)
+        await stream_at_real_time(conn, quiet + pcm)
         out["speech_end"] = time.monotonic()
         while not ended.is_set():
-            await _stream(conn, bytes(int(2 * RATE_HZ * CHUNK_S)))
+            await stream_at_real_time(conn, bytes(int(2 * RATE_HZ * CHUNK_S)))
 
     sender = asyncio.create_task(speak())
     try:
@@ -171,7 +171,7 @@ async def talker(url: str, pcm: bytes, stop: asyncio.Event) -> dict:
     """Speech looped at real time until `stop`, never a pause: what it was refused and heard
     (the tokens its heard words put in its KV, from its `metronome.frame` events, and the words
     it is told it said, which come at a turn's commit: at the turn limit)."""
-    conn = await _open_voice(url, extensions=True)
+    conn = await open_voice(url, extensions=True)
     errors: Counter = Counter()
     words = tokens = behind = 0
 
@@ -188,7 +188,7 @@ async def talker(url: str, pcm: bytes, stop: asyncio.Event) -> dict:
                 behind += 1
 
     reader = asyncio.create_task(read())
-    await _stream(conn, pcm, stop, loop_audio=True)
+    await stream_at_real_time(conn, pcm, stop, loop_audio=True)
     await asyncio.sleep(1.0)
     reader.cancel()
     await conn.close()
