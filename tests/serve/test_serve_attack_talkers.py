@@ -108,11 +108,14 @@ def _text_frame(payload: bytes) -> bytes:
 
 
 def test_a_client_that_never_reads_while_spoken_to_is_dropped_with_its_session(smollm2):
-    """A client that asks for a long spoken answer and never reads a byte of it: the server's
-    outbox for it is bounded (`--max-outbox-bytes`, 1 MiB: ~8 s of the reply's audio in
-    base64), so the session ends and its socket goes once that fills, within seconds, and
-    the server holds no session for it."""
-    with ServerThread(CONFIG, smollm2, load_tokenizer()) as server:
+    """A client that asks for spoken answers, again and again, and never reads a byte of them:
+    the server's outbox for it is bounded (`--max-outbox-bytes`, here its least, 64 KiB: ~0.5 s
+    of audio in base64, past what the sockets' buffers took), so the session ends and its
+    socket goes once that fills, and the server holds no session for it. (Asked once, a reply
+    the model ends after a sentence can fit in the sockets' buffers: the session then waits,
+    idle, as any client's would; so it keeps asking.)"""
+    config = CONFIG.model_copy(update={"max_outbox_bytes": 1 << 16})
+    with ServerThread(config, smollm2, load_tokenizer()) as server:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", server.port))
@@ -126,13 +129,16 @@ def test_a_client_that_never_reads_while_spoken_to_is_dropped_with_its_session(s
         item = {"type": "conversation.item.create", "item": {
             "type": "message", "role": "user",
             "content": [{"type": "input_text", "text": "Tell me about Paris in detail."}]}}
-        sock.sendall(_text_frame(json.dumps(item).encode())
-                     + _text_frame(b'{"type": "response.create"}'))
+        sock.sendall(_text_frame(json.dumps(item).encode()))
         asked = time.monotonic()
         state = server.app.state.serving
         while state.sessions:
             assert time.monotonic() - asked < 60, "the non-reader's session is still held"
-            time.sleep(0.2)
+            try:  # another answer (or, while one plays, an error event): more it never reads
+                sock.sendall(_text_frame(b'{"type": "response.create"}'))
+            except OSError:
+                pass  # the server dropped it
+            time.sleep(1.0)
         print(f"non-reader dropped {time.monotonic() - asked:.1f} s after asking")
         sock.close()
 
