@@ -3,8 +3,9 @@
 A stage runs every session's work of its kind on its one thread, in the order it was asked
 (`run`), and its futures resolve on the loop in that order, so each session's stateful
 stream (a transcript, a VAD stream, a reply's voice) sees its pieces in sequence and no
-model runs on the loop or on the engine's thread. Work with a deadline (`run_model`'s
-`due_s`: a reply's sentence, due when its listener would run dry) goes by deadline instead,
+model runs on the loop or on the engine's thread. Work with a deadline (`due_s`: a reply's
+sentence, due when its listener would run dry; a frame's input on the hear stage, due at its
+arrival, a turn's end sooner: `serve.realtime.intake`) goes by deadline instead,
 earliest first (ties in call order), so a reply whose listener has seconds of audio left
 yields the thread to one about to run dry or not yet begun; each session keeps its own
 pieces in order by giving them deadlines that never decrease. Queued work whose future is
