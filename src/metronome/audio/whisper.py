@@ -232,8 +232,7 @@ class StreamingTranscript:
             self.passes += 1
         if final:
             new = words[done:]  # committed words stand, even where this pass revised them
-            self.committed, self._previous, self._audio = [], [], []
-            self._carried, self._previous_end_ms = 0, None
+            self._next_segment([], [])
             return new
         agreed = _common_prefix(words, self._previous)
         self._previous = words
@@ -257,10 +256,14 @@ class StreamingTranscript:
         new = words[done:]
         # words two passes agreed on may lie past the cut: they stand, as the next segment's
         # first (its passes hear them again and commit only what follows)
-        self.committed, self._previous, self._audio = (self.committed[len(words):], [],
-                                                       [audio[cut:]])
-        self._carried, self._previous_end_ms = len(self.committed), None
+        self._next_segment(self.committed[len(words):], [audio[cut:]])
         return new
+
+    def _next_segment(self, carried: list[str], audio: list[np.ndarray]) -> None:
+        """A new segment begins (after a cut, or the next turn's): `audio` so far, `carried`
+        its words committed already."""
+        self.committed, self._carried, self._audio = carried, len(carried), audio
+        self._previous, self._previous_end_ms = [], None
 
     def hear_ahead(self, samples: np.ndarray, end_ms: float, speech_from_ms: float) -> None:
         """A pass over this turn's audio followed by `samples` (the audio since, not pushed

@@ -86,7 +86,11 @@ MAX_CATCH_UP_S = 2.0  # audio sent after a quiet spell may catch up this much, n
 class RealTimePace:
     """How far a client's audio is ahead of real time: each chunk adds its duration, the wall
     clock takes it away; credit for being behind (a client quiet for a while, as push-to-talk
-    ones are) is capped at `MAX_CATCH_UP_S`, so a burst after a pause is still seen."""
+    ones are) is capped at `MAX_CATCH_UP_S`, so a burst after a pause is still seen. The same
+    running account as `admission.pacing.SelfPacing`'s per frame, kept here per chunk as it
+    arrives (before it is a frame) and capped before the chunk is added, not after: a 5 s
+    burst after a long quiet spell is 3 s ahead here, where SelfPacing's cap would forgive
+    it whole."""
 
     def __init__(self) -> None:
         self._ahead_s = 0.0
