@@ -46,11 +46,15 @@ def test_speech_past_the_turn_limit_stops_there_and_goes_on_as_a_new_turn():
         (0, SpeechStarted(0.0)),
         (4, SpeechStopped(0.0, 50.0, at_limit=True)),
         (5, SpeechStarted(50.0, continues=True)),
-        (9, SpeechStopped(50.0, 100.0, at_limit=True)),
+        (9, SpeechStopped(50.0, 100.0, at_limit=True, continued=True)),
         (10, SpeechStarted(100.0, continues=True)),
-        (14, SpeechStopped(100.0, 120.0)),
+        (14, SpeechStopped(100.0, 120.0, continued=True)),
         (16, SpeechStarted(160.0)),  # after a silence: a new turn, which may barge in
     ]
+    # speech that ends right at the limit: what comes after a chunk of silence is new speech
+    pause = run_rules(TurnDetector(0.5, 30.0, max_turn_ms=50.0), [0.9] * 5 + [0.0] + [0.9])
+    assert pause == [(0, SpeechStarted(0.0)), (4, SpeechStopped(0.0, 50.0, at_limit=True)),
+                     (6, SpeechStarted(60.0))]
     with pytest.raises(ValueError, match="max_turn_ms must be > 0"):
         TurnDetector(0.5, 30.0, max_turn_ms=0.0)
 

@@ -41,6 +41,7 @@ class SpeechStopped:
     start_ms: float
     end_ms: float
     at_limit: bool = False  # stopped by the turn limit, speech still under way
+    continued: bool = False  # the turn began as speech that went on past the limit
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class TurnDetector:
         if max_turn_ms is not None and max_turn_ms <= 0:
             raise ValueError(f"max_turn_ms must be > 0, got {max_turn_ms}")
         self.max_turn_ms = max_turn_ms
-        self._continues = False  # the turn limit stopped speech that goes on
+        self._continues = False  # the speech under way went on past the turn limit
         self.threshold = threshold
         self.stop_threshold = threshold - min(STOP_MARGIN, threshold / 2)
         self.silence_duration_ms = silence_duration_ms
@@ -87,14 +88,16 @@ class TurnDetector:
             self._pause_told = False
             if self.speech_start_ms is None:
                 self.speech_start_ms = start_ms
-                continues, self._continues = self._continues, False
-                return SpeechStarted(start_ms, continues)
+                return SpeechStarted(start_ms, self._continues)
             if self.max_turn_ms is not None and end_ms - self.speech_start_ms >= self.max_turn_ms:
-                stopped = SpeechStopped(self.speech_start_ms, end_ms, at_limit=True)
+                stopped = SpeechStopped(self.speech_start_ms, end_ms, True, self._continues)
                 self.speech_start_ms, self._continues = None, True
                 return stopped
             return None
-        if self.speech_start_ms is None or probability >= self.stop_threshold:
+        if self.speech_start_ms is None:
+            self._continues = False  # a chunk without speech: what follows is a new turn
+            return None
+        if probability >= self.stop_threshold:
             return None
         silent_ms = end_ms - self._speech_end_ms
         if silent_ms < self.silence_duration_ms:
@@ -102,6 +105,7 @@ class TurnDetector:
                 return None
             self._pause_told = True
             return SpeechPaused(self.speech_start_ms, self._speech_end_ms)
-        stopped = SpeechStopped(self.speech_start_ms, self._speech_end_ms)
+        stopped = SpeechStopped(self.speech_start_ms, self._speech_end_ms,
+                                continued=self._continues)
         self.speech_start_ms, self._continues = None, False
         return stopped

@@ -194,7 +194,6 @@ class RealtimeSession:
         self.last_reply: Reply | None = None  # what a conversation.item.truncate may cut
         self.turns: TurnDetection | None = None  # server VAD; None: the client commits
         self._turns_for: tuple[p.ServerVad | None, int] | None = None  # its settings, rate
-        self._speech_continues = False  # the speech under way went on past the turn limit
         if saved is not None:
             self._load(saved)
         self.set_turns(settings.turns)  # a restored session's listens afresh from here
@@ -492,7 +491,6 @@ class RealtimeSession:
                                                            item_id=item_id))
                 if buffer.hearing is not None:  # the turn Whisper hears starts there
                     buffer.speech_from_ms = start_ms
-                self._speech_continues = event.continues
                 if vad.interrupt_response and self.reply is not None and not event.continues:
                     self.reply.cancel(TURN_DETECTED)  # (speech past the turn limit answered
                     # goes on: it does not barge in on its own answer)
@@ -511,9 +509,7 @@ class RealtimeSession:
                 # speech past the turn limit, stopped (at the limit again, or at a silence)
                 # while its answer still plays: committed, answered with the next turn (no
                 # error for a client that did nothing)
-                answering = (event.at_limit or self._speech_continues) and (
-                    self.reply is not None)
-                self._speech_continues = False
+                answering = (event.at_limit or event.continued) and self.reply is not None
                 if vad.create_response and self.settings.mode is SessionMode.TURN and (
                         not answering):
                     self._respond_to_turn()
